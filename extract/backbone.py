@@ -1,0 +1,404 @@
+"""Frozen open_clip backbones that return global embeddings *and* per-patch / per-token embeddings.
+
+Compositional heads need more than the pooled vectors open_clip returns: they pool patch tokens inside
+regions and token embeddings inside phrases, in the joint (contrastive) space. We obtain those without
+re-implementing any tower: a forward hook captures the residual stream at the output of each tower's
+transformer, and we apply the tower's own final norm and projection to every token.
+
+- CLIP ViT (OpenAI / LAION): patch_i = ln_post(x_i) @ proj; the global embedding is the same map applied to
+  the class token, so patches live in exactly the space the global embedding lives in.
+- CoCa: the contrastive embedding comes from an attentional pooler over patches, and no per-patch
+  projection exists. We use the pooler's value path, out_proj(W_v ln_k(x_i)) — exactly what the pooler
+  returns when it attends to patch i alone (the MaskCLIP reading of attention pooling, Zhou et al. 2022) —
+  followed by ln_post and proj.
+- Text: token_t = ln_final(x_t) @ text_projection; the global embedding is that map at the end-of-text token
+  (CLIP) or at CoCa's appended class token.
+
+``load_backbone`` resolves the weights before it builds anything, so an absent checkpoint fails in
+well under a second with a message naming the file (see ``extract.weights``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from extract.tokens import TokenizedText, tokenize_with_spans
+from extract.weights import ResolvedWeights, WeightsNotFoundError, file_sha256, resolve_weights
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+MODEL_CONFIG_DIR = _HERE / "model_configs"
+ALIASES_FILE = _HERE / "backbones.json"
+
+
+# --------------------------------------------------------------------------------------------- registry
+@lru_cache(maxsize=1)
+def _register_configs() -> None:
+    """Make the tiny test configs (plugvlm-tiny, plugvlm-tiny-coca) visible to open_clip, once."""
+    import open_clip
+
+    open_clip.add_model_config(MODEL_CONFIG_DIR)
+
+
+@lru_cache(maxsize=1)
+def backbone_aliases() -> dict[str, dict]:
+    """The ``--base`` aliases (data, in backbones.json): alias -> {model, pretrained, quick_gelu, ...}."""
+    table = json.loads(ALIASES_FILE.read_text())
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """What to build: a ``--base`` alias or open_clip model name, resolved to an architecture and weights.
+
+    base: what the user typed; model: open_clip architecture; pretrained: tag, path, or None (random).
+    """
+
+    base: str
+    model: str
+    pretrained: str | None
+    quick_gelu: bool = False
+    requires_file: bool = False
+    hint: str | None = None
+
+
+_UNSET = object()
+
+
+def resolve_spec(base: str, pretrained=_UNSET) -> BackboneSpec:
+    """Resolve ``base`` (alias or any open_clip model name) and an optional ``pretrained`` override."""
+    import open_clip
+
+    _register_configs()
+    alias = backbone_aliases().get(base)
+    if alias is None:
+        if base not in open_clip.list_models():
+            raise ValueError(
+                f"unknown backbone '{base}'. Aliases: {', '.join(backbone_aliases())}; "
+                f"or any open_clip model name (open_clip.list_models(), e.g. ViT-B-32, ViT-SO400M-14-SigLIP).")
+        alias = {"model": base, "pretrained": None}
+    tag = alias.get("pretrained") if pretrained is _UNSET else pretrained
+    return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
+                        quick_gelu=bool(alias.get("quick_gelu", False)),
+                        requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
+
+
+# --------------------------------------------------------------------------------------------- outputs
+@dataclass
+class ImageFeatures:
+    """Backbone outputs for a batch of B images.
+
+    embedding: [B, D] L2-normalised global embedding (identical to open_clip's encode_image(normalize=True)).
+    patches: [B, N, D] patch tokens in the joint space, N = grid[0] * grid[1] in row-major order; NOT
+        normalised (region pooling averages first, then normalises).
+    grid: (rows, cols) of the patch grid.
+    """
+
+    embedding: torch.Tensor
+    patches: torch.Tensor
+    grid: tuple[int, int]
+
+
+@dataclass
+class TextFeatures:
+    """Backbone outputs for a batch of B captions, L = context length.
+
+    embedding: [B, D] L2-normalised global embedding (identical to open_clip's encode_text(normalize=True)).
+    tokens: [B, L, D] token embeddings in the joint space, NOT normalised; padding positions hold
+        whatever the tower computed there and must be ignored through ``attention_mask``.
+    attention_mask: [B, L] bool, True for start/end-of-text and caption tokens.
+    spans: [B, L, 2] long, [start, end) character offsets of each token in its caption (-1 for specials/pad).
+    truncated: [B] bool, True where the caption was longer than the context and was cut.
+    """
+
+    embedding: torch.Tensor
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    spans: torch.Tensor
+    truncated: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------- towers
+def _project(x: torch.Tensor, proj) -> torch.Tensor:
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, nn.Module) else x @ proj
+
+
+def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """AttentionalPooler output when each query attends to a single token: out_proj(W_v ln_k(x) + b_v)."""
+    mha: nn.MultiheadAttention = pooler.attn
+    e = mha.embed_dim
+    w_v = mha.in_proj_weight[2 * e:] if mha._qkv_same_embed_dim else mha.v_proj_weight
+    b_v = mha.in_proj_bias[2 * e:] if mha.in_proj_bias is not None else None
+    return mha.out_proj(F.linear(pooler.ln_k(x), w_v, b_v))
+
+
+class _Capture:
+    """Forward hook that keeps the last output of a module (the tower's transformer)."""
+
+    def __init__(self, module: nn.Module):
+        self.value: torch.Tensor | None = None
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, _module, _inputs, output):
+        self.value = output[0] if isinstance(output, tuple) else output
+
+    def pop(self) -> torch.Tensor:
+        value, self.value = self.value, None
+        if value is None:
+            raise RuntimeError("the tower's transformer did not run; cannot read its tokens")
+        return value
+
+
+class FrozenBackbone(nn.Module):
+    """An open_clip model in eval mode with no gradients, plus its tokenizer and eval preprocessing.
+
+    ``encode_images`` / ``encode_texts`` return :class:`ImageFeatures` / :class:`TextFeatures`. The module
+    stays in eval mode even when a parent calls ``.train()`` (dropout or patch dropout would change
+    cached features).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, preprocess, spec: BackboneSpec, weights: ResolvedWeights,
+                 precision: str = "fp32"):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.preprocess = preprocess
+        self.spec = spec
+        self.weights = weights
+        self.precision = precision
+        self._check_supported()
+        visual = model.visual
+        self.grid: tuple[int, int] = tuple(visual.grid_size)
+        self.image_size: tuple[int, int] = tuple(visual.image_size) if isinstance(visual.image_size, (tuple, list)) \
+            else (visual.image_size, visual.image_size)
+        self.context_length: int = tokenizer.context_length
+        self._vision_capture = _Capture(visual.transformer)
+        self._text_capture = _Capture(self._text_parts()[0])
+        self.embed_dim: int = visual.output_dim
+
+    # -- structure ---------------------------------------------------------------------------------
+    def _check_supported(self) -> None:
+        visual = self.model.visual
+        if not all(hasattr(visual, a) for a in ("transformer", "conv1", "ln_post", "grid_size")):
+            raise NotImplementedError(
+                f"{self.spec.model}: patch tokens are available for open_clip VisionTransformer towers only; "
+                f"this model's image tower is {type(visual).__name__} (timm / ResNet towers are not supported yet).")
+        text = getattr(self.model, "text", None)
+        if text is not None and not hasattr(text, "ln_final"):
+            raise NotImplementedError(
+                f"{self.spec.model}: token embeddings are available for open_clip text transformers only; "
+                f"this model's text tower is {type(text).__name__} (Hugging Face text towers are not supported yet).")
+
+    def _text_parts(self):
+        """(transformer, ln_final, projection, has_appended_cls) for CLIP and CustomTextCLIP/CoCa alike."""
+        text = getattr(self.model, "text", None)
+        if text is None:  # open_clip.CLIP keeps the text tower's parts on the model itself
+            m = self.model
+            return m.transformer, m.ln_final, m.text_projection, False
+        return text.transformer, text.ln_final, text.text_projection, getattr(text, "cls_emb", None) is not None
+
+    def train(self, mode: bool = True):  # noqa: D401 - frozen on purpose
+        return super().train(False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.visual.parameters()).dtype
+
+    # -- images ------------------------------------------------------------------------------------
+    def _patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        visual = self.model.visual
+        patches = x[:, 1:]  # drop the class token; eval mode has no patch dropout, so all N patches remain
+        if visual.attn_pool is None:
+            return _project(visual.ln_post(patches), visual.proj)
+        if visual.attn_pool_contrastive is None:  # open_clip's CoCa: attn_pool -> ln_post -> proj
+            return _project(visual.ln_post(_value_path(visual.attn_pool, patches)), visual.proj)
+        patches = visual.ln_post(patches)  # 'parallel' / 'cascade' poolers normalise first
+        if visual.attn_pool_type == "cascade":
+            patches = _value_path(visual.attn_pool, patches)
+        return _project(_value_path(visual.attn_pool_contrastive, patches), visual.proj)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> ImageFeatures:
+        """images: [B, 3, H, W] already preprocessed (``self.preprocess``); returns :class:`ImageFeatures`."""
+        images = images.to(device=self.device, dtype=self.dtype)
+        embedding = self.model.encode_image(images, normalize=True)
+        patches = self._patch_tokens(self._vision_capture.pop())
+        return ImageFeatures(embedding=embedding.float(), patches=patches.float(), grid=self.grid)
+
+    # -- texts -------------------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> TokenizedText:
+        """Token ids exactly as the backbone's tokenizer gives them, with masks, spans and truncation flags."""
+        return tokenize_with_spans(self.tokenizer, list(texts), self.context_length)
+
+    @torch.no_grad()
+    def encode_token_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids / attention_mask: [B, L]. Returns (normalised global [B, D], joint-space tokens [B, L, D])."""
+        _, ln_final, projection, has_cls = self._text_parts()
+        embedding = self.model.encode_text(ids.to(self.device), normalize=True)
+        x = self._text_capture.pop()
+        if has_cls:  # CoCa appends a class token after the sequence; it is the global embedding's source
+            x = x[:, :-1]
+        tokens = _project(ln_final(x), projection)
+        return embedding.float(), tokens.float()
+
+    def encode_texts(self, texts: Sequence[str]) -> TextFeatures:
+        """Tokenise and encode captions; returns :class:`TextFeatures`."""
+        tok = self.tokenize(texts)
+        embedding, tokens = self.encode_token_ids(tok.ids, tok.attention_mask)
+        return TextFeatures(embedding=embedding, tokens=tokens, attention_mask=tok.attention_mask.to(tokens.device),
+                            spans=tok.spans, truncated=tok.truncated)
+
+    # -- identity ----------------------------------------------------------------------------------
+    def describe(self, hash_weights: bool = False) -> dict:
+        """Everything that determines this backbone's numbers (for cache fingerprints and checkpoints)."""
+        import open_clip
+
+        pp = getattr(self.model.visual, "preprocess_cfg", {}) or {}
+        info = {
+            "base": self.spec.base, "model": self.spec.model, "pretrained": self.spec.pretrained,
+            "weights": self.weights.kind, "weights_file": str(self.weights.path) if self.weights.path else None,
+            "quick_gelu": self.spec.quick_gelu, "precision": self.precision, "embed_dim": self.embed_dim,
+            "image_size": list(self.image_size), "grid": list(self.grid), "context_length": self.context_length,
+            "preprocess": {k: (list(v) if isinstance(v, tuple) else v) for k, v in pp.items()},
+            "tokenizer": type(self.tokenizer).__name__, "open_clip": open_clip.__version__,
+        }
+        if hash_weights and self.weights.path:
+            info["weights_sha256"] = file_sha256(self.weights.path)
+        return info
+
+
+# --------------------------------------------------------------------------------------------- loading
+def _is_torchscript(path: Path) -> bool:
+    """OpenAI's original CLIP .pt files are TorchScript archives (a zip with code/ and constants.pkl)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
+
+
+def _load_weights(model: nn.Module, path: Path) -> None:
+    """Load a checkpoint without unpickling arbitrary objects.
+
+    safetensors, or torch.load(weights_only=True) through open_clip (which also converts third-party
+    layouts and resizes position embeddings); TorchScript archives (OpenAI's .pt) are read with
+    torch.jit.load, whose restricted unpickler builds only TorchScript types, never arbitrary Python objects.
+    """
+    import open_clip
+    from open_clip.factory import convert_state_dict
+    from open_clip.model import resize_pos_embed, resize_text_pos_embed
+
+    if not _is_torchscript(path):
+        open_clip.load_checkpoint(model, str(path), strict=True, weights_only=True)
+        return
+    state_dict = torch.jit.load(str(path), map_location="cpu").state_dict()
+    # TorchScript archives also carry buffers that are not parameters of the eager model
+    # (input_resolution / context_length / vocab_size in OpenAI's files, the causal attn_mask).
+    expected = set(model.state_dict())
+    state_dict = {k: v for k, v in state_dict.items()
+                  if k in expected or not (k in ("input_resolution", "context_length", "vocab_size")
+                                           or k.endswith("attn_mask"))}
+    state_dict = convert_state_dict(model, state_dict)
+    resize_pos_embed(state_dict, model)
+    resize_text_pos_embed(state_dict, model)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def load_backbone(base: str, pretrained=_UNSET, *, device: str | torch.device = "cpu", precision: str = "fp32",
+                  cache_dir: str | None = None, offline: bool | None = None) -> FrozenBackbone:
+    """Build a frozen backbone.
+
+    base: an alias from backbones.json (ViT-B-32, ViT-B-16, ViT-L-14, coca_ViT-B-32, NegCLIP, tiny, tiny-coca)
+        or any open_clip model name.
+    pretrained: an open_clip tag, a checkpoint path (.safetensors / .pt / .bin; loaded with
+        ``weights_only=True``), or None / "none" for random weights; default: the alias's tag.
+    Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
+    cannot be downloaded.
+    """
+    import open_clip
+
+    spec = resolve_spec(base, pretrained)
+    if spec.requires_file and spec.pretrained is None:
+        raise WeightsNotFoundError(f"{base} has no public open_clip tag; its weights come as a file.\n{spec.hint}")
+    weights = resolve_weights(spec.model, spec.pretrained, cache_dir=cache_dir, offline=offline, hint=spec.hint)
+    tag_cfg = weights.tag_cfg or {}
+    quick_gelu = spec.quick_gelu or bool(tag_cfg.get("quick_gelu", False))
+    # open_clip merges a tag's preprocessing (mean/std/interpolation/resize) only when it loads the tag
+    # itself; we load the file ourselves, so pass the tag's preprocessing explicitly.
+    pp_kwargs = {f"image_{k}": tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
+    t0 = time.perf_counter()
+    model, _, preprocess = open_clip.create_model_and_transforms(
+        spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu, **pp_kwargs)
+    if weights.path is not None:
+        try:
+            _load_weights(model, weights.path)
+        except RuntimeError as e:
+            raise RuntimeError(f"checkpoint {weights.path} does not fit architecture {spec.model}: {e}") from e
+        model.to(device)
+    log.info("built %s (%s weights) in %.1f s", spec.model, weights.kind, time.perf_counter() - t0)
+    tokenizer = open_clip.get_tokenizer(spec.model)
+    return FrozenBackbone(model, tokenizer, preprocess, spec, weights, precision=precision)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m extract.backbone",
+        description="Check that a frozen backbone loads and show what it returns (shapes, timings).")
+    p.add_argument("--base", default="tiny", help="alias (%(default)s, ViT-B-32, coca_ViT-B-32, NegCLIP, ...) "
+                   "or any open_clip model name")
+    p.add_argument("--pretrained", default=None,
+                   help="open_clip tag, checkpoint path, or 'none' for random weights (default: the alias's tag)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--cache-dir", default=None, help="hub / download cache directory")
+    p.add_argument("--list", action="store_true", help="list the aliases and their default weights, then exit")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for name, a in backbone_aliases().items():
+            print(f"{name:16s} model={a['model']:20s} pretrained={a.get('pretrained') or '(file / random)'}")
+        return 0
+    pretrained = _UNSET if args.pretrained is None else args.pretrained
+    t0 = time.perf_counter()
+    try:
+        bb = load_backbone(args.base, pretrained, device=args.device, precision=args.precision,
+                           cache_dir=args.cache_dir)
+    except (WeightsNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t_load = time.perf_counter() - t0
+    images = torch.zeros(2, 3, *bb.image_size)
+    img = bb.encode_images(images)
+    txt = bb.encode_texts(["a red circle left of a blue square", "a small green triangle"])
+    print(json.dumps(bb.describe(), indent=2))
+    print(f"loaded in {t_load:.1f} s; image embedding {tuple(img.embedding.shape)}, patches {tuple(img.patches.shape)} "
+          f"on a {img.grid[0]}x{img.grid[1]} grid; text embedding {tuple(txt.embedding.shape)}, tokens "
+          f"{tuple(txt.tokens.shape)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""plugvlm serving: FAISS retrieval, compositional re-ranking and heatmaps."""

@@ -1,0 +1,74 @@
+"""Test-wide guards: offline hubs, project-local caches, and no network beyond loopback.
+
+Everything here runs before any test module imports open_clip / ultralytics / huggingface_hub, so the
+offline switches are in place when those libraries read them at import time.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+# A missing hub file must fail at once, not after ~45 s of retries (open_clip -> huggingface_hub).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# ultralytics: never phone home, never write settings into $HOME.
+os.environ.setdefault("YOLO_OFFLINE", "1")
+os.environ.setdefault("YOLO_CONFIG_DIR", str(_ROOT / ".yolo"))
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# Keep tests off the 2 CI cores' oversubscription: torch intra-op threads default to all cores.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+class NetworkAccessError(RuntimeError):
+    """Raised when a test tries to reach anything but loopback."""
+
+
+def _is_local(address) -> bool:
+    if not isinstance(address, tuple):  # AF_UNIX paths, abstract sockets
+        return True
+    host = address[0]
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False  # a hostname: would need DNS, which is already off-machine
+
+
+_real_connect = socket.socket.connect
+_real_connect_ex = socket.socket.connect_ex
+_real_getaddrinfo = socket.getaddrinfo
+
+
+def _guarded_connect(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6) and not _is_local(address):
+        raise NetworkAccessError(f"test tried to open a non-loopback socket to {address!r}")
+    return _real_connect(self, address)
+
+
+def _guarded_connect_ex(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6) and not _is_local(address):
+        raise NetworkAccessError(f"test tried to open a non-loopback socket to {address!r}")
+    return _real_connect_ex(self, address)
+
+
+def _guarded_getaddrinfo(host, *args, **kwargs):
+    if host is not None and not _is_local((host if isinstance(host, str) else host.decode(), 0)):
+        raise NetworkAccessError(f"test tried to resolve the non-loopback host {host!r}")
+    return _real_getaddrinfo(host, *args, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Fail any test that opens (or resolves) a non-loopback address."""
+    monkeypatch.setattr(socket.socket, "connect", _guarded_connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", _guarded_connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", _guarded_getaddrinfo)
+    yield

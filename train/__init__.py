@@ -1,0 +1,1 @@
+"""plugvlm training, pre-training and evaluation entry points (``python -m train.<module>``)."""

@@ -1,0 +1,35 @@
+import argparse
+import json
+
+import pytest
+
+from extract.config import parse_with_config, save_config
+
+
+def _parser():
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=10)
+    p.add_argument("--out-dir", default="x")
+    return p
+
+
+def test_yaml_sets_defaults_and_cli_overrides(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("n: 5\nout-dir: from_yaml\n")
+    a = parse_with_config(_parser(), ["--config", str(cfg)])
+    assert (a.n, a.out_dir) == (5, "from_yaml")
+    b = parse_with_config(_parser(), ["--config", str(cfg), "--n", "7"])
+    assert (b.n, b.out_dir) == (7, "from_yaml")
+    path = save_config(b, tmp_path / "run" / "config.json")
+    assert json.loads(path.read_text())["n"] == 7
+
+
+def test_unknown_key_and_missing_file_fail(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("nn: 5\n")
+    with pytest.raises(SystemExit):
+        parse_with_config(_parser(), ["--config", str(cfg)])
+    assert "unknown key(s) nn" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_with_config(_parser(), ["--config", str(tmp_path / "none.yaml")])
+    assert "no such file" in capsys.readouterr().err

@@ -33,3 +33,15 @@ def test_unknown_key_and_missing_file_fail(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_with_config(_parser(), ["--config", str(tmp_path / "none.yaml")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_example_configs_parse():
+    from pathlib import Path
+
+    from extract.toyworld import parse_args as toy_args
+    from train.demo import parse_args as demo_args
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    assert demo_args(["--config", str(examples / "demo.yaml")]).n == 2000
+    toy = toy_args(["--config", str(examples / "toyworld.yaml")])
+    assert ("red", "circle") in toy.holdout and toy.n == 10000

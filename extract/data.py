@@ -1,0 +1,774 @@
+"""Image-caption data sources behind one interface, and the report of what they had to skip.
+
+Every source yields :class:`Sample` objects (an RGB image with *all* of its valid captions) and
+records every refused image, caption or shard in its ``report`` (:class:`SkipReport`) instead of
+raising. Pairing is by identifier, never by position: a caption belongs to the image its row,
+annotation or shard key names, so skipping an item can never shift the captions of the others.
+
+Sources (``open_source`` picks one from a spec):
+
+- :class:`CSVSource`    -- CSV/TSV with an image-path column and a caption column (open_clip's
+  ``filepath`` / ``title``); rows naming the same path are one image with several captions.
+- :class:`COCOSource`   -- COCO captions JSON (``images`` + ``annotations``).
+- :class:`ToyWorldSource` -- the generated toy world (its COCO JSON plus scene annotations).
+- :class:`WebDatasetSource` -- local webdataset ``.tar`` shards, read in streaming mode.
+
+The first three are *indexed*: ``records()`` lists the images and their captions without decoding
+anything, and ``load(record)`` decodes one, which :class:`SampleDataset` uses to feed a multi-worker
+``torch.utils.data.DataLoader`` whose workers return skip markers instead of raising.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import tarfile
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from PIL import Image
+
+from extract.images import BadCaption, BadImage, DecodedImage, Unusual, decode_image, validate_caption
+
+__all__ = [
+    "COCOSource",
+    "CSVSource",
+    "Caption",
+    "DataSource",
+    "ImageRecord",
+    "IndexedSource",
+    "Item",
+    "Note",
+    "Sample",
+    "SampleDataset",
+    "Skip",
+    "SkipReport",
+    "ToyWorldSource",
+    "WebDatasetSource",
+    "collate_skipping",
+    "expand_shards",
+    "open_source",
+]
+
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+# --------------------------------------------------------------------------- records and samples
+
+
+@dataclass(frozen=True)
+class Caption:
+    """One valid caption; ``id`` is unique within its source (see each source for the scheme)."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """An image and all of its valid captions, before decoding.
+
+    ``source`` is what to decode (a file path); ``location`` is where the image was declared
+    (``file:line`` or ``file:image <id>``), for reports.
+    """
+
+    image_id: str
+    source: str
+    captions: tuple[Caption, ...]
+    location: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A decoded RGB image with its captions; ``note`` says how its pixels were converted, if at all."""
+
+    image_id: str
+    image: Image.Image
+    captions: tuple[Caption, ...]
+    note: str | None = None
+
+
+# --------------------------------------------------------------------------- the skip report
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One refused item: ``kind`` is "image", "caption" or "shard"; ``reason`` is a stable category."""
+
+    kind: str
+    id: str
+    location: str
+    reason: str
+    detail: str = ""
+
+    @classmethod
+    def from_error(cls, kind: str, id: str, location: str, error: BadImage | BadCaption) -> Skip:
+        return cls(kind, id, location, error.reason, error.detail)
+
+
+@dataclass(frozen=True)
+class Note:
+    """An image that was kept but whose pixels had to be converted (``note`` says how)."""
+
+    image_id: str
+    location: str
+    note: str
+
+
+class SkipReport:
+    """What a run refused (and converted), kept in first-seen order.
+
+    An entry is kept once per (kind, id, location, reason) -- the first ``detail`` wins -- so
+    iterating a source twice, or merging DataLoader batches into the source's own index-time
+    report, never double-counts.
+    """
+
+    KINDS = ("shard", "image", "caption")
+
+    def __init__(self) -> None:
+        self._skips: dict[tuple[str, str, str, str], Skip] = {}
+        self._notes: dict[Note, None] = {}
+
+    @property
+    def skips(self) -> list[Skip]:
+        return list(self._skips.values())
+
+    @property
+    def notes(self) -> list[Note]:
+        return list(self._notes)
+
+    def add(self, skip: Skip) -> None:
+        self._skips.setdefault((skip.kind, skip.id, skip.location, skip.reason), skip)
+
+    def note(self, image_id: str, location: str, note: str) -> None:
+        self._notes.setdefault(Note(image_id, location, note))
+
+    def add_batch(self, good: dict[str, Any], skips: Sequence[Skip]) -> None:
+        """Record one ``collate_skipping`` batch: its skip markers and its converted images."""
+        for skip in skips:
+            self.add(skip)
+        for image_id, location, note in zip(good["image_ids"], good["locations"], good["notes"]):
+            if note is not None:
+                self.note(image_id, location, note)
+
+    def merge(self, other: SkipReport) -> SkipReport:
+        """Add ``other``'s entries to this report (in place) and return it."""
+        for skip in other.skips:
+            self.add(skip)
+        for note in other._notes:
+            self._notes.setdefault(note)
+        return self
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{"shard"|"image"|"caption"|"converted": {reason: count}}``; every key is present."""
+        result = {kind: _ranked(Counter(s.reason for s in self.skips if s.kind == kind)) for kind in self.KINDS}
+        result["converted"] = _ranked(Counter(n.note for n in self._notes))
+        return result
+
+    def summary(self) -> str:
+        """One line, e.g. "skipped 3 images (2 truncated image data, 1 empty file), 0 captions;
+        converted 1 image (CMYK converted to RGB)". Shards are mentioned only when one failed."""
+        counts = self.counts()
+        skipped = [_phrase(kind, counts[kind]) for kind in self.KINDS if kind != "shard" or counts[kind]]
+        return f"skipped {', '.join(skipped)}; converted {_phrase('image', counts['converted'])}"
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the summary, the counts and every entry as JSON (parent folders are created)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "summary": self.summary(),
+            "counts": self.counts(),
+            "skipped": [asdict(s) for s in self.skips],
+            "converted": [asdict(n) for n in self._notes],
+        }
+        path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def _ranked(counter: Counter) -> dict[str, int]:
+    return dict(sorted(counter.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _phrase(noun: str, reasons: dict[str, int]) -> str:
+    total = sum(reasons.values())
+    text = f"{total} {noun}{'' if total == 1 else 's'}"
+    if reasons:
+        text += " (" + ", ".join(f"{n} {reason}" for reason, n in reasons.items()) + ")"
+    return text
+
+
+def _checked_caption(report: SkipReport, caption_id: str, raw: object, location: str) -> Caption | None:
+    """The caption if valid; otherwise None, with the refusal recorded in ``report``."""
+    try:
+        return Caption(caption_id, validate_caption(raw))
+    except BadCaption as e:
+        report.add(Skip.from_error("caption", caption_id, location, e))
+        return None
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+class DataSource(ABC):
+    """Iterate good samples; everything refused is recorded in ``report``, nothing raises per item.
+
+    ``max_pixels`` and ``unusual`` are passed to :func:`extract.images.decode_image`.
+    """
+
+    def __init__(self, name: str, max_pixels: int | None = None, unusual: Unusual = "convert"):
+        self.name = name
+        self.max_pixels = max_pixels
+        self.unusual = unusual
+        self.report = SkipReport()
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Sample]:
+        """Yield every good sample, in source order."""
+
+    def _decode(self, src: str | bytes) -> DecodedImage:
+        return decode_image(src, max_pixels=self.max_pixels, unusual=self.unusual)
+
+
+class IndexedSource(DataSource):
+    """A source whose images and captions are listed up front (from a CSV or a JSON file).
+
+    ``records()`` is built once; building it validates every caption and reports the bad ones, and
+    reports images left without any valid caption ("no valid caption"). ``load`` decodes one record.
+    """
+
+    def __init__(self, name: str, image_root: Path, max_pixels: int | None, unusual: Unusual):
+        super().__init__(name, max_pixels, unusual)
+        self.image_root = image_root
+        self._records: list[ImageRecord] | None = None
+
+    @abstractmethod
+    def _index(self, builder: _RecordBuilder) -> None:
+        """Declare every image and caption of the source to ``builder``."""
+
+    def records(self) -> list[ImageRecord]:
+        """Every image with at least one valid caption, in source order (a fresh list each call)."""
+        if self._records is None:
+            builder = _RecordBuilder(self.report, self.image_root)
+            self._index(builder)
+            self._records = builder.build()
+        return list(self._records)
+
+    def load(self, record: ImageRecord) -> Sample:
+        """Decode ``record``'s image; raises :class:`BadImage` (missing file included)."""
+        decoded = self._decode(record.source)
+        return Sample(record.image_id, decoded.image, record.captions, decoded.note)
+
+    def __len__(self) -> int:
+        return len(self.records())
+
+    def __iter__(self) -> Iterator[Sample]:
+        for record in self.records():
+            try:
+                sample = self.load(record)
+            except BadImage as e:
+                self.report.add(Skip.from_error("image", record.image_id, record.location, e))
+                continue
+            if sample.note is not None:
+                self.report.note(record.image_id, record.location, sample.note)
+            yield sample
+
+
+@dataclass
+class _PendingImage:
+    source: str
+    location: str
+    captions: list[Caption] = field(default_factory=list)
+    rejected: int = 0
+
+
+class _RecordBuilder:
+    """Gathers captions under their image id, validating each caption as it arrives."""
+
+    def __init__(self, report: SkipReport, image_root: Path):
+        self.report = report
+        self.image_root = image_root
+        self._images: dict[str, _PendingImage] = {}
+
+    def __contains__(self, image_id: str) -> bool:
+        return image_id in self._images
+
+    def add_image(self, image_id: str, path: str, location: str) -> None:
+        """Declare an image; a relative ``path`` is taken from ``image_root``."""
+        self._images[image_id] = _PendingImage(str(self.image_root / path), location)
+
+    def add_caption(self, image_id: str, caption_id: str, raw: object, location: str) -> None:
+        pending = self._images[image_id]
+        caption = _checked_caption(self.report, caption_id, raw, location)
+        if caption is None:
+            pending.rejected += 1
+        else:
+            pending.captions.append(caption)
+
+    def build(self) -> list[ImageRecord]:
+        records = []
+        for image_id, pending in self._images.items():
+            if pending.captions:
+                records.append(
+                    ImageRecord(image_id, pending.source, tuple(pending.captions), pending.location)
+                )
+                continue
+            detail = f"{pending.rejected} rejected" if pending.rejected else "no caption given"
+            self.report.add(Skip("image", image_id, pending.location, "no valid caption", detail))
+        return records
+
+
+# --------------------------------------------------------------------------- CSV / TSV
+
+
+class CSVSource(IndexedSource):
+    """A CSV/TSV file with a header row, one image path and one caption per row (open_clip layout).
+
+    Image id: the path as written (rows with the same path are one image, captions in file order).
+    Caption id: ``"{file name}:{line}"`` (1-based, header is line 1). Relative paths are taken from
+    ``image_root``, else from the file's folder. The separator follows the extension (``.tsv``: tab,
+    otherwise comma) unless ``sep`` is given. Rows whose field count differs from the header's (an
+    unquoted separator inside a caption, a cut line) are reported, never guessed at.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        image_root: str | Path | None = None,
+        img_key: str = "filepath",
+        caption_key: str = "title",
+        sep: str | None = None,
+        max_pixels: int | None = None,
+        unusual: Unusual = "convert",
+    ):
+        self.path = _existing_file(path, "caption table")
+        root = Path(image_root) if image_root is not None else self.path.parent
+        super().__init__(self.path.name, root, max_pixels, unusual)
+        self.img_key = img_key
+        self.caption_key = caption_key
+        self.sep = sep if sep is not None else ("\t" if self.path.suffix.lower() == ".tsv" else ",")
+
+    def _index(self, builder: _RecordBuilder) -> None:
+        # surrogateescape: bytes that are not UTF-8 survive into the caption, where they are
+        # reported as binary data instead of aborting the whole file.
+        with open(self.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+            reader = csv.reader(f, delimiter=self.sep)
+            header = next(reader, None)
+            img_col, cap_col = self._columns(header)
+            for line, row in _numbered_rows(reader):
+                if isinstance(row, csv.Error):
+                    self._report_row(line, "malformed CSV row", str(row))
+                elif row:  # blank lines carry nothing
+                    self._index_row(builder, row, len(header), img_col, cap_col, line)
+
+    def _columns(self, header: list[str] | None) -> tuple[int, int]:
+        if not header:
+            raise ValueError(
+                f"{self.path} is empty: expected a header row naming the columns "
+                f"{self.img_key!r} and {self.caption_key!r}"
+            )
+        missing = [key for key in (self.img_key, self.caption_key) if key not in header]
+        if missing:
+            raise ValueError(
+                f"{self.path} has no column {missing[0]!r} (header: {header}, separator "
+                f"{self.sep!r}); pass img_key=/caption_key= to name the image-path and caption "
+                f"columns, or sep= if the file uses another separator"
+            )
+        return header.index(self.img_key), header.index(self.caption_key)
+
+    def _index_row(
+        self, builder: _RecordBuilder, row: list[str], width: int, img_col: int, cap_col: int, line: int
+    ) -> None:
+        if len(row) != width:
+            self._report_row(line, "malformed CSV row", f"{len(row)} fields, header has {width}")
+            return
+        image_id = row[img_col]
+        if not image_id.strip():
+            self._report_row(line, "no image path")
+            return
+        location = f"{self.path}:{line}"
+        if image_id not in builder:
+            builder.add_image(image_id, image_id, location)
+        builder.add_caption(image_id, self._caption_id(line), row[cap_col], location)
+
+    def _caption_id(self, line: int) -> str:
+        return f"{self.path.name}:{line}"
+
+    def _report_row(self, line: int, reason: str, detail: str = "") -> None:
+        self.report.add(Skip("caption", self._caption_id(line), f"{self.path}:{line}", reason, detail))
+
+
+def _numbered_rows(reader: Any) -> Iterator[tuple[int, list[str] | csv.Error]]:
+    """``(first line of the record, row)``; a malformed record gives its ``csv.Error`` instead,
+    and reading goes on after it (the reader has consumed the bad record)."""
+    while True:
+        line = reader.line_num + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            row = e
+        yield line, row
+
+
+# --------------------------------------------------------------------------- COCO captions
+
+
+class COCOSource(IndexedSource):
+    """A COCO captions JSON: ``images[{id, file_name}]`` and ``annotations[{id, image_id, caption}]``.
+
+    Image id: ``str(image id)``; caption id: ``str(annotation id)``. ``file_name`` is taken from
+    ``image_root``, else from the JSON file's folder. Annotations naming an unknown image, malformed
+    entries and repeated image ids are reported; images keep the order of ``images``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        image_root: str | Path | None = None,
+        max_pixels: int | None = None,
+        unusual: Unusual = "convert",
+    ):
+        self.path = _existing_file(path, "COCO captions file")
+        root = Path(image_root) if image_root is not None else self.path.parent
+        super().__init__(self.path.name, root, max_pixels, unusual)
+
+    def _index(self, builder: _RecordBuilder) -> None:
+        coco = self._read()
+        for position, entry in enumerate(coco["images"]):
+            self._index_image(builder, position, entry)
+        for position, annotation in enumerate(coco["annotations"]):
+            self._index_annotation(builder, position, annotation)
+
+    def _read(self) -> dict[str, list]:
+        try:
+            coco = json.loads(self.path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path} is not valid JSON ({e}); expected a COCO captions file") from None
+        if not (isinstance(coco, dict) and all(isinstance(coco.get(k), list) for k in ("images", "annotations"))):
+            raise ValueError(
+                f"{self.path} is not a COCO captions file: it needs top-level 'images' and "
+                f"'annotations' lists (as in captions_train2017.json)"
+            )
+        return coco
+
+    def _index_image(self, builder: _RecordBuilder, position: int, entry: object) -> None:
+        valid = isinstance(entry, dict) and "id" in entry and isinstance(entry.get("file_name"), str)
+        image_id = str(entry["id"]) if valid else f"images[{position}]"
+        location = f"{self.path}:image {image_id}"
+        if not valid:
+            self.report.add(Skip("image", image_id, location, "malformed image entry", "needs id and file_name"))
+        elif image_id in builder:
+            self.report.add(Skip("image", image_id, location, "duplicate image id", f"images[{position}]"))
+        else:
+            builder.add_image(image_id, entry["file_name"], location)
+
+    def _index_annotation(self, builder: _RecordBuilder, position: int, annotation: object) -> None:
+        if not isinstance(annotation, dict):
+            annotation = {}
+        caption_id = str(annotation.get("id", f"annotations[{position}]"))
+        location = f"{self.path}:annotation {caption_id}"
+        image_id = str(annotation.get("image_id"))
+        if image_id not in builder:
+            self.report.add(Skip("caption", caption_id, location, "unknown image id", image_id))
+            return
+        builder.add_caption(image_id, caption_id, annotation.get("caption"), location)
+
+
+class ToyWorldSource(COCOSource):
+    """One split of a generated toy world directory, read through its ``{split}_coco.json``.
+
+    ``file_name`` entries are taken from the toy world directory (as its ``{split}.csv`` paths are).
+    ``annotations`` maps image id (``str``, as in :class:`Sample`) to the scene dict of
+    ``annotations.json`` (objects, relations, captions) for the scenes of this split.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str = "train",
+        max_pixels: int | None = None,
+        unusual: Unusual = "convert",
+    ):
+        root = Path(root)
+        coco = root / f"{split}_coco.json"
+        if not coco.is_file():
+            found = sorted(p.name[: -len("_coco.json")] for p in root.glob("*_coco.json"))
+            raise FileNotFoundError(f"toy world {root} has no split {split!r} ({coco} missing); splits found: {found}")
+        super().__init__(coco, image_root=root, max_pixels=max_pixels, unusual=unusual)
+        self.name = f"{root.name}:{split}"
+        self.split = split
+        self.annotations = _scenes(root / "annotations.json", split)
+
+
+def _scenes(path: Path, split: str) -> dict[str, dict]:
+    scenes = json.loads(_existing_file(path, "toy world annotations").read_text(encoding="utf-8"))["scenes"]
+    return {str(scene["image_id"]): scene for scene in scenes if scene.get("split") == split}
+
+
+def _existing_file(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found (check the path, or the current directory)")
+    return path
+
+
+# --------------------------------------------------------------------------- webdataset shards
+
+
+class WebDatasetSource(DataSource):
+    """Local webdataset shards, read in order with ``tarfile`` in streaming mode.
+
+    Members are grouped by key (path up to the first dot of the file name; consecutive members
+    only, as webdataset does). A sample needs an image (``jpg``, ``jpeg``, ``png`` or ``webp``, first
+    found in that order) and captions: the ``.json`` ``"captions"`` list if present, else the
+    ``.txt`` text, else the ``.json`` ``"caption"`` or ``"text"`` field -- one of them, never both,
+    because img2dataset writes the same caption to ``.txt`` and ``.json``.
+
+    Image id: the key; caption id: ``"{key}#{k}"`` (k counts the sample's captions, bad ones
+    included); location: ``"{shard}::{key}"``. A damaged shard is reported (with the sample that
+    was being read) and reading goes on with the next shard. Tarfile's stream reader ends silently
+    at a bad header, so where it stopped is checked: anything but a clean end-of-archive marker is
+    reported as a damaged shard.
+    """
+
+    IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+    def __init__(
+        self,
+        shards: str | Path | Sequence[str | Path],
+        max_pixels: int | None = None,
+        unusual: Unusual = "convert",
+    ):
+        self.shards = expand_shards(shards)
+        if not self.shards:
+            raise ValueError(f"no shards found for {shards!r}: give .tar files, a folder of them or a pattern")
+        name = str(shards) if isinstance(shards, (str, Path)) else f"{self.shards[0]} and {len(self.shards) - 1} more"
+        super().__init__(name, max_pixels, unusual)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for shard in self.shards:
+            yield from self._iter_shard(shard)
+
+    def _iter_shard(self, shard: str) -> Iterator[Sample]:
+        key, files = None, {}
+        try:
+            for member_key, ext, read in _members(shard):
+                if member_key != key:
+                    # A new key's header was read, so every member of the previous key was too.
+                    if key is not None:
+                        yield from self._sample(shard, key, files)
+                    key, files = member_key, {}
+                files.setdefault(ext, read())
+        except FileNotFoundError:
+            self.report.add(Skip("shard", shard, shard, "file not found"))
+            return
+        except (tarfile.TarError, OSError, EOFError) as e:  # gzip/zlib/lzma errors included
+            self.report.add(Skip("shard", shard, shard, "corrupt or truncated shard", f"{type(e).__name__}: {e}"))
+            if key is not None:  # some of its members may be lost
+                self.report.add(Skip("image", key, f"{shard}::{key}", "incomplete sample in damaged shard"))
+            return
+        if key is not None:
+            yield from self._sample(shard, key, files)
+
+    def _sample(self, shard: str, key: str, files: dict[str, bytes]) -> Iterator[Sample]:
+        location = f"{shard}::{key}"
+        image_ext = next((ext for ext in self.IMAGE_EXTENSIONS if ext in files), None)
+        if image_ext is None:
+            self.report.add(Skip("image", key, location, "no image in sample", f"files: {sorted(files)}"))
+            return
+        raws = self._raw_captions(key, location, files)
+        captions = [
+            c for k, raw in enumerate(raws) if (c := _checked_caption(self.report, f"{key}#{k}", raw, location))
+        ]
+        if not captions:
+            detail = f"{len(raws)} rejected" if raws else "no caption given"
+            self.report.add(Skip("image", key, location, "no valid caption", detail))
+            return
+        try:
+            decoded = self._decode(files[image_ext])
+        except BadImage as e:
+            self.report.add(Skip.from_error("image", key, location, e))
+            return
+        if decoded.note is not None:
+            self.report.note(key, location, decoded.note)
+        yield Sample(key, decoded.image, tuple(captions), decoded.note)
+
+    def _raw_captions(self, key: str, location: str, files: dict[str, bytes]) -> list[object]:
+        meta = self._json(key, location, files["json"]) if "json" in files else {}
+        if "captions" in meta:
+            captions = meta["captions"]
+            return list(captions) if isinstance(captions, list) else [captions]
+        if "txt" in files:
+            return [files["txt"].decode("utf-8-sig", errors="surrogateescape")]
+        for field_name in ("caption", "text"):
+            if field_name in meta:
+                return [meta[field_name]]
+        return []
+
+    def _json(self, key: str, location: str, data: bytes) -> dict:
+        try:
+            meta = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.report.add(Skip("caption", f"{key}.json", location, "unreadable caption JSON", str(e)))
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
+
+# webdataset's rule: the key is the path up to the first dot of the file name.
+_KEY_AND_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+class _StopProbe(tarfile.TarInfo):
+    """Records, on its ``_ProbedTarFile``, the header error that ended a stream listing."""
+
+    @classmethod
+    def fromtarfile(cls, tf: tarfile.TarFile) -> tarfile.TarInfo:
+        try:
+            return super().fromtarfile(tf)
+        except tarfile.HeaderError as e:
+            tf.stop_error = e
+            raise
+
+
+class _ProbedTarFile(tarfile.TarFile):
+    stop_error: tarfile.HeaderError | None = None
+
+
+def _members(shard: str) -> Iterator[tuple[str, str, Callable[[], bytes]]]:
+    """Yield ``(key, lower-case extension, read)`` for a shard's files, in order; ``read()`` returns
+    the member's bytes and must be called before the next item is requested. Raises
+    ``tarfile.ReadError`` if the listing did not end at an end-of-archive marker (a cut file, a
+    corrupt header)."""
+    with _ProbedTarFile.open(shard, mode="r|*", tarinfo=_StopProbe) as tf:
+        for member in tf:
+            match = _KEY_AND_EXT.match(member.name) if member.isfile() else None
+            if match:
+                yield match.group(1), match.group(2).lower(), tf.extractfile(member).read
+        stop = tf.stop_error
+    # EOFHeaderError is the all-zero block that ends an intact archive.
+    if stop is not None and not isinstance(stop, tarfile.EOFHeaderError):
+        raise tarfile.ReadError(f"reading stopped early at a bad header ({stop})")
+
+
+def expand_shards(shards: str | Path | Sequence[str | Path]) -> list[str]:
+    """Shard paths for a list (each item expanded), a folder (its shard files, sorted), a brace
+    pattern like ``shards/{000..009}.tar``, or one path. Paths are not checked for existence."""
+    if isinstance(shards, (list, tuple)):
+        return [path for item in shards for path in expand_shards(item)]
+    text = str(shards)
+    if Path(text).is_dir():
+        return sorted(str(p) for p in Path(text).iterdir() if p.name.endswith(SHARD_SUFFIXES))
+    if _is_brace_pattern(text):
+        try:
+            from braceexpand import braceexpand
+        except ImportError:
+            raise ImportError("shard patterns need braceexpand: pip install braceexpand (webdataset installs it)") from None
+        return list(braceexpand(text))
+    return [text]
+
+
+def _is_brace_pattern(text: str) -> bool:
+    return "{" in text and "}" in text
+
+
+# --------------------------------------------------------------------------- choosing a source
+
+
+def open_source(spec: str | Path, **options: Any) -> DataSource:
+    """The data source for ``spec``; ``options`` go to its constructor.
+
+    ``.csv`` / ``.tsv`` -> :class:`CSVSource`; ``.json`` -> :class:`COCOSource`; a folder with
+    ``meta.json`` and ``annotations.json`` -> :class:`ToyWorldSource` (option ``split``); a shard
+    file (``.tar``, ``.tar.gz``, ``.tgz``), a brace pattern or a folder of shards ->
+    :class:`WebDatasetSource`.
+    """
+    text = str(spec)
+    path = Path(text)
+    if path.is_dir():
+        if (path / "meta.json").is_file() and (path / "annotations.json").is_file():
+            return ToyWorldSource(path, **options)
+        if expand_shards(path):
+            return WebDatasetSource(path, **options)
+    elif _is_brace_pattern(text) or text.lower().endswith(SHARD_SUFFIXES):
+        return WebDatasetSource(text, **options)
+    elif path.suffix.lower() in (".csv", ".tsv"):
+        return CSVSource(path, **options)
+    elif path.suffix.lower() == ".json":
+        return COCOSource(path, **options)
+    problem = "does not exist" if not path.exists() else "is no data source this toolkit reads"
+    raise ValueError(
+        f"{text!r} {problem}. Give a .csv/.tsv caption table (columns "
+        f"filepath,title), a COCO captions .json, a toy world folder (with meta.json and "
+        f"annotations.json), or webdataset shards: a .tar file, a folder of .tar files or a pattern "
+        f"like 'shards/{{000..009}}.tar'"
+    )
+
+
+# --------------------------------------------------------------------------- torch DataLoader
+
+
+@dataclass(frozen=True)
+class Item:
+    """A good dataset item: ``image`` is the transformed image (a tensor for the usual transforms)."""
+
+    image_id: str
+    image: Any
+    captions: tuple[Caption, ...]
+    location: str
+    note: str | None = None
+
+
+class SampleDataset(torch.utils.data.Dataset):
+    """Map-style dataset over an indexed source whose items are :class:`Item` or :class:`Skip`.
+
+    A bad image becomes a ``Skip`` marker instead of an exception, so DataLoader workers (separate
+    processes with their own copy of the source and its report) hand every refusal back to the
+    main process through :func:`collate_skipping`. Index-time refusals (captions, "no valid
+    caption") are in ``source.report`` already, built when this dataset is created.
+    """
+
+    def __init__(self, source: IndexedSource, transform: Callable[[Image.Image], Any] | None = None):
+        self.source = source
+        self.transform = transform
+        self.records = source.records()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> Item | Skip:
+        record = self.records[index]
+        try:
+            sample = self.source.load(record)
+        except BadImage as e:
+            return Skip.from_error("image", record.image_id, record.location, e)
+        image = sample.image if self.transform is None else self.transform(sample.image)
+        return Item(record.image_id, image, record.captions, record.location, sample.note)
+
+
+def collate_skipping(batch: Sequence[Item | Skip]) -> tuple[dict[str, Any], list[Skip]]:
+    """Split a batch into ``(good, skips)``.
+
+    ``good`` has ``images`` (stacked when every image is a tensor, a list otherwise, None when the
+    batch has no good item), and lists ``image_ids``, ``captions`` (tuples of :class:`Caption`),
+    ``locations`` and ``notes``. Pass both to ``SkipReport.add_batch`` to keep the report whole.
+    """
+    items = [x for x in batch if isinstance(x, Item)]
+    skips = [x for x in batch if isinstance(x, Skip)]
+    images: Any = [item.image for item in items]
+    if not images:
+        images = None
+    elif all(isinstance(image, torch.Tensor) for image in images):
+        images = torch.stack(images)
+    good = {
+        "images": images,
+        "image_ids": [item.image_id for item in items],
+        "captions": [item.captions for item in items],
+        "locations": [item.location for item in items],
+        "notes": [item.note for item in items],
+    }
+    return good, skips

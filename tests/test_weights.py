@@ -102,3 +102,17 @@ def test_wrong_architecture_is_named(tmp_path):
     save_file({"visual.proj": torch.zeros(3, 3)}, path)
     with pytest.raises(RuntimeError, match="does not fit architecture plugvlm-tiny"):
         load_backbone("tiny", str(path))
+
+
+def test_probe_host_on_loopback():
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    assert weights.probe_host("127.0.0.1", port, timeout=2) is None
+    server.close()
+    t0 = time.perf_counter()
+    reason = weights.probe_host("127.0.0.1", port, timeout=2)  # nothing listens now
+    assert reason is not None and "Refused" in reason and time.perf_counter() - t0 < 2.5

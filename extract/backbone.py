@@ -74,11 +74,9 @@ class BackboneSpec:
     hint: str | None = None
 
 
-_UNSET = object()
-
-
-def resolve_spec(base: str, pretrained=_UNSET) -> BackboneSpec:
-    """Resolve ``base`` (alias or any open_clip model name) and an optional ``pretrained`` override."""
+def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
+    """Resolve ``base`` (alias or any open_clip model name) and ``pretrained`` (None: the alias's default;
+    "none": random weights; else a tag or a path)."""
     import open_clip
 
     _register_configs()
@@ -89,7 +87,7 @@ def resolve_spec(base: str, pretrained=_UNSET) -> BackboneSpec:
                 f"unknown backbone '{base}'. Aliases: {', '.join(backbone_aliases())}; "
                 f"or any open_clip model name (open_clip.list_models(), e.g. ViT-B-32, ViT-SO400M-14-SigLIP).")
         alias = {"model": base, "pretrained": None}
-    tag = alias.get("pretrained") if pretrained is _UNSET else pretrained
+    tag = alias.get("pretrained") if pretrained is None else pretrained
     return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
                         quick_gelu=bool(alias.get("quick_gelu", False)),
                         requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
@@ -323,14 +321,14 @@ def _load_weights(model: nn.Module, path: Path) -> None:
     model.load_state_dict(state_dict, strict=True)
 
 
-def load_backbone(base: str, pretrained=_UNSET, *, device: str | torch.device = "cpu", precision: str = "fp32",
+def load_backbone(base: str, pretrained: str | None = None, *, device: str | torch.device = "cpu", precision: str = "fp32",
                   cache_dir: str | None = None, offline: bool | None = None) -> FrozenBackbone:
     """Build a frozen backbone.
 
     base: an alias from backbones.json (ViT-B-32, ViT-B-16, ViT-L-14, coca_ViT-B-32, NegCLIP, tiny, tiny-coca)
         or any open_clip model name.
     pretrained: an open_clip tag, a checkpoint path (.safetensors / .pt / .bin; loaded with
-        ``weights_only=True``), or None / "none" for random weights; default: the alias's tag.
+        ``weights_only=True``), "none" for random weights, or None for the alias's default.
     Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
     cannot be downloaded.
     """
@@ -381,10 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, a in backbone_aliases().items():
             print(f"{name:16s} model={a['model']:20s} pretrained={a.get('pretrained') or '(file / random)'}")
         return 0
-    pretrained = _UNSET if args.pretrained is None else args.pretrained
     t0 = time.perf_counter()
     try:
-        bb = load_backbone(args.base, pretrained, device=args.device, precision=args.precision,
+        bb = load_backbone(args.base, args.pretrained, device=args.device, precision=args.precision,
                            cache_dir=args.cache_dir)
     except (WeightsNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -105,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the backbone first: missing weights must fail before any other work
     print(f"[1/3] backbone: {args.base} (pretrained: {args.pretrained or 'alias default'})")
     try:
-        backbone = load_backbone(args.base, *([] if args.pretrained is None else [args.pretrained]),
-                                 device=args.device)
+        backbone = load_backbone(args.base, args.pretrained, device=args.device)
     except (WeightsNotFoundError, ValueError) as e:
         print(f"error: {e}")
         return 2

@@ -20,6 +20,7 @@ well under a second with a message naming the file (see ``extract.weights``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import sys
@@ -170,8 +171,9 @@ class FrozenBackbone(nn.Module):
     """
 
     def __init__(self, model: nn.Module, tokenizer, preprocess, spec: BackboneSpec, weights: ResolvedWeights,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", init_seed: int | None = None):
         super().__init__()
+        self.init_seed = init_seed
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.preprocess = preprocess
@@ -278,9 +280,19 @@ class FrozenBackbone(nn.Module):
             "preprocess": {k: (list(v) if isinstance(v, tuple) else v) for k, v in pp.items()},
             "tokenizer": type(self.tokenizer).__name__, "open_clip": open_clip.__version__,
         }
-        if hash_weights and self.weights.path:
-            info["weights_sha256"] = file_sha256(self.weights.path)
+        if self.weights.kind == "random":
+            info["init_seed"] = self.init_seed
+        if hash_weights:
+            info["weights_sha256"] = file_sha256(self.weights.path) if self.weights.path else self._parameters_sha256()
         return info
+
+    def _parameters_sha256(self) -> str:
+        """Hash of the weights in memory (random init has no file to hash)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -322,13 +334,14 @@ def _load_weights(model: nn.Module, path: Path) -> None:
 
 
 def load_backbone(base: str, pretrained: str | None = None, *, device: str | torch.device = "cpu", precision: str = "fp32",
-                  cache_dir: str | None = None, offline: bool | None = None) -> FrozenBackbone:
+                  cache_dir: str | None = None, offline: bool | None = None, init_seed: int = 0) -> FrozenBackbone:
     """Build a frozen backbone.
 
     base: an alias from backbones.json (ViT-B-32, ViT-B-16, ViT-L-14, coca_ViT-B-32, NegCLIP, tiny, tiny-coca)
         or any open_clip model name.
     pretrained: an open_clip tag, a checkpoint path (.safetensors / .pt / .bin; loaded with
         ``weights_only=True``), "none" for random weights, or None for the alias's default.
+    init_seed: seed of the random initialisation (what "random weights" are; overwritten by loaded weights).
     Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
     cannot be downloaded.
     """
@@ -344,8 +357,13 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
     # itself; we load the file ourselves, so pass the tag's preprocessing explicitly.
     pp_kwargs = {f"image_{k}": tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
     t0 = time.perf_counter()
-    model, _, preprocess = open_clip.create_model_and_transforms(
-        spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu, **pp_kwargs)
+    # Random weights come from a fixed seed (without touching the caller's RNG), so "tiny with random
+    # weights" names one model and caches built from it can be reused.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu,
+            **pp_kwargs)
     if weights.path is not None:
         try:
             _load_weights(model, weights.path)
@@ -354,7 +372,7 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
         model.to(device)
     log.info("built %s (%s weights) in %.1f s", spec.model, weights.kind, time.perf_counter() - t0)
     tokenizer = open_clip.get_tokenizer(spec.model)
-    return FrozenBackbone(model, tokenizer, preprocess, spec, weights, precision=precision)
+    return FrozenBackbone(model, tokenizer, preprocess, spec, weights, precision=precision, init_seed=init_seed)
 
 
 # --------------------------------------------------------------------------------------------- CLI

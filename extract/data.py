@@ -623,10 +623,12 @@ class SampleDataset(torch.utils.data.Dataset):
     caption") are in ``source.report`` already, built when this dataset is created.
     """
 
-    def __init__(self, source: IndexedSource, transform: Callable[[Image.Image], Any] | None = None):
+    def __init__(self, source: IndexedSource, transform: Callable[[Image.Image], Any] | None = None,
+                 records: Sequence[ImageRecord] | None = None):
+        """``records``: a subset of ``source.records()`` (e.g. one cache shard); default all of them."""
         self.source = source
         self.transform = transform
-        self.records = source.records()
+        self.records = list(records) if records is not None else source.records()
 
     def __len__(self) -> int:
         return len(self.records)

@@ -145,3 +145,17 @@ def test_listed_architectures_build_with_random_weights(base, grid, dim, ctx):
     assert txt.embedding.shape == (2, dim) and txt.tokens.shape == (2, ctx, dim)
     torch.testing.assert_close(txt.embedding, bb.model.encode_text(bb.tokenizer(["a dog next to a car", "a man riding a horse"]), normalize=True))
     assert torch.isfinite(img.patches).all() and torch.isfinite(txt.tokens).all()
+
+
+def test_random_init_is_seeded_and_hashed():
+    a, b, c = load_backbone("tiny"), load_backbone("tiny"), load_backbone("tiny", init_seed=1)
+    da, db, dc = (m.describe(hash_weights=True) for m in (a, b, c))
+    assert da["weights_sha256"] == db["weights_sha256"] != dc["weights_sha256"]
+    x = _images(2)
+    torch.testing.assert_close(a.encode_images(x).embedding, b.encode_images(x).embedding)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    ref = torch.rand(1)
+    torch.manual_seed(123)
+    load_backbone("tiny")  # must not consume the caller's random stream
+    assert torch.equal(torch.rand(1), ref) and before.shape == (1,)

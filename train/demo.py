@@ -100,7 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     save_config(args, out / "config.json")
     t_start = time.perf_counter()
-    torch.manual_seed(args.seed)  # random-weight backbones are then the same on every run
 
     # the backbone first: missing weights must fail before any other work
     print(f"[1/3] backbone: {args.base} (pretrained: {args.pretrained or 'alias default'})")

@@ -1,0 +1,504 @@
+"""``python -m extract``: run the frozen backbone once over a data source and cache everything adapters need.
+
+Per image: the global embedding, patch tokens, region masks on the patch grid (random boxes, ground-truth
+boxes or SAM2 masks: PowerCLIP §3.2), and entity / relation boxes (ground truth or YOLO) whose crops are
+embedded by the backbone (ComAlign §III). Per caption: the global embedding, token embeddings with their
+mask, spaCy entities and relation triplets embedded by the text tower, and the phrase tree as token /
+leaf masks (PowerCLIP §3.3).
+
+Work is split into shards of ``--shard-size`` images (one per input tar for webdataset sources). Each
+shard is computed from its own records only, in fixed batches, so its content does not depend on which
+rank computed it or on what ran before: a killed run resumes shard by shard, and N processes under
+``accelerate launch`` (shard k goes to rank k mod N) write the same cache as one.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from extract.backbone import FrozenBackbone, load_backbone
+from extract.cache import CacheDir, settings_diff
+from extract.config import parse_with_config, save_config
+from extract.data import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
+                          collate_skipping, expand_shards, open_source)
+from extract.report import Skip, SkipReport
+from extract.weights import WeightsNotFoundError
+
+COMPONENTS = ("patches", "tokens", "entities", "relations", "tree", "regions")
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m extract",
+        description="Cache frozen-backbone features and compositional components for a data source.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
+    p.add_argument("--pretrained", default=None, help="tag, checkpoint path or 'none' (default: the alias's)")
+    p.add_argument("--data", required=False, help="CSV/TSV, COCO JSON, toy-world folder, .tar shards / brace pattern")
+    p.add_argument("--split", default=None, help="toy world: train, val or test (default train)")
+    p.add_argument("--image-root", default=None, help="CSV/COCO: folder relative image paths start from")
+    p.add_argument("--out", required=False, help="cache folder (a sub-folder per settings fingerprint)")
+    p.add_argument("--components", default=",".join(COMPONENTS),
+                   help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
+    p.add_argument("--boxes", default="auto", choices=["auto", "gt", "yolo"],
+                   help="entity boxes: ground truth from annotations, or YOLO (--detector); auto = gt when the "
+                        "source has annotations")
+    p.add_argument("--detector", default=None, help="YOLO weights (.pt) or model .yaml (random init)")
+    p.add_argument("--conf", type=float, default=0.25, help="detector confidence threshold")
+    p.add_argument("--regions", default="random", choices=["random", "gt", "sam2"],
+                   help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or SAM2")
+    p.add_argument("--num-regions", type=int, default=10, help="region masks per image (M)")
+    p.add_argument("--region-seed", type=int, default=0)
+    p.add_argument("--segmenter", default=None, help="SAM2 config (name shipped with sam2 or a YAML path)")
+    p.add_argument("--segmenter-weights", default=None, help="SAM2 checkpoint, or 'none' for random init")
+    p.add_argument("--max-entities", type=int, default=10)
+    p.add_argument("--max-relations", type=int, default=10)
+    p.add_argument("--max-leaves", type=int, default=16)
+    p.add_argument("--max-nodes", type=int, default=16)
+    p.add_argument("--shard-size", type=int, default=2048, help="images per shard (the unit of resumption)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2, help="image decoding processes")
+    p.add_argument("--device", default=None, help="default: the accelerate process's device, else cuda/cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
+    p.add_argument("--unusual", default="convert", choices=["convert", "skip"],
+                   help="CMYK / 16-bit / transparent images: convert (reported) or skip")
+    args = parse_with_config(p, argv)
+    if not args.data or not args.out:
+        p.error("--data and --out are required (on the command line or in --config)")
+    args.components = sorted({c.strip() for c in args.components.split(",") if c.strip()})
+    unknown = set(args.components) - set(COMPONENTS)
+    if unknown:
+        p.error(f"unknown component(s) {', '.join(sorted(unknown))}; choose from {', '.join(COMPONENTS)}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------- setup
+@dataclass
+class _Ranks:
+    index: int
+    count: int
+    device: torch.device
+    state: object | None
+
+    def barrier(self) -> None:
+        if self.state is not None and self.count > 1:
+            self.state.wait_for_everyone()
+
+
+def _ranks(device: str | None) -> _Ranks:
+    """This process's rank, world size and device: from accelerate when launched by it, else one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState  # launched by accelerate/torchrun: use its process group
+
+        state = PartialState()
+        return _Ranks(state.process_index, state.num_processes, torch.device(device) if device else state.device, state)
+    return _Ranks(0, 1, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")), None)
+
+
+def data_fingerprint(source: DataSource) -> dict:
+    """What identifies the input: every record (ids, paths, caption texts) and each file's size and mtime.
+
+    Content hashes of every image would cost a full read of the dataset; size + mtime is what make and
+    rsync trust, and a changed caption or a re-encoded image changes it.
+    """
+    h = hashlib.sha256()
+    if isinstance(source, IndexedSource):
+        for r in source.records():
+            st = _stat(r.source)
+            h.update(json.dumps([r.image_id, r.source, st, [[c.id, c.text] for c in r.captions]]).encode())
+        kind, n = type(source).__name__, len(source)
+    else:
+        shards = source.shards
+        for s in shards:
+            h.update(json.dumps([s, _stat(s)]).encode())
+        kind, n = type(source).__name__, len(shards)
+    return {"source": kind, "name": source.name, "items": n, "sha256": h.hexdigest(),
+            "unusual": source.unusual, "max_pixels": source.max_pixels}
+
+
+def _stat(path: str) -> list:
+    try:
+        st = os.stat(path)
+        return [st.st_size, st.st_mtime_ns]
+    except OSError:
+        return [None, None]
+
+
+class _Components:
+    """The component extractors this run needs, built (and validated) before any image is read."""
+
+    def __init__(self, args, source: DataSource, backbone: FrozenBackbone):
+        self.args = args
+        want = set(args.components)
+        self.text = None
+        if want & {"entities", "relations", "tree"}:
+            from extract.text_components import TextComponentExtractor
+
+            self.text = TextComponentExtractor(max_entities=args.max_entities, max_relations=args.max_relations,
+                                               max_leaves=args.max_leaves, max_nodes=args.max_nodes)
+        has_gt = isinstance(source, ToyWorldSource)
+        self.box_source = None
+        if want & {"entities", "relations"}:
+            self.box_source = ("gt" if has_gt else "yolo") if args.boxes == "auto" else args.boxes
+            if self.box_source == "gt" and not has_gt:
+                raise ValueError("--boxes gt needs a source with box annotations (the toy world); pass --detector "
+                                 "WEIGHTS for YOLO boxes, or drop entities,relations from --components")
+        self.detector = None
+        if self.box_source == "yolo":
+            if not args.detector:
+                raise ValueError("entity/relation components need boxes: pass --detector WEIGHTS.pt (YOLO) or "
+                                 "drop entities,relations from --components")
+            from extract.detectors import load_detector
+
+            self.detector = load_detector(args.detector, conf=args.conf, max_det=args.max_entities,
+                                          device=str(backbone.device))
+        self.segmenter = None
+        if "regions" in want and args.regions == "sam2":
+            if not args.segmenter:
+                raise ValueError("--regions sam2 needs --segmenter CONFIG (and --segmenter-weights PATH)")
+            from extract.detectors import load_segmenter
+
+            self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(backbone.device))
+        if "regions" in want and args.regions == "gt" and not has_gt:
+            raise ValueError("--regions gt needs a source with box annotations (the toy world)")
+        self.annotations = source.annotations if has_gt else {}
+
+    def settings(self) -> dict:
+        a = self.args
+        out = {"components": a.components,
+               "limits": {"entities": a.max_entities, "relations": a.max_relations, "leaves": a.max_leaves,
+                          "nodes": a.max_nodes}}
+        if self.text is not None:
+            out["text"] = self.text.settings()
+        if self.box_source:
+            out["boxes"] = {"source": self.box_source,
+                            "detector": self.detector.settings() if self.detector is not None else None}
+        if "regions" in a.components:
+            out["regions"] = {"source": a.regions, "m": a.num_regions,
+                              "seed": a.region_seed if a.regions == "random" else None,
+                              "segmenter": self.segmenter.settings() if self.segmenter is not None else None}
+        return out
+
+
+# --------------------------------------------------------------------------------------------- per shard
+class _KeepRaw:
+    """Picklable transform for DataLoader workers: backbone preprocessing, plus the decoded pixels when crops,
+    detections or SAM2 masks need the original image."""
+
+    def __init__(self, preprocess, keep_raw: bool):
+        self.preprocess, self.keep_raw = preprocess, keep_raw
+
+    def __call__(self, image):
+        return self.preprocess(image), (np.asarray(image) if self.keep_raw else None)
+
+
+def _image_seed(seed: int, image_id: str) -> np.random.Generator:
+    # per-image stream: the same boxes whatever the shard size, batch or rank
+    digest = int.from_bytes(hashlib.sha256(image_id.encode()).digest()[:8], "little")
+    return np.random.default_rng(np.random.SeedSequence([seed, digest]))
+
+
+class ShardBuilder:
+    """Computes one shard's arrays from its samples (see the module docstring for what is cached)."""
+
+    def __init__(self, backbone: FrozenBackbone, comps: _Components, args):
+        self.bb, self.c, self.args = backbone, comps, args
+        self.want = set(args.components)
+        self.keep_raw = bool(comps.box_source or (("regions" in self.want) and args.regions in ("gt", "sam2")))
+
+    def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str]) -> dict[str, np.ndarray]:
+        feats = self.bb.encode_images(images)
+        out = {"image_embed": feats.embedding.half().cpu().numpy()}
+        if "patches" in self.want:
+            out["patch_tokens"] = feats.patches.half().cpu().numpy()
+        if "regions" in self.want:
+            out.update(self._regions(raws, image_ids))
+        if self.c.box_source:
+            out.update(self._visual_components(raws, image_ids))
+        return out
+
+    def _regions(self, raws, image_ids) -> dict[str, np.ndarray]:
+        from extract.regions import boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
+
+        a, grid = self.args, self.bb.grid
+        m = a.num_regions
+        masks = np.zeros((len(image_ids), m, *grid), dtype=bool)
+        for i, image_id in enumerate(image_ids):
+            if a.regions == "random":
+                _, mk = random_grid_boxes(grid, m, _image_seed(a.region_seed, image_id))
+            else:
+                raw = raws[i]
+                size = (raw.shape[1], raw.shape[0])
+                if a.regions == "gt":
+                    boxes, _ = gt_boxes(self.c.annotations[image_id])
+                    mk = boxes_to_grid_masks(boxes, size, self._input_size(), grid, resize_mode=self._resize_mode())
+                else:
+                    from PIL import Image
+
+                    found = self.c.segmenter.generate(Image.fromarray(raw))
+                    mk = masks_to_grid(found.masks, size, self._input_size(), grid, resize_mode=self._resize_mode())
+                mk = mk[mk.reshape(len(mk), -1).any(1)][:m]  # masks outside the centre crop are dropped
+            masks[i, : len(mk)] = mk
+        return {"region_masks": masks, "region_valid": masks.reshape(len(image_ids), m, -1).any(-1)}
+
+    def _input_size(self) -> tuple[int, int]:
+        return tuple(self.bb.image_size)
+
+    def _resize_mode(self) -> str:
+        return (self.bb.describe().get("preprocess") or {}).get("resize_mode", "shortest")
+
+    def _visual_components(self, raws, image_ids) -> dict[str, np.ndarray]:
+        from PIL import Image
+
+        from extract.regions import crop_regions, gt_boxes, relation_boxes
+
+        a, d = self.args, self.bb.embed_dim
+        n, E, R = len(image_ids), a.max_entities, a.max_relations
+        out = {"ventity_boxes": np.zeros((n, E, 4), np.float32), "ventity_scores": np.zeros((n, E), np.float32),
+               "ventity_embed": np.zeros((n, E, d), np.float16), "ventity_valid": np.zeros((n, E), bool),
+               "vrelation_boxes": np.zeros((n, R, 4), np.float32), "vrelation_scores": np.zeros((n, R), np.float32),
+               "vrelation_embed": np.zeros((n, R, d), np.float16), "vrelation_valid": np.zeros((n, R), bool),
+               "vrelation_pairs": np.zeros((n, R, 2), np.int16)}
+        pils = [Image.fromarray(r) for r in raws]
+        if self.c.box_source == "gt":
+            found = [gt_boxes(self.c.annotations[i]) for i in image_ids]
+            dets = [(np.asarray(b, np.float32), np.ones(len(b), np.float32)) for b, _ in found]
+        else:
+            dets = [(x.boxes, x.scores) for x in self.c.detector.detect(pils)]
+        crops, where = [], []
+        for i, (boxes, scores) in enumerate(dets):
+            boxes, scores = boxes[:E], scores[:E]
+            ub, us, pairs = relation_boxes(boxes, scores, top_n=R) if "relations" in self.want else \
+                (np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros((0, 2), np.int64))
+            for kind, bx, sc in (("ventity", boxes, scores), ("vrelation", ub, us)):
+                k = len(bx)
+                out[f"{kind}_boxes"][i, :k], out[f"{kind}_scores"][i, :k], out[f"{kind}_valid"][i, :k] = bx, sc, True
+                if k:
+                    crops.append(crop_regions(pils[i], bx, self.bb.preprocess))
+                    where += [(kind, i, j) for j in range(k)]
+            out["vrelation_pairs"][i, : len(pairs)] = pairs
+        if crops:
+            emb = self._encode_image_tensor(torch.cat(crops)).astype(np.float16)
+            for (kind, i, j), e in zip(where, emb):
+                out[f"{kind}_embed"][i, j] = e
+        return out
+
+    def _encode_image_tensor(self, x: torch.Tensor) -> np.ndarray:
+        bs = self.args.batch_size
+        return np.concatenate([self.bb.encode_images(x[i:i + bs]).embedding.cpu().numpy()
+                               for i in range(0, len(x), bs)])
+
+    def caption_batch(self, texts: list[str]) -> tuple[dict[str, np.ndarray], dict]:
+        tok = self.bb.tokenize(texts)
+        emb, tokens = self.bb.encode_token_ids(tok.ids, tok.attention_mask)
+        out = {"text_embed": emb.half().cpu().numpy(), "truncated": tok.truncated.numpy()}
+        length = int(tok.attention_mask.sum(1).max()) if len(texts) else 0
+        if "tokens" in self.want:
+            out["token_embed"] = tokens[:, :length].half().cpu().numpy()
+            out["token_mask"] = tok.attention_mask[:, :length].numpy()
+        stats = {"truncated": int(tok.truncated.sum()), "phrases_cut": 0}
+        if self.c.text is not None:
+            from extract.text_components import pack
+
+            a = self.args
+            comps = self.c.text.extract(texts, tok)
+            packed = pack(comps, self.bb.context_length, a.max_entities, a.max_relations, a.max_leaves, a.max_nodes)
+            stats["phrases_cut"] = int(packed["phrases_cut"].sum())
+            for kind, cap in (("entity", a.max_entities), ("relation", a.max_relations)):
+                if kind + "s" in self.want:
+                    out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(packed[f"{kind}_text"], cap)
+            if "tree" in self.want:
+                out["leaf_tokens"] = packed["leaf_tokens"][:, :, :max(length, 1)]
+                out["node_leaves"] = packed["node_leaves"]
+                out["n_leaves"], out["n_nodes"] = packed["n_leaves"], packed["n_nodes"]
+        return out, stats
+
+    def _embed_phrases(self, texts: list[list[str]], cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """Embed each distinct phrase once (captions repeat "red circle" constantly), then scatter."""
+        unique = sorted({t for row in texts for t in row})
+        index = {t: k for k, t in enumerate(unique)}
+        d = self.bb.embed_dim
+        table = np.concatenate([self.bb.encode_texts(unique[i:i + 512]).embedding.cpu().numpy()
+                                for i in range(0, len(unique), 512)]) if unique else np.zeros((0, d), np.float32)
+        emb = np.zeros((len(texts), cap, d), np.float16)
+        valid = np.zeros((len(texts), cap), bool)
+        for r, row in enumerate(texts):
+            for j, t in enumerate(row[:cap]):
+                emb[r, j], valid[r, j] = table[index[t]], True
+        return emb, valid
+
+
+def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate batch dicts along rows, zero-padding trailing dims that vary (token lengths)."""
+    if not parts:
+        return {}
+    out = {}
+    for key in parts[0]:
+        arrays = [p[key] for p in parts]
+        shape = np.max([a.shape for a in arrays], axis=0)
+        full = np.zeros((sum(len(a) for a in arrays), *shape[1:]), dtype=arrays[0].dtype)
+        row = 0
+        for a in arrays:
+            full[(slice(row, row + len(a)), *[slice(0, n) for n in a.shape[1:]])] = a
+            row += len(a)
+        out[key] = full
+    return out
+
+
+def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar) -> tuple[dict, dict]:
+    """Run one shard's batches (from a DataLoader or a streaming source) and assemble arrays + meta."""
+    img_parts, cap_parts = [], []
+    image_ids, caption_ids, caption_image = [], [], []
+    stats = {"truncated": 0, "phrases_cut": 0}
+    for good, skips in batches:
+        shard_report.add_batch(good, skips)
+        pbar.update(len(good["image_ids"]) + len(skips))
+        if good["images"] is None:
+            continue
+        images = torch.stack([t for t, _ in good["images"]])
+        raws = [r for _, r in good["images"]]
+        img_parts.append(builder.image_batch(images, raws, list(good["image_ids"])))
+        texts = []
+        for image_id, caps in zip(good["image_ids"], good["captions"]):
+            row = len(image_ids)
+            image_ids.append(image_id)
+            for cap in caps:
+                texts.append(cap.text)
+                caption_ids.append(cap.id)
+                caption_image.append(row)
+        for i in range(0, len(texts), builder.args.batch_size):
+            part, st = builder.caption_batch(texts[i:i + builder.args.batch_size])
+            cap_parts.append(part)
+            for k in stats:
+                stats[k] += st[k]
+    arrays = {**_concat(img_parts), **_concat(cap_parts)}
+    arrays["caption_image"] = np.asarray(caption_image, dtype=np.int32)
+    meta = {"images": len(image_ids), "captions": len(caption_ids), "image_ids": image_ids,
+            "caption_ids": caption_ids, **stats,
+            "skipped": [vars(s) for s in shard_report.skips], "converted": [vars(n) for n in shard_report.notes]}
+    return arrays, meta
+
+
+def _pair_batches(samples, transform, batch_size: int):
+    """Batches shaped like ``collate_skipping``'s from a streaming source's Sample iterator."""
+    from extract.data import Item
+
+    buf = []
+    for s in samples:
+        buf.append(Item(s.image_id, transform(s.image), s.captions, s.image_id, s.note))
+        if len(buf) == batch_size:
+            yield collate_skipping(buf)
+            buf = []
+    if buf:
+        yield collate_skipping(buf)
+
+
+# --------------------------------------------------------------------------------------------- driver
+def run(args: argparse.Namespace) -> dict:
+    """Build (or reuse) the cache described by ``args``; returns the manifest. See the module docstring."""
+    ranks = _ranks(args.device)
+    t0 = time.perf_counter()
+    backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
+    options = {"unusual": args.unusual}
+    if args.split:
+        options["split"] = args.split
+    if args.image_root:
+        options["image_root"] = args.image_root
+    source = open_source(args.data, **options)
+    comps = _Components(args, source, backbone)  # detector / segmenter weights checked here, before any work
+    settings = {"backbone": backbone.describe(hash_weights=True), "data": data_fingerprint(source),
+                "shard_size": args.shard_size if isinstance(source, IndexedSource) else "per-input-shard",
+                **comps.settings()}
+    settings["summary"] = f"{args.base} on {source.name}: {','.join(args.components) or 'global only'}"
+    cache = CacheDir(args.out, settings)
+    say = print if ranks.index == 0 else (lambda *a, **k: None)
+    if cache.is_complete():
+        say(f"cache up to date: {cache.path} (fingerprint {cache.fingerprint[:16]}); nothing to compute")
+        return json.loads((cache.path / "manifest.json").read_text())
+    if ranks.index == 0:
+        cache.prepare()
+        for other, their in cache.other_caches():
+            say(f"note: {other} was built with other settings; building a new cache. Differences:\n  "
+                + "\n  ".join(settings_diff(their, settings)[:12]))
+    ranks.barrier()
+    save_config(args, cache.path / "config.json") if ranks.index == 0 else None
+
+    if isinstance(source, IndexedSource):
+        records = source.records()
+        n_shards = max(1, -(-len(records) // args.shard_size))
+        units = [records[k * args.shard_size:(k + 1) * args.shard_size] for k in range(n_shards)]
+        total = len(records)
+    else:
+        units = expand_shards(source.shards)
+        n_shards, total = len(units), None
+    mine = [k for k in range(n_shards) if k % ranks.count == ranks.index]
+    cache.clean_partial(mine)
+    todo = [k for k in mine if not cache.shard_done(k)]
+    builder = ShardBuilder(backbone, comps, args)
+    transform = _KeepRaw(backbone.preprocess, builder.keep_raw)
+    done_before = len(mine) - len(todo)
+    say(f"extracting {len(todo)} of {n_shards} shards into {cache.path}"
+        + (f" ({done_before} already done)" if done_before else "") + f" on {ranks.count} process(es)")
+    pbar_total = sum(len(units[k]) for k in todo) if total is not None else None
+    with tqdm(total=pbar_total, desc=f"rank {ranks.index}", unit="img", position=ranks.index,
+              disable=not todo, dynamic_ncols=True) as pbar:
+        for k in todo:
+            shard_report = SkipReport()
+            if isinstance(source, IndexedSource):
+                batches = DataLoader(SampleDataset(source, transform, units[k]), batch_size=args.batch_size,
+                                     num_workers=args.workers, collate_fn=collate_skipping)
+            else:
+                stream = WebDatasetSource([units[k]], max_pixels=source.max_pixels, unusual=source.unusual)
+                batches = _pair_batches(stream, transform, args.batch_size)
+                shard_report = stream.report
+            arrays, meta = _build_shard(builder, batches, shard_report, pbar)
+            cache.write_shard(k, arrays, meta)
+    ranks.barrier()
+    if ranks.index != 0:
+        return {}
+    report = SkipReport() if not isinstance(source, IndexedSource) else source.report  # index-time refusals
+    stats = {"truncated": 0, "phrases_cut": 0}
+    for k in range(n_shards):
+        meta = json.loads((cache.path / f"shard-{k:05d}" / "meta.json").read_text())
+        for s in meta["skipped"]:
+            report.add(Skip(**s))
+        for n in meta["converted"]:
+            report.note(n["image_id"], n["location"], n["note"])
+        for key in stats:
+            stats[key] += meta[key]
+    report.to_json(cache.path / "report.json")
+    manifest = cache.write_manifest(n_shards, {"settings_summary": settings["summary"], **stats,
+                                               "skipped": report.counts()})
+    dt = time.perf_counter() - t0
+    say(f"cached {manifest['images']} images and {manifest['captions']} captions in {dt:.1f} s -> {cache.path}\n"
+        f"  {report.summary()}; {stats['truncated']} captions truncated to {backbone.context_length} tokens"
+        + (f", {stats['phrases_cut']} phrases lost to truncation" if stats["phrases_cut"] else "")
+        + f"\n  report: {cache.path / 'report.json'}")
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (WeightsNotFoundError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

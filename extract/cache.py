@@ -111,10 +111,18 @@ class CacheDir:
         tmp = self.path / f"{shard_name(index)}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        # Files are fsynced before the rename so a power cut cannot leave a renamed (= finished-looking)
+        # shard with empty files; kill -9 alone could not, the page cache survives the process.
         for key, value in arrays.items():
-            np.save(tmp / f"{key}.npy", np.ascontiguousarray(value), allow_pickle=False)
+            with open(tmp / f"{key}.npy", "wb") as f:
+                np.save(f, np.ascontiguousarray(value), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
         meta = dict(meta, arrays={k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in arrays.items()})
-        (tmp / "meta.json").write_text(json.dumps(meta, sort_keys=True, default=str))
+        with open(tmp / "meta.json", "w") as f:
+            f.write(json.dumps(meta, sort_keys=True, default=str))
+            f.flush()
+            os.fsync(f.fileno())
         _fsync_dir(tmp)
         if final.exists():  # another rank or an earlier run finished it meanwhile: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)

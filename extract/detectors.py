@@ -321,12 +321,15 @@ class Sam2MaskGenerator:
         no mask at the defaults); min_mask_region_area: remove disconnected regions and holes smaller than this
         many pixels (needs OpenCV; without sam2's compiled extension, sam2 warns that it skips its own
         low-resolution hole filling, and OpenCV's clean-up still applies); max_masks: keep at most this many
-        masks (None: all); device: torch device.
+        masks (None: all); device: torch device; image_size: overrides the config's ``model.image_size`` (px,
+        a multiple of 32; e.g. 128 for fast offline checks; the checkpoint's weights do not depend on it).
     """
 
     def __init__(self, config: str, weights: str | None, points_per_side: int = 16, pred_iou_thresh: float = 0.8,
                  stability_score_thresh: float = 0.9, min_mask_region_area: int = 0, max_masks: int | None = None,
-                 device: str = "cpu", box_nms_thresh: float = 0.7):
+                 device: str = "cpu", box_nms_thresh: float = 0.7, image_size: int | None = None):
+        if image_size is not None and (image_size < 32 or image_size % 32):
+            raise ValueError(f"SAM2 image_size must be a multiple of 32 (>= 32), got {image_size}")
         if points_per_side < 1 or min_mask_region_area < 0 or (max_masks is not None and max_masks < 0):
             raise ValueError(f"need points_per_side >= 1, min_mask_region_area >= 0, max_masks >= 0 or None; got "
                              f"{points_per_side}, {min_mask_region_area}, {max_masks}")
@@ -344,7 +347,8 @@ class Sam2MaskGenerator:
         self.min_mask_region_area, self.max_masks, self.device = int(min_mask_region_area), max_masks, str(device)
 
         with _seeded_init():  # the random weights of "none"; overwritten when a checkpoint is loaded
-            model = build_sam2(hydra_name, None, device="cpu")  # checkpoint loaded below, with a clearer error
+            overrides = [] if image_size is None else [f"++model.image_size={int(image_size)}"]
+            model = build_sam2(hydra_name, None, device="cpu", hydra_overrides_extra=overrides)  # checkpoint loaded below, with a clearer error
         if self.path is not None:
             self._load_checkpoint(model)
         model = model.to(self.device).eval()

@@ -29,18 +29,23 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from extract.backbone import FrozenBackbone, load_backbone
-from extract.cache import CacheDir, settings_diff
+from extract.cache import CacheDir, FeatureCache, settings_diff
 from extract.config import parse_with_config, save_config
 from extract.data import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
                           collate_skipping, expand_shards, open_source)
 from extract.report import Skip, SkipReport
+from extract.text_components import SpacyModelNotFoundError
 from extract.weights import WeightsNotFoundError
 
+# Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
+# caches are rebuilt instead of silently reused.
+PIPELINE_VERSION = 1
+DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 COMPONENTS = ("patches", "tokens", "entities", "relations", "tree", "regions")
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extract",
         description="Cache frozen-backbone features and compositional components for a data source.",
@@ -54,8 +59,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--components", default=",".join(COMPONENTS),
                    help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
     p.add_argument("--boxes", default="auto", choices=["auto", "gt", "yolo"],
-                   help="entity boxes: ground truth from annotations, or YOLO (--detector); auto = gt when the "
-                        "source has annotations")
+                   help="entity boxes: ground truth (toy world or --annotations), or YOLO (--detector); auto = gt "
+                        "when annotations exist")
+    p.add_argument("--annotations", default=None,
+                   help="Visual-Genome-style objects.json with ground-truth boxes (for --boxes gt / --regions gt)")
     p.add_argument("--detector", default=None, help="YOLO weights (.pt) or model .yaml (random init)")
     p.add_argument("--conf", type=float, default=0.25, help="detector confidence threshold")
     p.add_argument("--regions", default="random", choices=["random", "gt", "sam2"],
@@ -64,17 +71,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--region-seed", type=int, default=0)
     p.add_argument("--segmenter", default=None, help="SAM2 config (name shipped with sam2 or a YAML path)")
     p.add_argument("--segmenter-weights", default=None, help="SAM2 checkpoint, or 'none' for random init")
+    p.add_argument("--segmenter-image-size", type=int, default=None,
+                   help="override the SAM2 config's input size (px, multiple of 32; 128 for quick offline checks)")
+    p.add_argument("--sam-points", type=int, default=16, help="SAM2 prompt grid: points per side")
+    p.add_argument("--sam-iou-thresh", type=float, default=0.8, help="SAM2 predicted-IoU filter")
+    p.add_argument("--sam-stability-thresh", type=float, default=0.9, help="SAM2 stability-score filter")
     p.add_argument("--max-entities", type=int, default=10)
     p.add_argument("--max-relations", type=int, default=10)
     p.add_argument("--max-leaves", type=int, default=16)
     p.add_argument("--max-nodes", type=int, default=16)
     p.add_argument("--shard-size", type=int, default=2048, help="images per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=2, help="image decoding processes")
+    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+                   help="image decoding processes (default: half the CPU cores, so decoding does not starve the "
+                        "forward pass on CPU-only machines)")
     p.add_argument("--device", default=None, help="default: the accelerate process's device, else cuda/cpu")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--unusual", default="convert", choices=["convert", "skip"],
                    help="CMYK / 16-bit / transparent images: convert (reported) or skip")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = parse_with_config(p, argv)
     if not args.data or not args.out:
         p.error("--data and --out are required (on the command line or in --config)")
@@ -103,7 +122,9 @@ def _ranks(device: str | None) -> _Ranks:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState  # launched by accelerate/torchrun: use its process group
 
-        state = PartialState()
+        # without cpu=True accelerate falls back to one process when no accelerator is visible (gloo on CPU)
+        cpu = (device is not None and torch.device(device).type == "cpu") or not torch.cuda.is_available()
+        state = PartialState(cpu=cpu)
         return _Ranks(state.process_index, state.num_processes, torch.device(device) if device else state.device, state)
     return _Ranks(0, 1, torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")), None)
 
@@ -140,7 +161,7 @@ def _stat(path: str) -> list:
 class _Components:
     """The component extractors this run needs, built (and validated) before any image is read."""
 
-    def __init__(self, args, source: DataSource, backbone: FrozenBackbone):
+    def __init__(self, args, source: DataSource, device: torch.device):
         self.args = args
         want = set(args.components)
         self.text = None
@@ -149,12 +170,20 @@ class _Components:
 
             self.text = TextComponentExtractor(max_entities=args.max_entities, max_relations=args.max_relations,
                                                max_leaves=args.max_leaves, max_nodes=args.max_nodes)
-        has_gt = isinstance(source, ToyWorldSource)
+        self.annotations: dict[str, dict] = source.annotations if isinstance(source, ToyWorldSource) else {}
+        self.annotations_file = None
+        if args.annotations:
+            from extract.regions import load_box_annotations
+
+            self.annotations_file = args.annotations
+            self.annotations = load_box_annotations(args.annotations)
+        has_gt = isinstance(source, ToyWorldSource) or bool(args.annotations)
         self.box_source = None
         if want & {"entities", "relations"}:
             self.box_source = ("gt" if has_gt else "yolo") if args.boxes == "auto" else args.boxes
             if self.box_source == "gt" and not has_gt:
-                raise ValueError("--boxes gt needs a source with box annotations (the toy world); pass --detector "
+                raise ValueError("--boxes gt needs box annotations (the toy world, or --annotations objects.json); "
+                                 "pass --detector "
                                  "WEIGHTS for YOLO boxes, or drop entities,relations from --components")
         self.detector = None
         if self.box_source == "yolo":
@@ -164,17 +193,19 @@ class _Components:
             from extract.detectors import load_detector
 
             self.detector = load_detector(args.detector, conf=args.conf, max_det=args.max_entities,
-                                          device=str(backbone.device))
+                                          device=str(device))
         self.segmenter = None
         if "regions" in want and args.regions == "sam2":
             if not args.segmenter:
                 raise ValueError("--regions sam2 needs --segmenter CONFIG (and --segmenter-weights PATH)")
             from extract.detectors import load_segmenter
 
-            self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(backbone.device))
+            self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(device),
+                                            image_size=args.segmenter_image_size, points_per_side=args.sam_points,
+                                            pred_iou_thresh=args.sam_iou_thresh,
+                                            stability_score_thresh=args.sam_stability_thresh)
         if "regions" in want and args.regions == "gt" and not has_gt:
-            raise ValueError("--regions gt needs a source with box annotations (the toy world)")
-        self.annotations = source.annotations if has_gt else {}
+            raise ValueError("--regions gt needs box annotations (the toy world, or --annotations objects.json)")
 
     def settings(self) -> dict:
         a = self.args
@@ -183,6 +214,11 @@ class _Components:
                           "nodes": a.max_nodes}}
         if self.text is not None:
             out["text"] = self.text.settings()
+        if self.annotations_file and (self.box_source == "gt" or ("regions" in a.components and a.regions == "gt")):
+            from extract.weights import file_sha256
+
+            out["annotations"] = {"file": str(Path(self.annotations_file).resolve()),
+                                  "sha256": file_sha256(Path(self.annotations_file))}
         if self.box_source:
             out["boxes"] = {"source": self.box_source,
                             "detector": self.detector.settings() if self.detector is not None else None}
@@ -218,6 +254,9 @@ class ShardBuilder:
         self.bb, self.c, self.args = backbone, comps, args
         self.want = set(args.components)
         self.keep_raw = bool(comps.box_source or (("regions" in self.want) and args.regions in ("gt", "sam2")))
+        from extract.regions import preprocess_geometry
+
+        self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
 
     def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str]) -> dict[str, np.ndarray]:
         feats = self.bb.encode_images(images)
@@ -231,9 +270,9 @@ class ShardBuilder:
         return out
 
     def _regions(self, raws, image_ids) -> dict[str, np.ndarray]:
-        from extract.regions import boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
+        from extract.regions import annotation_for, boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
 
-        a, grid = self.args, self.bb.grid
+        a, grid, (input_size, mode) = self.args, self.bb.grid, self.geometry
         m = a.num_regions
         masks = np.zeros((len(image_ids), m, *grid), dtype=bool)
         for i, image_id in enumerate(image_ids):
@@ -243,27 +282,21 @@ class ShardBuilder:
                 raw = raws[i]
                 size = (raw.shape[1], raw.shape[0])
                 if a.regions == "gt":
-                    boxes, _ = gt_boxes(self.c.annotations[image_id])
-                    mk = boxes_to_grid_masks(boxes, size, self._input_size(), grid, resize_mode=self._resize_mode())
+                    boxes, _ = gt_boxes(annotation_for(self.c.annotations, image_id))
+                    mk = boxes_to_grid_masks(boxes, size, input_size, grid, resize_mode=mode)
                 else:
                     from PIL import Image
 
                     found = self.c.segmenter.generate(Image.fromarray(raw))
-                    mk = masks_to_grid(found.masks, size, self._input_size(), grid, resize_mode=self._resize_mode())
-                mk = mk[mk.reshape(len(mk), -1).any(1)][:m]  # masks outside the centre crop are dropped
+                    mk = masks_to_grid(found.masks, size, input_size, grid, resize_mode=mode)
+                mk = mk[mk.any(axis=(1, 2))][:m]  # masks outside the centre crop are dropped
             masks[i, : len(mk)] = mk
         return {"region_masks": masks, "region_valid": masks.reshape(len(image_ids), m, -1).any(-1)}
-
-    def _input_size(self) -> tuple[int, int]:
-        return tuple(self.bb.image_size)
-
-    def _resize_mode(self) -> str:
-        return (self.bb.describe().get("preprocess") or {}).get("resize_mode", "shortest")
 
     def _visual_components(self, raws, image_ids) -> dict[str, np.ndarray]:
         from PIL import Image
 
-        from extract.regions import crop_regions, gt_boxes, relation_boxes
+        from extract.regions import annotation_for, crop_regions, gt_boxes, relation_boxes
 
         a, d = self.args, self.bb.embed_dim
         n, E, R = len(image_ids), a.max_entities, a.max_relations
@@ -274,7 +307,7 @@ class ShardBuilder:
                "vrelation_pairs": np.zeros((n, R, 2), np.int16)}
         pils = [Image.fromarray(r) for r in raws]
         if self.c.box_source == "gt":
-            found = [gt_boxes(self.c.annotations[i]) for i in image_ids]
+            found = [gt_boxes(annotation_for(self.c.annotations, i)) for i in image_ids]
             dets = [(np.asarray(b, np.float32), np.ones(len(b), np.float32)) for b, _ in found]
         else:
             dets = [(x.boxes, x.scores) for x in self.c.detector.detect(pils)]
@@ -317,8 +350,9 @@ class ShardBuilder:
             comps = self.c.text.extract(texts, tok)
             packed = pack(comps, self.bb.context_length, a.max_entities, a.max_relations, a.max_leaves, a.max_nodes)
             stats["phrases_cut"] = int(packed["phrases_cut"].sum())
-            for kind, cap in (("entity", a.max_entities), ("relation", a.max_relations)):
-                if kind + "s" in self.want:
+            for kind, component, cap in (("entity", "entities", a.max_entities),
+                                         ("relation", "relations", a.max_relations)):
+                if component in self.want:
                     out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(packed[f"{kind}_text"], cap)
             if "tree" in self.want:
                 out["leaf_tokens"] = packed["leaf_tokens"][:, :, :max(length, 1)]
@@ -363,27 +397,37 @@ def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar)
     img_parts, cap_parts = [], []
     image_ids, caption_ids, caption_image = [], [], []
     stats = {"truncated": 0, "phrases_cut": 0}
+    pending, bs = [], builder.args.batch_size
+
+    def encode(texts: list[str]) -> None:
+        part, st = builder.caption_batch(texts)
+        cap_parts.append(part)
+        for k in stats:
+            stats[k] += st[k]
+
     for good, skips in batches:
         shard_report.add_batch(good, skips)
-        pbar.update(len(good["image_ids"]) + len(skips))
         if good["images"] is None:
+            pbar.update(len(skips))
             continue
         images = torch.stack([t for t, _ in good["images"]])
         raws = [r for _, r in good["images"]]
         img_parts.append(builder.image_batch(images, raws, list(good["image_ids"])))
-        texts = []
         for image_id, caps in zip(good["image_ids"], good["captions"]):
             row = len(image_ids)
             image_ids.append(image_id)
             for cap in caps:
-                texts.append(cap.text)
+                pending.append(cap.text)
                 caption_ids.append(cap.id)
                 caption_image.append(row)
-        for i in range(0, len(texts), builder.args.batch_size):
-            part, st = builder.caption_batch(texts[i:i + builder.args.batch_size])
-            cap_parts.append(part)
-            for k in stats:
-                stats[k] += st[k]
+        # Captions wait for a full batch across image batches: ~5 captions per image would otherwise end
+        # every image batch with a ragged text batch, which costs a whole forward on CPU.
+        while len(pending) >= bs:
+            encode(pending[:bs])
+            del pending[:bs]
+        pbar.update(len(good["image_ids"]) + len(skips))  # after the work, so rate and ETA are honest
+    if pending:
+        encode(pending)
     arrays = {**_concat(img_parts), **_concat(cap_parts)}
     arrays["caption_image"] = np.asarray(caption_image, dtype=np.int32)
     meta = {"images": len(image_ids), "captions": len(caption_ids), "image_ids": image_ids,
@@ -407,19 +451,23 @@ def _pair_batches(samples, transform, batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------- driver
-def run(args: argparse.Namespace) -> dict:
-    """Build (or reuse) the cache described by ``args``; returns the manifest. See the module docstring."""
+def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dict:
+    """Build (or reuse) the cache described by ``args``; returns the manifest (plus ``seconds``, this process's
+    timings, which are not written). ``backbone``: an already loaded one to use instead of ``args.base`` /
+    ``args.pretrained`` (the fingerprint describes whichever is used). See the module docstring."""
     ranks = _ranks(args.device)
     t0 = time.perf_counter()
-    backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
     options = {"unusual": args.unusual}
     if args.split:
         options["split"] = args.split
     if args.image_root:
         options["image_root"] = args.image_root
     source = open_source(args.data, **options)
-    comps = _Components(args, source, backbone)  # detector / segmenter weights checked here, before any work
-    settings = {"backbone": backbone.describe(hash_weights=True), "data": data_fingerprint(source),
+    # detector / segmenter / spaCy checked before the backbone loads: a missing file fails in seconds
+    comps = _Components(args, source, ranks.device)
+    if backbone is None:
+        backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
+    settings = {"pipeline": PIPELINE_VERSION, "backbone": backbone.describe(hash_weights=True), "data": data_fingerprint(source),
                 "shard_size": args.shard_size if isinstance(source, IndexedSource) else "per-input-shard",
                 **comps.settings()}
     settings["summary"] = f"{args.base} on {source.name}: {','.join(args.components) or 'global only'}"
@@ -453,6 +501,7 @@ def run(args: argparse.Namespace) -> dict:
     say(f"extracting {len(todo)} of {n_shards} shards into {cache.path}"
         + (f" ({done_before} already done)" if done_before else "") + f" on {ranks.count} process(es)")
     pbar_total = sum(len(units[k]) for k in todo) if total is not None else None
+    t_shards = time.perf_counter()
     with tqdm(total=pbar_total, desc=f"rank {ranks.index}", unit="img", position=ranks.index,
               disable=not todo, dynamic_ncols=True) as pbar:
         for k in todo:
@@ -466,9 +515,20 @@ def run(args: argparse.Namespace) -> dict:
                 shard_report = stream.report
             arrays, meta = _build_shard(builder, batches, shard_report, pbar)
             cache.write_shard(k, arrays, meta)
+    t_shards = time.perf_counter() - t_shards
     ranks.barrier()
-    if ranks.index != 0:
-        return {}
+    if ranks.index == 0:
+        _finish(cache, source, n_shards, settings, backbone.context_length, time.perf_counter() - t0)
+    ranks.barrier()  # every rank returns only once the manifest exists
+    manifest = json.loads((cache.path / "manifest.json").read_text())
+    # not written to disk (a rerun must produce identical files): this process's time in its shard loop
+    manifest["seconds"] = {"shards": t_shards, "total": time.perf_counter() - t0}
+    return manifest
+
+
+def _finish(cache: CacheDir, source: DataSource, n_shards: int, settings: dict, context_length: int,
+            seconds: float) -> None:
+    """Rank 0, after every shard exists: merge the shards' skip reports, write report.json and the manifest."""
     report = SkipReport() if not isinstance(source, IndexedSource) else source.report  # index-time refusals
     stats = {"truncated": 0, "phrases_cut": 0}
     for k in range(n_shards):
@@ -482,19 +542,36 @@ def run(args: argparse.Namespace) -> dict:
     report.to_json(cache.path / "report.json")
     manifest = cache.write_manifest(n_shards, {"settings_summary": settings["summary"], **stats,
                                                "skipped": report.counts()})
-    dt = time.perf_counter() - t0
-    say(f"cached {manifest['images']} images and {manifest['captions']} captions in {dt:.1f} s -> {cache.path}\n"
-        f"  {report.summary()}; {stats['truncated']} captions truncated to {backbone.context_length} tokens"
-        + (f", {stats['phrases_cut']} phrases lost to truncation" if stats["phrases_cut"] else "")
-        + f"\n  report: {cache.path / 'report.json'}")
-    return manifest
+    print(f"cached {manifest['images']} images and {manifest['captions']} captions in {seconds:.1f} s -> "
+          f"{cache.path}\n  {report.summary()}; {stats['truncated']} captions truncated to {context_length} tokens"
+          + (f", {stats['phrases_cut']} phrases lost to truncation" if stats["phrases_cut"] else "")
+          + f"\n  report: {cache.path / 'report.json'}")
+
+
+def build_cache(data: str | os.PathLike, out: str | os.PathLike, **options) -> FeatureCache:
+    """Python entry point: ``build_cache("toy/", "cache/", base="ViT-B-32", components=["patches", "regions"])``.
+
+    ``options`` are the command-line flags with underscores (``num_regions=10``, ``pretrained="none"``); a list
+    for ``components``. Validated exactly like the CLI. Returns the finished cache, opened for reading.
+    """
+    known = {a.dest for a in build_parser()._actions} - {"help", "config", "data", "out"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"build_cache: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+    argv = ["--data", str(data), "--out", str(out)]
+    for key, value in options.items():
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    manifest = run(parse_args(argv))
+    return FeatureCache.open(out, fingerprint=manifest["fingerprint"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except (WeightsNotFoundError, FileNotFoundError, ValueError) as e:
+    except (WeightsNotFoundError, FileNotFoundError, ValueError, ImportError, SpacyModelNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

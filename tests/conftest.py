@@ -22,6 +22,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("YOLO_OFFLINE", "1")
 os.environ.setdefault("YOLO_CONFIG_DIR", str(_ROOT / ".yolo"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# MKL may round differently with differently aligned buffers; runs compared bit for bit (kill and resume,
+# one process vs two) need its alignment-independent mode, set before torch loads MKL.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # Keep tests off the 2 CI cores' oversubscription: torch intra-op threads default to all cores.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 

@@ -233,3 +233,18 @@ def test_missing_sam2_says_what_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingDependencyError, match=r"plugvlm\[segment\]"):
         Sam2MaskGenerator(SAM2_TINY, "none")
+
+
+def test_sam2_image_size_override_equals_edited_config(sam2_128):
+    """--segmenter-image-size on the shipped config builds the same model as a YAML edited to that size."""
+    pytest.importorskip("sam2")
+    image = _scene(160, 96)
+    edited = Sam2MaskGenerator(sam2_128, "none", **LOOSE)
+    override = Sam2MaskGenerator(SAM2_TINY, "none", image_size=128, **LOOSE)
+    assert override.image_size == edited.image_size == 128
+    a, b = edited.generate(image), override.generate(image)
+    assert len(a) == len(b) > 0
+    np.testing.assert_array_equal(a.masks, b.masks)
+    assert override.settings()["image_size"] == 128
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Sam2MaskGenerator(SAM2_TINY, "none", image_size=100)

@@ -442,3 +442,22 @@ def test_crop_regions_pad_keeps_a_wide_relation_box_whole():
     with pytest.raises(ValueError):
         crop_regions(image, union, transform, fit="squash")
 
+
+
+def test_box_annotations_by_id_and_file_name(tmp_path):
+    from extract.regions import annotation_for, load_box_annotations
+
+    vg = [{"image_id": 7, "url": "https://x/VG_100K/7.jpg", "objects": [{"x": 1, "y": 2, "w": 3, "h": 4, "names": ["cat"]}]},
+          {"id": 8, "file_name": "imgs/8.png", "objects": []}]
+    path = tmp_path / "objects.json"
+    path.write_text(json.dumps(vg))
+    found = load_box_annotations(path)
+    boxes, labels = gt_boxes(annotation_for(found, "7"))
+    np.testing.assert_array_equal(boxes, [[1, 2, 4, 6]])
+    assert labels == ["cat"]
+    assert annotation_for(found, "data/7.jpg") is found["7"]  # CSV ids are paths: matched by base name
+    assert annotation_for(found, "8")["objects"] == []
+    assert annotation_for(found, "unknown") == {"objects": []}
+    path.write_text(json.dumps({"images": {"not": "a list"}}))
+    with pytest.raises(ValueError, match="objects.json"):
+        load_box_annotations(path)

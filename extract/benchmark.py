@@ -1,0 +1,225 @@
+"""``python -m extract.benchmark``: the three extraction figures, each measured in this one run.
+
+1. **Caching overhead**: ``python -m extract --components patches,tokens`` (decode, forward with patch / token
+   capture, fp16 shards on disk) against the bare open_clip forward (``encode_image`` + ``encode_text``) over
+   the same images and captions, same batch size and device, inputs already decoded in memory. Printed as a
+   ratio; the target is <= 1.10.
+2. **spaCy components**: captions/s of :class:`extract.text_components.TextComponentExtractor` (target >= 500).
+3. **Cache read**: samples/s of ``FeatureCache.batch`` for shuffled batches of global + component features at
+   ViT-B-32 shapes (target >= 20,000), with the page cache warm and, where the OS lets us evict it, cold.
+
+Nothing here is a test: timings depend on the machine, so the script prints them and says which targets held.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+TARGETS = {"overhead": 1.10, "spacy": 500.0, "read": 20_000.0}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m extract.benchmark", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base", default="ViT-B-32", help="backbone for the caching-overhead figure")
+    p.add_argument("--pretrained", default="none", help="weights for it (random weights time the same)")
+    p.add_argument("--images", type=int, default=128, help="toy-world images for the overhead figure")
+    p.add_argument("--image-size", type=int, default=224, help="toy-world image side (px)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=None, help="decoding processes for the extraction run "
+                   "(default: python -m extract's)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating bare / extraction rounds (best of each)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--captions", type=int, default=5000, help="captions for the spaCy figure")
+    p.add_argument("--read-samples", type=int, default=50_000, help="caption rows in the read-throughput cache")
+    p.add_argument("--read-batch", type=int, default=256, help="batch size when reading")
+    p.add_argument("--only", default="overhead,spacy,read", help="comma list of figures to measure")
+    p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------- 1. overhead
+def caching_overhead(args, work: Path) -> dict:
+    from PIL import Image
+
+    from extract import toyworld
+    from extract.backbone import load_backbone
+    from extract.data import ToyWorldSource
+    from extract.pipeline import parse_args as extract_args
+    from extract.pipeline import run
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = work / "world"
+    # n scenes give ~80% train images; ask for enough that the train split holds --images
+    toyworld.generate(world, n=int(args.images / 0.8) + 2, seed=0, size=args.image_size)
+    records = ToyWorldSource(world).records()[: args.images]
+    bb = load_backbone(args.base, args.pretrained, device=device)
+    images = [bb.preprocess(Image.open(r.source).convert("RGB")) for r in records]
+    texts = [c.text for r in records for c in r.captions]
+    tokens = bb.tokenize(texts).ids
+    bs = args.batch_size
+
+    def bare() -> float:
+        _sync(device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            for i in range(0, len(images), bs):
+                bb.model.encode_image(torch.stack(images[i:i + bs]).to(device))
+            for i in range(0, len(tokens), bs):
+                bb.model.encode_text(tokens[i:i + bs].to(device))
+        _sync(device)
+        return time.perf_counter() - t
+
+    bare()  # warm-up: allocator, kernels, first-touch of weights
+    # the extraction reads exactly these images: a CSV of the chosen records' captions
+    table = work / "chosen.csv"
+    with open(table, "w", newline="") as f:
+        rows = csv.writer(f)
+        rows.writerow(["filepath", "title"])
+        rows.writerows([r.source, c.text] for r in records for c in r.captions)
+    argv = ["--data", str(table), "--base", args.base, "--pretrained", args.pretrained,
+            "--components", "patches,tokens", "--batch-size", str(bs), "--shard-size", str(len(records))]
+    if args.workers is not None:
+        argv += ["--workers", str(args.workers)]
+    if args.device:
+        argv += ["--device", args.device]
+    # Alternate the two so drift on a shared machine hits both alike; the best round of each is compared.
+    t_bare, t_cache = [], []
+    for k in range(args.rounds):
+        t_bare.append(bare())
+        # the same model instance as the bare loop: two loads of one model can differ in speed on CPU
+        t_cache.append(run(extract_args(argv + ["--out", str(work / f"cache-{k}")]), backbone=bb)["seconds"]["shards"])
+    t_bare, t_cache = min(t_bare), min(t_cache)
+    return {"device": str(device), "images": len(records), "captions": len(texts), "bare_s": t_bare,
+            "cache_s": t_cache, "ratio": t_cache / t_bare}
+
+
+# --------------------------------------------------------------------------------------------- 2. spaCy
+def spacy_rate(args, work: Path) -> dict:
+    from extract import toyworld
+    from extract.data import ToyWorldSource
+    from extract.text_components import TextComponentExtractor
+
+    world = work / "world-captions"
+    toyworld.generate(world, n=max(64, args.captions // 3), seed=1, size=32)
+    texts = [c.text for split in ("train", "val", "test") for r in ToyWorldSource(world, split).records()
+             for c in r.captions]
+    texts = (texts * (args.captions // max(len(texts), 1) + 1))[: args.captions]
+    extractor = TextComponentExtractor()
+    extractor.extract(texts[:256])  # warm-up: spaCy's lazily built tables
+    t = time.perf_counter()
+    comps = extractor.extract(texts)
+    dt = time.perf_counter() - t
+    words = sum(len(s.split()) for s in texts) / len(texts)
+    return {"captions": len(texts), "seconds": dt, "rate": len(texts) / dt, "words_per_caption": words,
+            "entities_per_caption": sum(len(c.entities) for c in comps) / len(comps)}
+
+
+# --------------------------------------------------------------------------------------------- 3. read
+def _evict(path: Path) -> bool:
+    """Drop the cache's files from the page cache (clean pages; no root needed). False where unsupported."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for f in path.rglob("*.npy"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def read_throughput(args, work: Path) -> dict:
+    from extract.cache import CacheDir, FeatureCache
+
+    # ViT-B-32 shapes: d = 512, 10 entity / relation components per side, ~5 captions per image
+    d, E, R, per_image, shard_images = 512, 10, 10, 5, 2048
+    n_images = max(1, args.read_samples // per_image)
+    rng = np.random.default_rng(0)
+    cache = CacheDir(work / "read", {"benchmark": "read", "images": n_images, "d": d})
+    cache.prepare()
+    n_shards = -(-n_images // shard_images)
+
+    def unit(*shape) -> np.ndarray:
+        x = rng.standard_normal(shape, dtype=np.float32)
+        return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float16)
+
+    for k in range(n_shards):
+        ni = min(shard_images, n_images - k * shard_images)
+        nc = ni * per_image
+        arrays = {"image_embed": unit(ni, d), "ventity_embed": unit(ni, E, d), "ventity_valid": rng.random((ni, E)) < .5,
+                  "vrelation_embed": unit(ni, R, d), "vrelation_valid": rng.random((ni, R)) < .5,
+                  "text_embed": unit(nc, d), "entity_embed": unit(nc, E, d), "entity_valid": rng.random((nc, E)) < .5,
+                  "relation_embed": unit(nc, R, d), "relation_valid": rng.random((nc, R)) < .5,
+                  "caption_image": np.repeat(np.arange(ni, dtype=np.int32), per_image)}
+        cache.write_shard(k, arrays, {"images": ni, "captions": nc, "image_ids": [str(i) for i in range(ni)],
+                                      "caption_ids": [str(i) for i in range(nc)]})
+    cache.write_manifest(n_shards, {})
+    keys = ["image_embed", "ventity_embed", "ventity_valid", "vrelation_embed", "vrelation_valid", "text_embed",
+            "entity_embed", "entity_valid", "relation_embed", "relation_valid"]
+    size = sum(f.stat().st_size for f in cache.path.rglob("*.npy"))
+
+    def epoch() -> float:
+        reader = FeatureCache(cache.path)  # fresh memory maps
+        order = np.random.default_rng(1).permutation(reader.num_captions)
+        t = time.perf_counter()
+        for i in range(0, len(order), args.read_batch):
+            reader.batch(order[i:i + args.read_batch], keys)
+        return reader.num_captions / (time.perf_counter() - t)
+
+    cold = epoch() if _evict(cache.path) else None
+    warm = max(epoch() for _ in range(2))
+    return {"samples": n_images * per_image, "bytes": size, "batch": args.read_batch, "cold": cold, "warm": warm,
+            "rate": warm}
+
+
+# --------------------------------------------------------------------------------------------- driver
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = only - set(TARGETS)
+    if unknown:
+        raise SystemExit(f"--only: unknown figure(s) {', '.join(sorted(unknown))}; choose from {', '.join(TARGETS)}")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+          f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+    held = {}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        work = Path(tmp)
+        if "overhead" in only:
+            r = caching_overhead(args, work)
+            held["overhead"] = r["ratio"] <= TARGETS["overhead"]
+            print(f"[1] caching global + token features ({args.base}, {r['images']} images + {r['captions']} captions, "
+                  f"batch {args.batch_size}, {r['device']}): bare forward {r['bare_s']:.2f} s, extraction "
+                  f"{r['cache_s']:.2f} s -> ratio {r['ratio']:.3f} (target <= {TARGETS['overhead']:.2f})")
+        if "spacy" in only:
+            r = spacy_rate(args, work)
+            held["spacy"] = r["rate"] >= TARGETS["spacy"]
+            print(f"[2] spaCy components: {r['captions']} captions ({r['words_per_caption']:.1f} words, "
+                  f"{r['entities_per_caption']:.1f} entities each) in {r['seconds']:.2f} s -> {r['rate']:.0f} "
+                  f"captions/s (target >= {TARGETS['spacy']:.0f})")
+        if "read" in only:
+            r = read_throughput(args, work)
+            held["read"] = r["rate"] >= TARGETS["read"]
+            cold = f"{r['cold']:.0f}/s cold (page cache evicted), " if r["cold"] is not None else ""
+            print(f"[3] cache read, global + entity + relation features at ViT-B-32 shapes ({r['samples']} samples, "
+                  f"{r['bytes'] / 2**30:.2f} GiB, shuffled batches of {r['batch']}): {cold}{r['warm']:.0f}/s warm "
+                  f"(target >= {TARGETS['read']:.0f})")
+    print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in held.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Retrieval metrics against a per-query brute force, on hand-made cases (ties, multi-caption images)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from train.retrieval import feature_score_fn, ranks_from_scores, retrieval_metrics
+
+
+def brute_force(scores: np.ndarray, caption_image) -> tuple[np.ndarray, np.ndarray]:
+    """Straight from the definitions: one Python loop per query, ties against the model."""
+    n_images, n_texts = scores.shape
+    t2i = np.zeros(n_texts, dtype=np.int64)
+    for t in range(n_texts):
+        own = caption_image[t]
+        t2i[t] = 1 + sum(1 for j in range(n_images) if j != own and scores[j, t] >= scores[own, t])
+    i2t = np.zeros(n_images, dtype=np.int64)
+    for i in range(n_images):
+        mine = [t for t in range(n_texts) if caption_image[t] == i]
+        if mine:
+            best = max(scores[i, t] for t in mine)
+            i2t[i] = 1 + sum(1 for t in range(n_texts) if caption_image[t] != i and scores[i, t] >= best)
+    return t2i, i2t
+
+
+def _fn(scores):
+    s = torch.as_tensor(scores, dtype=torch.float32)
+    return lambda rows: s[:, rows]
+
+
+def test_hand_made_case_with_ties_and_two_captions_per_image():
+    # images 0, 1, 2; captions 0, 1 -> image 0; 2, 3 -> image 1; 4 -> image 2
+    cap = [0, 0, 1, 1, 2]
+    s = np.array([[.9, .1, .5, .2, .3],
+                  [.9, .2, .8, .2, .1],
+                  [.1, .1, .8, .4, .3]])
+    t2i, i2t = ranks_from_scores(_fn(s), 3, torch.tensor(cap))
+    # caption 0: image 1 ties image 0 at .9 -> rank 2; caption 1: image 1 scores higher -> 2, image 2 ties
+    # -> 3; caption 2: image 2 ties -> 2; caption 3: image 2 higher -> 3 (image 0 ties too); caption 4: 1 tie -> 2
+    assert t2i.tolist() == [2, 3, 2, 3, 2]
+    # image 0: best own .9; others >= .9: none -> 1. image 1: best own .8; caption 0 (.9) -> 2.
+    # image 2: own .3; captions 0(.1) 1(.1) 2(.8) 3(.4) -> 3 others above -> 4
+    assert i2t.tolist() == [1, 2, 3]
+    ref_t, ref_i = brute_force(s, cap)
+    assert t2i.tolist() == ref_t.tolist() and i2t.tolist() == ref_i.tolist()
+    m = retrieval_metrics(_fn(s), 3, cap)
+    assert m["text_to_image"]["R@1"] == 0.0 and m["text_to_image"]["R@5"] == 100.0
+    assert m["image_to_text"]["R@1"] == pytest.approx(100 / 3)
+    assert m["image_to_text"]["median_rank"] == 2.0
+
+
+def test_constant_scorer_gets_no_credit_from_ties():
+    m = retrieval_metrics(_fn(np.zeros((4, 8))), 4, [0, 0, 1, 1, 2, 2, 3, 3])
+    assert m["text_to_image"]["R@1"] == 0.0 and m["image_to_text"]["R@1"] == 0.0
+    assert m["text_to_image"]["mean_rank"] == 4.0  # all 3 others tie ahead
+
+
+@pytest.mark.parametrize("chunk, max_bytes", [(7, 1 << 30), (7, 0), (1000, 0), (1, 1 << 30)])
+def test_chunked_stored_and_streaming_equal_brute_force(chunk, max_bytes):
+    rng = np.random.default_rng(0)
+    n_img, n_txt = 23, 61
+    cap = rng.integers(0, n_img, n_txt)
+    cap[:3] = 5  # one image with three captions; some images have none
+    s = rng.integers(0, 6, (n_img, n_txt)).astype(np.float32)  # small integers: many exact ties
+    t2i, i2t = ranks_from_scores(_fn(s), n_img, torch.tensor(cap), chunk=chunk, max_bytes=max_bytes)
+    ref_t, ref_i = brute_force(s, cap)
+    np.testing.assert_array_equal(t2i.numpy(), ref_t)
+    np.testing.assert_array_equal(i2t.numpy(), ref_i)
+    m = retrieval_metrics(_fn(s), n_img, cap, chunk=chunk, max_bytes=max_bytes)
+    assert m["images_without_captions"] == int((ref_i == 0).sum()) > 0
+    assert m["image_to_text"]["n"] == int((ref_i > 0).sum())
+    assert m["image_to_text"]["R@1"] == pytest.approx(100 * (ref_i[ref_i > 0] <= 1).mean())
+
+
+def test_feature_score_fn_is_the_matmul():
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(5, 8, generator=g), torch.randn(9, 8, generator=g)
+    fn = feature_score_fn(img, txt)
+    torch.testing.assert_close(fn(slice(2, 6)), img @ txt[2:6].T)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="outside"):
+        ranks_from_scores(_fn(np.zeros((2, 2))), 2, torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="at least one"):
+        ranks_from_scores(_fn(np.zeros((2, 0))), 2, torch.tensor([], dtype=torch.long))

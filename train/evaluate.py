@@ -1,0 +1,396 @@
+"""``python -m train.evaluate``: retrieval, zero-shot, compositional benchmarks and a linear probe, for one
+model or several side by side, with JSON + Markdown + PNG reports.
+
+Every model is an :class:`adapters.scoring.Scorer`: evaluation asks it for score matrices and never
+re-implements a method's scoring. Data:
+
+- ``--data TOYWORLD_DIR`` gives every task from the toy world: retrieval on the test split, zero-shot and
+  zero-shot on its single-object scenes (class = "colour shape"), a linear probe on object counts (train
+  split -> evaluated split), and the hard negatives per type.
+- ``--retrieval-data SOURCE`` (CSV/TSV, COCO JSON, webdataset: any extract data source), ``--zeroshot-data``
+  (image folder or ``filepath,label`` CSV, ``--labels`` for class names), ``--benchmark NAME=PATH``
+  (``sugarcrepe``, ``aro-vg-relation``, ``aro-vg-attribution``, ``winoground``, ``svo-probes``; images under
+  ``--image-root``) and ``--probe-data`` (a classification set, split into train / test by ``--probe-test``).
+
+A benchmark item whose image is missing is excluded and counted; a malformed benchmark file stops the run
+before any model is loaded, naming the file and line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from adapters.scoring import cat_reps, load_scorer, num_items, take_reps
+from extract.config import parse_with_config, save_config
+from extract.images import BadImage, decode_image
+from train.retrieval import retrieval_metrics
+from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
+                            read_classification, topk_accuracy)
+
+TASKS = ("retrieval", "zeroshot", "compositional", "linear_probe")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", action="append", default=None,
+                   help="backbone alias / open_clip name (repeat for a side-by-side comparison)")
+    p.add_argument("--pretrained", action="append", default=None,
+                   help="weights for each --model in order: tag, checkpoint path or 'none' (default: the alias's)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list from {', '.join(TASKS)}")
+    p.add_argument("--data", default=None, help="a toy-world folder: every task from it")
+    p.add_argument("--split", default="test", help="toy world split to evaluate")
+    p.add_argument("--retrieval-data", default=None, help="any extract data source for retrieval")
+    p.add_argument("--zeroshot-data", default=None, help="image folder or filepath,label CSV")
+    p.add_argument("--labels", default=None, help="class-name file for --zeroshot-data (txt or JSON)")
+    p.add_argument("--templates", default="imagenet80", choices=sorted(TEMPLATE_SETS),
+                   help="prompt templates for real data (the toy world uses its own caption style)")
+    p.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH",
+                   help="a compositional benchmark file / folder (repeatable)")
+    p.add_argument("--image-root", default=None, help="images of the --benchmark files")
+    p.add_argument("--probe-data", default=None, help="classification set for the linear probe")
+    p.add_argument("--probe-test", type=float, default=0.3, help="held-out fraction of --probe-data")
+    p.add_argument("--out", default="runs/eval", help="report folder")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    args = parse_with_config(p, argv)
+    args.model = args.model or ["tiny"]
+    args.pretrained = list(args.pretrained or [])
+    if len(args.pretrained) > len(args.model):
+        p.error("more --pretrained than --model values")
+    args.pretrained += [None] * (len(args.model) - len(args.pretrained))
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = set(args.tasks) - set(TASKS)
+    if unknown:
+        p.error(f"unknown task(s) {', '.join(sorted(unknown))}; choose from {', '.join(TASKS)}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------- data (before models)
+def _toy_classification(world: Path, split: str) -> ClassificationSet:
+    """Single-object scenes of a toy-world split, labelled "colour shape" (zero-shot and linear probe)."""
+    scenes = json.loads((world / "annotations.json").read_text())["scenes"]
+    chosen = [s for s in scenes if s.get("split") == split and len(s["objects"]) == 1]
+    labels = [f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}" for s in chosen]
+    classes = sorted(set(labels))
+    index = {c: k for k, c in enumerate(classes)}
+    return ClassificationSet(f"toyworld:{split}", [str(world / s["file_name"]) for s in chosen],
+                             [index[c] for c in labels], classes)
+
+
+def _toy_counting(world: Path, split: str) -> ClassificationSet:
+    """Every scene of a toy-world split labelled by its object count (the linear probe's toy task: each
+    count occurs in every split, unlike the colour x shape classes of single-object scenes)."""
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s.get("split") == split]
+    classes = [f"{n} object{'s' if n > 1 else ''}" for n in range(1, 1 + max((len(s["objects"]) for s in scenes),
+                                                                             default=1))]
+    return ClassificationSet(f"toyworld-count:{split}", [str(world / s["file_name"]) for s in scenes],
+                             [len(s["objects"]) - 1 for s in scenes], classes)
+
+
+def load_tasks(args) -> dict:
+    """Read every dataset and benchmark file first: a malformed file fails before any model loads."""
+    from train import benchmarks as bm
+
+    tasks: dict = {}
+    world = Path(args.data) if args.data else None
+    if world is not None and not (world / "annotations.json").is_file():
+        raise FileNotFoundError(f"--data {world} is not a toy-world folder (no annotations.json); generate one "
+                                "with python -m extract.toyworld --out DIR")
+    if "retrieval" in args.tasks:
+        from extract.data import open_source
+
+        spec = args.retrieval_data or (world if world else None)
+        if spec is not None:
+            opts = {"split": args.split} if (world and spec == world) else {}
+            tasks["retrieval"] = open_source(spec, **opts)
+    if "zeroshot" in args.tasks:
+        if args.zeroshot_data:
+            tasks["zeroshot"] = (read_classification(args.zeroshot_data, args.labels),
+                                 TEMPLATE_SETS[args.templates])
+        elif world:
+            tasks["zeroshot"] = (_toy_classification(world, args.split), ("a {}.", "a picture of a {}."))
+    if "compositional" in args.tasks:
+        found = []
+        if world:
+            found.append(bm.read_toyworld(world, split=args.split))
+        for entry in args.benchmark:
+            if "=" not in entry:
+                raise ValueError(f"--benchmark {entry!r}: expected NAME=PATH with NAME one of {', '.join(bm.READERS)}")
+            name, path = entry.split("=", 1)
+            found.append(bm.read_benchmark(name.strip(), path, image_root=args.image_root))
+        if found:
+            tasks["compositional"] = found
+    if "linear_probe" in args.tasks:
+        if args.probe_data:
+            full = read_classification(args.probe_data)
+            tasks["linear_probe"] = _split(full, args.probe_test, args.seed)
+        elif world:
+            tasks["linear_probe"] = (_toy_counting(world, "train"), _toy_counting(world, args.split))
+    missing = [t for t in args.tasks if t not in tasks]
+    if missing:
+        print(f"note: no data for {', '.join(missing)} (give --data TOYWORLD or the task's own flag); skipped")
+    return tasks
+
+
+def _split(full: ClassificationSet, test_fraction: float, seed: int):
+    order = np.random.default_rng(seed).permutation(len(full.paths))
+    n_test = max(1, int(round(len(order) * test_fraction)))
+    parts = []
+    for rows in (order[n_test:], order[:n_test]):
+        parts.append(ClassificationSet(full.name, [full.paths[i] for i in rows], [full.labels[i] for i in rows],
+                                       full.classes))
+    return tuple(parts)
+
+
+# --------------------------------------------------------------------------------------------- encoding
+def _load(path: str, crop=None):
+    image = decode_image(path).image
+    if crop is not None:
+        x, y, w, h = crop
+        image = image.crop((int(x), int(y), int(math.ceil(x + w)), int(math.ceil(y + h))))
+    return image
+
+
+@torch.no_grad()
+def encode_image_files(scorer, items: Sequence[tuple[str, object]], batch_size: int, desc: str):
+    """(reps of the readable images, kept positions, skipped [(position, reason)]); items = (path, crop)."""
+    parts, kept, skipped, batch = [], [], [], []
+    for k, (path, crop) in enumerate(tqdm(items, desc=desc, unit="img", leave=False)):
+        try:
+            batch.append(scorer.preprocess(_load(path, crop)))
+            kept.append(k)
+        except (BadImage, OSError) as e:
+            skipped.append((k, f"{type(e).__name__}: {e}"))
+        if len(batch) == batch_size:
+            parts.append(scorer.encode_images(torch.stack(batch)))
+            batch = []
+    if batch:
+        parts.append(scorer.encode_images(torch.stack(batch)))
+    return cat_reps(parts), kept, skipped
+
+
+@torch.no_grad()
+def encode_texts(scorer, texts: Sequence[str], batch_size: int):
+    return cat_reps([scorer.encode_texts(list(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
+
+
+# --------------------------------------------------------------------------------------------- tasks
+def run_retrieval(scorer, source, batch_size: int) -> dict:
+    records = source.records()
+    image_reps, kept, skipped = encode_image_files(scorer, [(r.source, None) for r in records], batch_size,
+                                                   "retrieval images")
+    texts, caption_image = [], []
+    for row, k in enumerate(kept):
+        for c in records[k].captions:
+            texts.append(c.text)
+            caption_image.append(row)
+    text_reps = encode_texts(scorer, texts, batch_size)
+    out = retrieval_metrics(lambda rows: scorer.score(image_reps, take_reps(text_reps, rows)), len(kept),
+                            torch.tensor(caption_image))
+    out.update(images=len(kept), captions=len(texts), skipped_images=len(skipped))
+    return out
+
+
+def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) -> dict:
+    image_reps, kept, skipped = encode_image_files(scorer, [(p, None) for p in data.paths], batch_size,
+                                                   "zero-shot images")
+    reps, groups = class_representations(scorer, data.classes, templates)
+    scores = class_scores(scorer, image_reps, reps, groups)
+    out = topk_accuracy(scores, torch.tensor([data.labels[k] for k in kept]))
+    out.update(classes=len(data.classes), templates=len(templates), skipped_images=len(skipped) + len(data.skipped))
+    return out
+
+
+def item_correct(kind: str, s: torch.Tensor) -> dict[str, bool]:
+    """Correctness of one item from its score matrix s [n_images, n_texts]; ties count as wrong."""
+    if kind == "text":  # one image, text 0 true
+        return {"acc": bool(s[0, 0] > s[0, 1:].max())}
+    if kind == "image":  # one text, image 0 true
+        return {"acc": bool(s[0, 0] > s[1:, 0].max())}
+    if kind == "group":  # Winoground (Thrush et al. 2022, sec. 3.3): c_k matches i_k
+        text = bool(s[0, 0] > s[0, 1] and s[1, 1] > s[1, 0])
+        image = bool(s[0, 0] > s[1, 0] and s[1, 1] > s[0, 1])
+        return {"text": text, "image": image, "group": text and image}
+    raise ValueError(f"unknown benchmark kind {kind!r}")
+
+
+def run_compositional(scorer, bench, batch_size: int) -> dict:
+    refs = [(p, item.crop) for item in bench.items for p in item.images]
+    image_reps, kept, skipped = encode_image_files(scorer, refs, batch_size, f"{bench.name} images")
+    row_of = {k: r for r, k in enumerate(kept)}
+    texts = [t for item in bench.items for t in item.texts]
+    text_reps = encode_texts(scorer, texts, batch_size)
+    per_type: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    unreadable = 0
+    i = t = 0
+    for item in bench.items:
+        rows = [row_of.get(i + k) for k in range(len(item.images))]
+        i += len(item.images)
+        cols = list(range(t, t + len(item.texts)))
+        t += len(item.texts)
+        if any(r is None for r in rows):
+            unreadable += 1  # excluded from the denominator, counted
+            continue
+        s = scorer.score(take_reps(image_reps, rows), take_reps(text_reps, cols))
+        for metric, ok in item_correct(bench.kind, s).items():
+            per_type[item.subtype][metric].append(ok)
+            per_type["all"][metric].append(ok)
+    table = {sub: {m: 100 * float(np.mean(v)) for m, v in ms.items()} | {"n": len(next(iter(ms.values())))}
+             for sub, ms in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
+    return {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
+            "excluded_items": bench.skipped[:50]}
+
+
+def run_linear_probe(scorer, train_set: ClassificationSet, test_set: ClassificationSet, batch_size: int,
+                     seed: int) -> dict:
+    from train.linear_probe import linear_probe
+
+    feats = []
+    for data in (train_set, test_set):
+        reps, kept, _ = encode_image_files(scorer, [(p, None) for p in data.paths], batch_size, "probe images")
+        x = reps.get("embed")
+        if x is None:
+            raise ValueError(f"{scorer.name}: the linear probe needs a global image embedding ('embed')")
+        feats.append((x.cpu(), [data.classes[data.labels[k]] for k in kept]))
+    (tx, ty), (vx, vy) = feats
+    known = set(ty)
+    keep = [k for k, y in enumerate(vy) if y in known]  # a class absent from train cannot be predicted
+    if not keep or len(set(ty)) < 2:
+        return {"skipped": "needs >= 2 classes in train and test images of those classes", "train": len(ty),
+                "test": len(keep)}
+    result = linear_probe(tx, ty, vx[keep], [vy[k] for k in keep], seed=seed)
+    return {k: v for k, v in result.items() if isinstance(v, (int, float, str))} | {
+        "train": len(ty), "test": len(keep), "test_classes_unseen_in_train": len(vy) - len(keep)}
+
+
+# --------------------------------------------------------------------------------------------- reports
+def headline(results: dict) -> dict[str, float]:
+    """The numbers a table shows for one model: flat {metric: value}."""
+    flat = {}
+    r = results.get("retrieval")
+    if r:
+        for d, tag in (("text_to_image", "T2I"), ("image_to_text", "I2T")):
+            for k in ("R@1", "R@5", "R@10"):
+                flat[f"retrieval {tag} {k}"] = r[d][k]
+    z = results.get("zeroshot")
+    if z:
+        flat["zero-shot top-1"] = z["top1"]
+        if "top5" in z:
+            flat["zero-shot top-5"] = z["top5"]
+    for name, c in (results.get("compositional") or {}).items():
+        for sub, row in c["per_type"].items():
+            for metric, v in row.items():
+                if metric != "n":
+                    flat[f"{name} {sub}" + ("" if metric == "acc" else f" {metric}")] = v
+    p = results.get("linear_probe")
+    if p and "top1" in p:
+        flat["linear probe top-1"] = p["top1"]
+    return flat
+
+
+def markdown(all_results: dict[str, dict]) -> str:
+    names = list(all_results)
+    rows = {}
+    for name in names:
+        for metric, v in headline(all_results[name]).items():
+            rows.setdefault(metric, {})[name] = v
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for metric, vals in rows.items():
+        lines.append(f"| {metric} | " + " | ".join(f"{vals[n]:.2f}" if n in vals else "–" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bar_plot(all_results: dict[str, dict], path: Path) -> Path | None:
+    """Grouped horizontal bars, one group per metric, one bar per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'plugvlm[train]'); no PNG written")
+        return None
+    names = list(all_results)
+    metrics = list(dict.fromkeys(m for n in names for m in headline(all_results[n])))
+    if not metrics:
+        return None
+    height = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(metrics) * max(1, len(names)) + 1.5))
+    for k, name in enumerate(names):
+        vals = headline(all_results[name])
+        ys = np.arange(len(metrics)) + k * height
+        ax.barh(ys, [vals.get(m, 0.0) for m in metrics], height=height, label=name)
+    ax.set_yticks(np.arange(len(metrics)) + height * (len(names) - 1) / 2)
+    ax.set_yticklabels(metrics, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("percent")
+    ax.set_xlim(0, 100)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- driver
+def evaluate(args) -> dict:
+    tasks = load_tasks(args)  # every file read and checked before a model loads
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    all_results: dict[str, dict] = {}
+    for model, pretrained in zip(args.model, args.pretrained):
+        started = time.perf_counter()
+        scorer = load_scorer(model, pretrained, device=args.device)
+        res: dict = {}
+        if "retrieval" in tasks:
+            res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], args.batch_size)
+        if "zeroshot" in tasks:
+            res["zeroshot"] = run_zeroshot(scorer, *tasks["zeroshot"], args.batch_size)
+        if "compositional" in tasks:
+            res["compositional"] = {b.name: run_compositional(scorer, b, args.batch_size)
+                                    for b in tasks["compositional"]}
+        if "linear_probe" in tasks:
+            res["linear_probe"] = run_linear_probe(scorer, *tasks["linear_probe"], args.batch_size, args.seed)
+        res["seconds"] = time.perf_counter() - started
+        label = scorer.name
+        while label in all_results:
+            label += "'"
+        all_results[label] = res
+    config = {k: v for k, v in vars(args).items()}
+    report = {"config": config, "results": all_results}
+    (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(markdown(all_results))
+    save_config(args, out / "config.json")
+    png = bar_plot(all_results, out / "results.png")
+    print(markdown(all_results))
+    print(f"reports: {out / 'results.json'}, {out / 'results.md'}" + (f", {png}" if png else ""))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from extract.weights import WeightsNotFoundError
+    from train.benchmarks import BenchmarkFormatError
+
+    try:
+        evaluate(args)
+    except (BenchmarkFormatError, WeightsNotFoundError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -108,3 +108,32 @@ def test_side_by_side_and_malformed_benchmark_fails_before_models(world, tmp_pat
                  "--pretrained", "none", "--pretrained", "none", "--out", str(out)]) == 0
     header = (out / "results.md").read_text().splitlines()[0]
     assert header.count("tiny:none") == 2
+
+
+def test_retrieval_from_the_feature_cache_matches_live_encoding(world, report, tmp_path):
+    from extract.pipeline import build_cache
+
+    build_cache(world, tmp_path / "cache", split="test", components=["patches"], workers=0, pretrained="none")
+    out = tmp_path / "cached"
+    assert main(["--data", str(world), "--tasks", "retrieval", "--cache", str(tmp_path / "cache"), "--model", "tiny",
+                 "--pretrained", "none", "--out", str(out)]) == 0
+    cached = json.loads((out / "results.json").read_text())["results"]["tiny:none"]["retrieval"]
+    live = report[1]["results"]["tiny:none"]["retrieval"]
+    assert cached["images"] == live["images"] and cached["captions"] == live["captions"]
+    # exactly the brute force over the cached (fp16) features ...
+    from extract.cache import FeatureCache
+
+    cache = FeatureCache.open(tmp_path / "cache")
+    img = cache.gather("image_embed", np.arange(cache.num_images)).astype(np.float32)
+    txt = cache.gather("text_embed", np.arange(cache.num_captions)).astype(np.float32)
+    t2i, i2t = brute_force(img @ txt.T, cache.caption_image_index())
+    for k in (1, 5, 10):
+        assert cached["text_to_image"][f"R@{k}"] == pytest.approx(100 * (t2i <= k).mean(), abs=1e-6)
+        assert cached["image_to_text"][f"R@{k}"] == pytest.approx(100 * (i2t[i2t > 0] <= k).mean(), abs=1e-6)
+    # ... and within fp16 rounding of live fp32 encoding: near-ties of the random model may flip a query or two
+    for d, n in (("text_to_image", live["captions"]), ("image_to_text", live["images"])):
+        for k in ("R@1", "R@5", "R@10"):
+            assert abs(cached[d][k] - live[d][k]) <= 2 * 100 / n + 1e-9
+    # a cache built by other weights is refused, naming the difference
+    assert main(["--tasks", "retrieval", "--cache", str(tmp_path / "cache"), "--model", "tiny-coca",
+                 "--pretrained", "none", "--out", str(tmp_path / "x")]) == 2

@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="a toy-world folder: every task from it")
     p.add_argument("--split", default="test", help="toy world split to evaluate")
     p.add_argument("--retrieval-data", default=None, help="any extract data source for retrieval")
+    p.add_argument("--cache", default=None,
+                   help="a python -m extract cache of the retrieval data: its global features are used instead of "
+                        "re-encoding (bare backbones whose weights match the cache's)")
     p.add_argument("--zeroshot-data", default=None, help="image folder or filepath,label CSV")
     p.add_argument("--labels", default=None, help="class-name file for --zeroshot-data (txt or JSON)")
     p.add_argument("--templates", default="imagenet80", choices=sorted(TEMPLATE_SETS),
@@ -112,7 +115,11 @@ def load_tasks(args) -> dict:
         from extract.data import open_source
 
         spec = args.retrieval_data or (world if world else None)
-        if spec is not None:
+        if args.cache:
+            from extract.cache import FeatureCache
+
+            tasks["retrieval"] = FeatureCache.open(args.cache)
+        elif spec is not None:
             opts = {"split": args.split} if (world and spec == world) else {}
             tasks["retrieval"] = open_source(spec, **opts)
     if "zeroshot" in args.tasks:
@@ -187,7 +194,29 @@ def encode_texts(scorer, texts: Sequence[str], batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------- tasks
+def run_retrieval_cached(scorer, cache) -> dict:
+    """Retrieval from a feature cache's global embeddings (fp16 on disk, scored in fp32): only for a bare
+    backbone identical to the one that built the cache (same architecture, preprocessing and weights hash)."""
+    from adapters.scoring import BackboneScorer
+    from extract.cache import settings_diff
+    from train.retrieval import feature_score_fn
+
+    if not isinstance(scorer, BackboneScorer):
+        raise ValueError(f"--cache holds bare-backbone features; {scorer.name} scores with its own method")
+    theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
+    if theirs != ours:
+        raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
+                         + "\n  ".join(settings_diff(theirs, ours)[:8]))
+    image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
+    text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
+    out = retrieval_metrics(feature_score_fn(image, text), cache.num_images, torch.from_numpy(cache.caption_image_index()))
+    out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
+    return out
+
+
 def run_retrieval(scorer, source, batch_size: int) -> dict:
+    if hasattr(source, "gather"):  # a FeatureCache
+        return run_retrieval_cached(scorer, source)
     records = source.records()
     image_reps, kept, skipped = encode_image_files(scorer, [(r.source, None) for r in records], batch_size,
                                                    "retrieval images")

@@ -1,0 +1,98 @@
+"""The contract every adapter head fulfils (ComAlign, SmartCLIP, PowerCLIP NLA, and any new method).
+
+A head is a small ``nn.Module`` trained on features of a frozen backbone. It never sees pixels or strings:
+its inputs are the arrays ``python -m extract`` caches (see ``extract/cache.py`` / the README's table), as
+torch tensors with a leading batch dimension:
+
+- per image (``image_keys``): e.g. ``image_embed [B, D]``, ``patch_tokens [B, N, D]``,
+  ``ventity_embed [B, E, D]`` + ``ventity_valid [B, E]``, ``region_masks [B, M, rows, cols]`` ...
+- per caption (``text_keys``): e.g. ``text_embed [B, D]``, ``token_embed [B, L, D]`` + ``token_mask``,
+  ``entity_embed [B, E, D]`` + ``entity_valid``, ``leaf_tokens [B, P, L]``, ``node_leaves [B, K, P]`` ...
+
+The same arrays come from the cache during training and from the live backbone + extractors at evaluation
+and serving time, so a head scores exactly the same way in both. The training loop (``train.adapter``)
+knows nothing about a method beyond this class: it reads ``components`` / ``extract_options`` to build the
+cache, feeds ``image_keys`` / ``text_keys`` batches to ``encode_image`` / ``encode_text``, calls ``loss``, and
+saves ``config`` + ``state_dict`` in the checkpoint.
+
+Representations (``Reps``) are dicts of tensors whose first dimension indexes items, as in
+:mod:`adapters.scoring`, so evaluation can chunk and concatenate them without knowing what is inside.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+Reps = dict[str, Tensor]
+
+
+class AdapterHead(nn.Module):
+    """Base class of registered adapter heads (``@ADAPTERS.register(name)`` on the subclass).
+
+    Subclasses set the class attributes and implement ``encode_image``, ``encode_text``, ``score`` and
+    ``loss``. ``Config`` is a dataclass whose defaults are the paper's settings; the head is rebuilt from
+    ``Config(**checkpoint_json["config"])`` and ``embed_dim`` alone.
+    """
+
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type] = type(None)
+    #: extraction components the cache must hold (subset of extract.pipeline.COMPONENTS)
+    components: ClassVar[tuple[str, ...]] = ()
+    #: extraction options this method needs beyond the defaults, e.g. {"regions": "random"}
+    extract_options: ClassVar[dict[str, Any]] = {}
+    #: cache arrays read per image / per caption
+    image_keys: ClassVar[tuple[str, ...]] = ("image_embed",)
+    text_keys: ClassVar[tuple[str, ...]] = ("text_embed",)
+
+    def __init__(self, config: Any, embed_dim: int):
+        super().__init__()
+        self.config = config
+        self.embed_dim = embed_dim
+
+    # -- the method ------------------------------------------------------------------------------------
+    def encode_image(self, batch: dict[str, Tensor]) -> Reps:
+        """image_keys arrays [B, ...] -> representation with first dim B."""
+        raise NotImplementedError
+
+    def encode_text(self, batch: dict[str, Tensor]) -> Reps:
+        """text_keys arrays [B, ...] -> representation with first dim B."""
+        raise NotImplementedError
+
+    def score(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        """[I, T] scores, higher = better match (what evaluation ranks by)."""
+        raise NotImplementedError
+
+    def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+        """Training objective on a batch of B matching pairs (pair b = image b, caption b); on many ranks the
+        global batch is the rank-ordered concatenation. Returns ``{"loss": scalar, <part>: detached scalar}``."""
+        raise NotImplementedError
+
+    def fit_inference(self, image_reps: Reps, text_reps: Reps, caption_image: Tensor) -> dict[str, float]:
+        """Optional: fit inference-only parameters (e.g. ComAlign's fusion weights, eq. 10-11) on a held-out
+        split after training; stored in the state dict. Returns what was fitted, for the log."""
+        return {}
+
+    # -- description -----------------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config) if dataclasses.is_dataclass(self.config) else dict(self.config)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any] | None, embed_dim: int) -> "AdapterHead":
+        """Rebuild from a checkpoint's JSON (unknown keys are an error: they mean another version)."""
+        fields = {f.name for f in dataclasses.fields(cls.Config)}
+        unknown = set(config or {}) - fields
+        if unknown:
+            raise ValueError(f"{cls.name}: unknown config key(s) {sorted(unknown)}; known: {sorted(fields)}")
+        return cls(cls.Config(**(config or {})), embed_dim)
+
+
+def to_tensors(batch: dict, device: torch.device | str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """numpy / tensor arrays -> tensors on ``device``; floating arrays (fp16 in the cache) become ``dtype``."""
+    out = {}
+    for k, v in batch.items():
+        t = torch.as_tensor(v)
+        out[k] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+    return out

@@ -1,0 +1,1 @@
+"""Pre-training objectives, one file each; every module here registers itself in ``adapters.registry.PRETRAIN``."""

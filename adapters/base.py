@@ -13,7 +13,12 @@ The same arrays come from the cache during training and from the live backbone +
 and serving time, so a head scores exactly the same way in both. The training loop (``train.adapter``)
 knows nothing about a method beyond this class: it reads ``components`` / ``extract_options`` to build the
 cache, feeds ``image_keys`` / ``text_keys`` batches to ``encode_image`` / ``encode_text``, calls ``loss``, and
-saves ``config`` + ``state_dict`` in the checkpoint.
+saves ``config`` + ``state_dict`` in the checkpoint. Every ``Config`` field also becomes a command-line flag of
+``python -m train.adapter`` (``--layers``, ``--train`` ...; the field's ``metadata["help"]`` is its help text).
+
+Optional hooks with defaults: ``score_directed`` (+ ``directional``) for heads whose text->image and
+image->text scores differ, ``fit_inference`` for inference-only parameters fitted on the validation split,
+``param_groups`` for the optimizer.
 
 Representations (``Reps``) are dicts of tensors whose first dimension indexes items, as in
 :mod:`adapters.scoring`, so evaluation can chunk and concatenate them without knowing what is inside.
@@ -46,6 +51,9 @@ class AdapterHead(nn.Module):
     #: cache arrays read per image / per caption
     image_keys: ClassVar[tuple[str, ...]] = ("image_embed",)
     text_keys: ClassVar[tuple[str, ...]] = ("text_embed",)
+    #: True when ``score_directed`` differs between "t2i" and "i2t" (evaluation then ranks each direction with
+    #: its own matrix); False: one matrix serves both
+    directional: ClassVar[bool] = False
 
     def __init__(self, config: Any, embed_dim: int):
         super().__init__()
@@ -65,6 +73,12 @@ class AdapterHead(nn.Module):
         """[I, T] scores, higher = better match (what evaluation ranks by)."""
         raise NotImplementedError
 
+    def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> Tensor:
+        """[I, T] scores for one retrieval direction: ``"t2i"`` (each text ranks the images, i.e. a column is
+        compared) or ``"i2t"`` (each image ranks the texts, a row is compared). Only heads whose directions
+        differ (``directional = True``, e.g. ComAlign eq. 10-11) override it; by default both are ``score``."""
+        return self.score(image_reps, text_reps)
+
     def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """Training objective on a batch of B matching pairs (pair b = image b, caption b); on many ranks the
         global batch is the rank-ordered concatenation. Returns ``{"loss": scalar, <part>: detached scalar}``."""
@@ -74,6 +88,17 @@ class AdapterHead(nn.Module):
         """Optional: fit inference-only parameters (e.g. ComAlign's fusion weights, eq. 10-11) on a held-out
         split after training; stored in the state dict. Returns what was fitted, for the log."""
         return {}
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups (the loop adds the learning rate). Default, as open_clip: weight decay on
+        matrices only; biases, norm gains and scalars (a logit scale) get none. Override for per-part learning
+        rates (a group may carry its own ``lr``)."""
+        decay, no_decay = [], []
+        for _, p in self.named_parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+        return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                            {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
 
     # -- description -----------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:

@@ -18,6 +18,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous. ``torch.distributed.nn.all_gather``'s
+    backward hands the gradient slices to a collective (alltoall on gloo) that reads them as if they were
+    contiguous; a strided gradient (e.g. from an einsum over the gathered tensor) then comes back scrambled --
+    the loss is right and the gradient silently wrong (found by the two-process test of train.pretrain)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def gather(x: Tensor, rank: int = 0, world_size: int = 1, *, with_grad: bool = True,
            keep_local_grad: bool = True) -> Tensor:
     """All-gather ``x`` [b, ...] from every rank into [world_size * b, ...] (rank order).
@@ -29,9 +44,11 @@ def gather(x: Tensor, rank: int = 0, world_size: int = 1, *, with_grad: bool = T
     if world_size <= 1:
         return x
     if with_grad:
-        import torch.distributed.nn  # noqa: F401  (registers the autograd all_gather)
+        # Imported as a name of its own: a bare ``import torch.distributed.nn`` here would make ``torch`` a
+        # local of this function and break the branch below (UnboundLocalError).
+        from torch.distributed import nn as dist_nn  # the autograd-aware all_gather
 
-        return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
+        return _ContiguousGrad.apply(torch.cat(dist_nn.all_gather(x.contiguous()), dim=0))
     parts = [torch.empty_like(x) for _ in range(world_size)]
     dist.all_gather(parts, x.detach().contiguous())
     if keep_local_grad:

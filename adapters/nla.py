@@ -43,20 +43,24 @@ def _full_precision(x: Tensor):
 
 
 def _prepare(q: Tensor, region_mask: Tensor | None, node_mask: Tensor | None):
-    """q in >= fp32; masks as float/bool broadcast to q's [..., M, K]; returns (q, rmask, nmask, K_valid)."""
+    """q in >= fp32; masks as bool broadcast to q's [..., M, K]. Returns (q, rmask [..., M, K],
+    nmask [..., M, K], node_ok [..., K], k_valid [...], m_valid [...]); the last three are taken from the
+    masks themselves so that M = 0 or K = 0 (every entry dropped) still works."""
     if q.dim() < 2:
         raise ValueError(f"q must be [..., M, K], got shape {tuple(q.shape)}")
     dtype = torch.promote_types(q.dtype, torch.float32)
     q = q.to(dtype)
     shape = q.shape
-    rmask = (torch.ones(shape[:-1], dtype=torch.bool, device=q.device) if region_mask is None
-             else region_mask.to(device=q.device, dtype=torch.bool))
-    nmask = (torch.ones((*shape[:-2], shape[-1]), dtype=torch.bool, device=q.device) if node_mask is None
-             else node_mask.to(device=q.device, dtype=torch.bool))
-    rmask = rmask.unsqueeze(-1).expand(shape)  # [..., M, K]
-    nmask = nmask.unsqueeze(-2).expand(shape)  # [..., M, K]
-    k_valid = nmask[..., 0, :].sum(-1)  # [...]
-    return q, rmask, nmask, k_valid
+    rm = (torch.ones(shape[:-1], dtype=torch.bool, device=q.device) if region_mask is None
+          else region_mask.to(device=q.device, dtype=torch.bool))
+    nm = (torch.ones((*shape[:-2], shape[-1]), dtype=torch.bool, device=q.device) if node_mask is None
+          else node_mask.to(device=q.device, dtype=torch.bool))
+    node_ok = nm.expand((*shape[:-2], shape[-1]))  # [..., K]
+    k_valid = node_ok.sum(-1)  # [...]
+    m_valid = rm.expand(shape[:-1]).sum(-1)  # [...]
+    rmask = rm.unsqueeze(-1).expand(shape)  # [..., M, K]
+    nmask = nm.unsqueeze(-2).expand(shape)  # [..., M, K]
+    return q, rmask, nmask, node_ok, k_valid, m_valid
 
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:
@@ -110,12 +114,12 @@ def t2r_exact(q: Tensor, region_mask: Tensor | None = None, node_mask: Tensor | 
     """
     with _full_precision(q):
         _check_exact(q)
-        q, rmask, nmask, k_valid = _prepare(q, region_mask, node_mask)
+        q, rmask, nmask, node_ok, k_valid, m_valid = _prepare(q, region_mask, node_mask)
         best = None
         for qab in _powerset_chunks(q, rmask, chunk):
             top = qab.amax(dim=-2)  # [..., K]
             best = top if best is None else torch.maximum(best, top)
-        best = torch.where(nmask[..., 0, :], best, torch.zeros_like(best))
+        best = torch.where(node_ok, best, torch.zeros_like(best))
         return _safe_div(best.sum(-1), k_valid)
 
 
@@ -127,11 +131,12 @@ def r2t_exact(q: Tensor, region_mask: Tensor | None = None, node_mask: Tensor | 
     """
     with _full_precision(q):
         m = _check_exact(q)
-        q, rmask, nmask, k_valid = _prepare(q, region_mask, node_mask)
-        node_ok = nmask[..., :1, :]  # [..., 1, K]
+        q, rmask, nmask, node_ok, k_valid, m_valid = _prepare(q, region_mask, node_mask)
+        if q.shape[-1] == 0:  # no node at all: 0 by convention (and no max over an empty set)
+            return q.sum(dim=(-2, -1)) * 0.0
         total = None
         for qab in _powerset_chunks(q, rmask, chunk):
-            o = qab.masked_fill(~node_ok, float("-inf")).amax(dim=-1)  # [..., C]
+            o = qab.masked_fill(~node_ok.unsqueeze(-2), float("-inf")).amax(dim=-1)  # [..., C]
             o = torch.where(torch.isfinite(o), o, torch.zeros_like(o))
             part = o.sum(-1)
             total = part if total is None else total + part
@@ -147,7 +152,7 @@ def nla_t1(q: Tensor, tau: float, region_mask: Tensor | None = None, node_mask: 
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
     with _full_precision(q):
-        q, rmask, nmask, k_valid = _prepare(q, region_mask, node_mask)
+        q, rmask, nmask, node_ok, k_valid, m_valid = _prepare(q, region_mask, node_mask)
         # F.softplus(x, beta) = log(1 + exp(beta x)) / beta, linear above beta x = 20 (error < 1e-8 tau).
         s = F.softplus(q, beta=1.0 / tau)
         s = torch.where(rmask & nmask, s, torch.zeros_like(s))
@@ -167,10 +172,10 @@ def nla_t2(q: Tensor, tau: float, alpha: float, region_mask: Tensor | None = Non
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
     with _full_precision(q):
-        q, rmask, nmask, k_valid = _prepare(q, region_mask, node_mask)
+        q, rmask, nmask, node_ok, k_valid, m_valid = _prepare(q, region_mask, node_mask)
         z = zeta(q / (2.0 * tau), alpha)
         z = torch.where(rmask, z, torch.zeros_like(z)).sum(-2)  # [..., K]; zeta(0) = 0 but masks are explicit
-        z = z.masked_fill(~nmask[..., 0, :], float("-inf"))
+        z = z.masked_fill(~node_ok, float("-inf"))
         lse = torch.logsumexp(z, dim=-1)
         logk = torch.log(k_valid.clamp_min(1).to(q.dtype))
         out = tau * (lse - (1.0 - alpha) * logk)
@@ -181,15 +186,18 @@ def nla_t2_bounds(q: Tensor, tau: float, alpha: float, region_mask: Tensor | Non
                   node_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(lower, Lambda(alpha), upper) of eq. 76, for tests and the report. Shapes [...]."""
     with _full_precision(q):
-        q, rmask, nmask, k_valid = _prepare(q, region_mask, node_mask)
+        q, rmask, nmask, node_ok, k_valid, m_valid = _prepare(q, region_mask, node_mask)
         qz = torch.where(rmask, q, torch.zeros_like(q))
         gamma = (1.0 - alpha) / 2.0 * qz.sum(-2) + alpha * qz.clamp_min(0).sum(-2)  # [..., K] (eq. 45)
-        lam = gamma.masked_fill(~nmask[..., 0, :], float("-inf")).amax(-1)
+        lam = (gamma.masked_fill(~node_ok, float("-inf")).amax(-1) if q.shape[-1]
+               else gamma.sum(-1) * 0.0)  # no node at all
         lam = torch.where(k_valid > 0, lam, torch.zeros_like(lam))
-        m_valid = rmask[..., :, 0].sum(-1).to(q.dtype)
+        m_valid = m_valid.to(q.dtype)
         logk = torch.log(k_valid.clamp_min(1).to(q.dtype))
         lower = lam - tau * (alpha * m_valid * _LOG2 + (1.0 - alpha) * logk)
         upper = lam + tau * alpha * logk
+        # No valid node: nla_t2 is 0 by convention, so the bounds collapse onto it.
+        lower = torch.where(k_valid > 0, lower, torch.zeros_like(lower))
         return lower, lam, upper
 
 
@@ -240,7 +248,8 @@ class NLAConfig:
 
 def _pair_block(regions: Tensor, region_mask: Tensor, nodes: Tensor, node_mask: Tensor,
                 cfg: NLAConfig) -> tuple[Tensor, Tensor]:
-    """T2R and R2T NLAs for every (image, text) pair of a block: [bi, bj] each."""
+    """Reference path: T2R and R2T NLAs for every (image, text) pair of a block via :func:`nla_t1` /
+    :func:`nla_t2` on the materialised q [bi, bj, M, K] (plain autograd). [bi, bj] each."""
     bi, m, d = regions.shape
     bj, k, _ = nodes.shape
     # One GEMM: [bi*M, d] x [d, bj*K], then view as [bi, bj, M, K] (no copy of the big tensor).
@@ -250,16 +259,113 @@ def _pair_block(regions: Tensor, region_mask: Tensor, nodes: Tensor, node_mask: 
     return nla_t1(q, cfg.tau_t1, rm, nm), nla_t2(q, cfg.tau_t2, cfg.alpha, rm, nm)
 
 
+class _SoftplusSum(torch.autograd.Function):
+    """``U[i, j, B] = sum_m w[i, m] tau softplus(<r_im, p_jB> / tau)`` for each tau, the one [.., M, K]-sized
+    quantity both NLAs need (see :func:`pair_similarities`). Memory-lean on purpose: the backward keeps only
+    the embeddings and recomputes q with one GEMM (the cost of checkpointing without its second forward),
+    and the [bi, M, bj*K] temporaries are updated in place.
+
+    regions [bi, M, d] (rows with w = 0 must be zero), w [bi, M] (0/1), nodes [bj, K, d]; returns one
+    [bi, bj, K] tensor per tau. First-order only (``once_differentiable``).
+    """
+
+    @staticmethod
+    def forward(ctx, regions: Tensor, w: Tensor, nodes: Tensor, taus: tuple[float, ...]):
+        bi, m, d = regions.shape
+        bj, k, _ = nodes.shape
+        ctx.save_for_backward(regions, w, nodes)
+        ctx.taus = taus
+        q = torch.matmul(regions, nodes.reshape(bj * k, d).T)  # [bi, M, bj*K], contiguous
+        out = []
+        for tau in taus:
+            s = F.softplus(q, beta=1.0 / tau)  # tau softplus(q / tau); exactly linear above q / tau = 20
+            # sum over m weighted by the region mask: a batched [1, M] x [M, bj*K] product reads s once.
+            out.append(torch.matmul(w.unsqueeze(1), s).view(bi, bj, k))
+            del s
+        return tuple(out)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        regions, w, nodes = ctx.saved_tensors
+        bi, m, d = regions.shape
+        bj, k, _ = nodes.shape
+        flat_nodes = nodes.reshape(bj * k, d)
+        q = torch.matmul(regions, flat_nodes.T)  # recomputed, [bi, M, bj*K]
+        g = None
+        for tau, gu in zip(ctx.taus, grads):
+            if gu is None:
+                continue
+            gu = gu.reshape(bi, 1, bj * k)
+            # d(tau softplus(q / tau)) / dq = sigmoid(q / tau); the last term reuses q's storage.
+            if g is None:
+                g = torch.sigmoid(q / tau).mul_(gu)
+            else:
+                g.add_(q.mul_(1.0 / tau).sigmoid_().mul_(gu))
+        if g is None:
+            return None, None, None, None
+        # G [bi, M, bj*K] is dU/dq; padded regions (w = 0) take no part: weight them out of both products.
+        g2 = g.view(bi * m, bj * k)
+        d_regions = d_nodes = None
+        if ctx.needs_input_grad[0]:
+            d_regions = (g2 @ flat_nodes).view(bi, m, d) * w.unsqueeze(-1)
+        if ctx.needs_input_grad[2]:
+            d_nodes = (g2.T @ (regions * w.unsqueeze(-1)).reshape(bi * m, d)).view(bj, k, d)
+        return d_regions, None, d_nodes, None
+
+
+def _pair_block_fused(regions: Tensor, region_mask: Tensor, nodes: Tensor, node_mask: Tensor,
+                      cfg: NLAConfig) -> tuple[Tensor, Tensor]:
+    """Fast path of one block: both NLAs from ``U^tau[i, j, B] = sum_m tau softplus(Q_{m,B} / tau)`` and
+    ``Qbar[i, j, B] = sum_m Q_{m,B}``, using ``log cosh x = softplus(2x) - x - log 2``, so that
+    ``sum_m zeta_a(Q_{m,B} / 2 tau) = (1 - a) Qbar_B / (2 tau) + a U_B / tau - a M log 2`` (Def. 2, eq. 66):
+
+    - T1 = (1/K) sum_B U^{tau1}_B                                        (Def. 1)
+    - T2 = tau2 [logsumexp_B ((1 - a) Qbar_B / (2 tau2) + a U^{tau2}_B / tau2) - a M log 2 - (1 - a) log K]
+
+    The only [bi, bj, M, K]-sized work is one GEMM and one softplus per distinct tau (two passes when
+    tau1 = tau2, the paper's setting) instead of a dozen elementwise passes; everything else is [bi, bj, K].
+    Padded regions / nodes must already be zero (:func:`pair_similarities` zeroes them once, so garbage in
+    padding, even inf, cannot leak into a product). Same results as :func:`_pair_block` up to float rounding
+    (tested).
+    """
+    rmask, nmask = region_mask.to(torch.bool), node_mask.to(torch.bool)
+    w = rmask.to(regions.dtype)  # [bi, M]
+    bj, k, d = nodes.shape
+    a, tau1, tau2 = cfg.alpha, cfg.tau_t1, cfg.tau_t2
+    taus = (tau1,) if (tau1 == tau2 or a == 0.0) else (tau1, tau2)
+    us = _SoftplusSum.apply(regions, w, nodes, taus)
+    u1 = us[0]
+    u2 = us[-1] if a != 0.0 else None
+    k_valid = nmask.sum(-1).to(regions.dtype)  # [bj]
+    m_valid = w.sum(-1)  # [bi]
+    nm = nmask.unsqueeze(0)  # [1, bj, K]
+    t2r = _safe_div(torch.where(nm, u1, torch.zeros_like(u1)).sum(-1), k_valid.unsqueeze(0))
+    qbar = (regions.sum(1) @ nodes.reshape(bj * k, d).T).view(-1, bj, k)  # sum_m Q_{m,B}: [bi, bj, K]
+    z = ((1.0 - a) / (2.0 * tau2)) * qbar
+    if u2 is not None:
+        z = z + (a / tau2) * u2
+    lse = torch.logsumexp(z.masked_fill(~nm, float("-inf")), dim=-1)  # [bi, bj]
+    logk = torch.log(k_valid.clamp_min(1)).unsqueeze(0)
+    r2t = tau2 * (lse - a * _LOG2 * m_valid.unsqueeze(1) - (1.0 - a) * logk)
+    r2t = torch.where(k_valid.unsqueeze(0) > 0, r2t, torch.zeros_like(r2t))
+    return t2r, r2t
+
+
 def pair_similarities(regions: Tensor, region_mask: Tensor, nodes: Tensor, node_mask: Tensor,
                       cfg: NLAConfig = NLAConfig(), *, chunk_size: int = 64,
-                      checkpoint: bool | None = None) -> tuple[Tensor, Tensor]:
+                      checkpoint: bool | None = None, fused: bool = True) -> tuple[Tensor, Tensor]:
     """T2R and R2T (NLA-T1 / NLA-T2) matrices [Bi, Bj] for every image against every text.
 
     regions [Bi, M, d] (unit rows), region_mask [Bi, M]; nodes [Bj, K, d], node_mask [Bj, K].
-    Peak memory is bounded by ``chunk_size`` image rows at a time (chunk_size x Bj x M x K floats and a few
-    elementwise temporaries), never the whole Bi x Bj x M x K tensor. Under autograd each chunk is
-    recomputed in the backward pass (``torch.utils.checkpoint``) so training keeps that bound too;
-    ``checkpoint=False`` trades that memory for speed.
+    Peak memory is bounded by ``chunk_size`` image rows at a time (about two chunk_size x Bj x M x K float
+    tensors, plus [Bi, Bj, K]-sized ones for the logsumexp), never the whole Bi x Bj x M x K tensor.
+
+    ``fused=True`` (default): :func:`_pair_block_fused`, whose backward recomputes each chunk's q from the
+    embeddings (so training keeps the bound). ``fused=False``: the reference path (:func:`nla_t1` /
+    :func:`nla_t2` on q under plain autograd), where ``checkpoint`` (default: when gradients are needed)
+    recomputes each chunk in the backward pass (``torch.utils.checkpoint``) and ``checkpoint=False`` keeps
+    every chunk's temporaries. Both paths agree up to float rounding (tested).
     """
     with _full_precision(regions):
         dtype = torch.promote_types(torch.promote_types(regions.dtype, nodes.dtype), torch.float32)
@@ -268,13 +374,18 @@ def pair_similarities(regions: Tensor, region_mask: Tensor, nodes: Tensor, node_
         node_mask = node_mask.to(torch.bool)
         if checkpoint is None:
             checkpoint = torch.is_grad_enabled() and (regions.requires_grad or nodes.requires_grad)
+        block = _pair_block_fused if fused else _pair_block
+        if fused:  # zero the padding once (not per chunk: each chunk's backward keeps its inputs alive)
+            zero = torch.zeros((), dtype=dtype, device=regions.device)
+            regions = torch.where(region_mask.unsqueeze(-1), regions, zero)
+            nodes = torch.where(node_mask.unsqueeze(-1), nodes, zero)
         t2r, r2t = [], []
         for s in range(0, regions.shape[0], max(1, chunk_size)):
             args = (regions[s:s + chunk_size], region_mask[s:s + chunk_size], nodes, node_mask)
-            if checkpoint and regions.shape[0] > chunk_size:
-                a, b = torch.utils.checkpoint.checkpoint(_pair_block, *args, cfg, use_reentrant=False)
+            if not fused and checkpoint and regions.shape[0] > chunk_size:
+                a, b = torch.utils.checkpoint.checkpoint(block, *args, cfg, use_reentrant=False)
             else:
-                a, b = _pair_block(*args, cfg)
+                a, b = block(*args, cfg)
             t2r.append(a)
             r2t.append(b)
         return torch.cat(t2r), torch.cat(r2t)

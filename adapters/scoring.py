@@ -23,6 +23,10 @@ class Scorer(Protocol):
 
     encode_images([B, 3, H, W]) -> Reps with first dim B; encode_texts(list of B str) -> Reps with first dim B;
     score(image_reps (I items), text_reps (T items)) -> float tensor [I, T], higher = better match.
+    Optional, for adapters (see :mod:`adapters.adapter_scorer`): ``encode_pil(pil_images, ids)`` when
+    components are computed from the decoded image (crops, detections) and the image's id (ground-truth
+    boxes); ``directional = True`` with ``score_directed(image_reps, text_reps, "t2i" | "i2t")`` when the two
+    retrieval directions score differently (ComAlign eq. 10-11).
     ``ensemble(text_reps, groups)`` (optional): merge the texts of each group (prompt templates of one class)
     into one representation per group, in group order; without it, zero-shot averages scores over templates.
     """
@@ -85,12 +89,38 @@ class BackboneScorer:
         return {"embed": torch.nn.functional.normalize(total, dim=-1)}
 
 
+def is_adapter_path(model: str) -> bool:
+    """True when ``--model`` names an adapter checkpoint file or a training run folder holding one."""
+    import os
+
+    return model.endswith(".safetensors") or os.path.isfile(os.path.join(model, "adapter.safetensors"))
+
+
 def load_scorer(model: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
-                precision: str = "fp32") -> Scorer:
+                precision: str = "fp32", annotations=None, detector: str | None = None) -> Scorer:
     """The scorer for ``--model``: a backbone alias / open_clip name, with ``pretrained`` a tag, a checkpoint
-    path or 'none'. Adapter checkpoints join here through the method registry (they describe themselves)."""
+    path or 'none'; or an adapter checkpoint (``RUN/adapter.safetensors`` or the run folder), rebuilt from the
+    file alone through the method registry (``pretrained`` then relocates its base weights). ``annotations`` /
+    ``detector``: boxes for adapters trained on ground-truth boxes (see :mod:`adapters.adapter_scorer`);
+    ignored by bare backbones."""
+    if is_adapter_path(model):
+        from adapters.adapter_scorer import AdapterScorer
+
+        return AdapterScorer.from_checkpoint(model, device=device, pretrained=pretrained, annotations=annotations,
+                                             detector=detector)
     from extract.backbone import load_backbone
 
     backbone = load_backbone(model, pretrained, device=device, precision=precision)
     label = model if pretrained is None else f"{model}:{pretrained}"
+    # A pre-trained checkpoint (python -m train.pretrain) names its method; a method that scores with more than
+    # the global embeddings (FILIP's late interaction) provides its scorer through the PRETRAIN registry.
+    from extract.weights import checkpoint_sidecar
+
+    sidecar = checkpoint_sidecar(backbone.weights.path) if backbone.weights.kind == "file" else None
+    if sidecar is not None:
+        from adapters.registry import PRETRAIN
+
+        method = PRETRAIN.get(sidecar["method"]) if sidecar.get("method") in PRETRAIN else None
+        if hasattr(method, "scorer"):
+            return method.scorer(backbone, name=label)
     return BackboneScorer(backbone, name=label)

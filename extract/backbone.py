@@ -25,7 +25,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract.tokens import TokenizedText, tokenize_with_spans
-from extract.weights import ResolvedWeights, WeightsNotFoundError, file_sha256, resolve_weights
+from extract.weights import (ResolvedWeights, WeightsNotFoundError, checkpoint_sidecar, file_sha256,
+                             resolve_weights)
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +352,12 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
     if spec.requires_file and spec.pretrained is None:
         raise WeightsNotFoundError(f"{base} has no public open_clip tag; its weights come as a file.\n{spec.hint}")
     weights = resolve_weights(spec.model, spec.pretrained, cache_dir=cache_dir, offline=offline, hint=spec.hint)
+    sidecar = checkpoint_sidecar(weights.path) if weights.kind == "file" else None
+    if sidecar is not None:  # a python -m train.pretrain checkpoint says what it was trained as
+        if sidecar.get("model") != spec.model:
+            raise ValueError(f"{weights.path} was pre-trained as {sidecar.get('model')!r}, not {spec.model!r}: "
+                             f"pass --base {sidecar.get('model')}")
+        spec = replace(spec, quick_gelu=bool(sidecar.get("quick_gelu")))  # not the alias's OpenAI default
     tag_cfg = weights.tag_cfg or {}
     quick_gelu = spec.quick_gelu or bool(tag_cfg.get("quick_gelu", False))
     # open_clip merges a tag's preprocessing (mean/std/interpolation/resize) only when it loads the tag

@@ -170,3 +170,23 @@ def file_sha256(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# A checkpoint written by ``python -m train.pretrain`` carries a JSON description next to its weights
+# (``X.safetensors`` -> ``X.json``): the open_clip model name and config, QuickGELU, the method, the run.
+SIDECAR_FORMAT = "plugvlm-pretrain"
+
+
+def checkpoint_sidecar(path: str | os.PathLike) -> dict | None:
+    """The description ``train.pretrain`` wrote next to checkpoint ``path`` (same name, ``.json``), or None
+    when there is none (any other checkpoint)."""
+    import json
+
+    side = Path(path).with_suffix(".json")
+    if not side.is_file():
+        return None
+    try:
+        data = json.loads(side.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == SIDECAR_FORMAT else None

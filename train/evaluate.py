@@ -44,7 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", action="append", default=None,
-                   help="backbone alias / open_clip name (repeat for a side-by-side comparison)")
+                   help="backbone alias / open_clip name, or an adapter checkpoint (RUN/adapter.safetensors or the "
+                        "run folder) (repeat for a side-by-side comparison)")
     p.add_argument("--pretrained", action="append", default=None,
                    help="weights for each --model in order: tag, checkpoint path or 'none' (default: the alias's)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list from {', '.join(TASKS)}")
@@ -63,6 +64,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-root", default=None, help="images of the --benchmark files")
     p.add_argument("--probe-data", default=None, help="classification set for the linear probe")
     p.add_argument("--probe-test", type=float, default=0.3, help="held-out fraction of --probe-data")
+    p.add_argument("--annotations", default=None,
+                   help="boxes for adapters trained on ground-truth boxes: objects.json or a toy-world folder "
+                        "(default: --data when it is a toy world)")
+    p.add_argument("--detector", default=None, help="YOLO weights: detect boxes for adapters instead of annotations")
     p.add_argument("--out", default="runs/eval", help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=128)
@@ -172,20 +177,42 @@ def _load(path: str, crop=None):
 
 @torch.no_grad()
 def encode_image_files(scorer, items: Sequence[tuple[str, object]], batch_size: int, desc: str):
-    """(reps of the readable images, kept positions, skipped [(position, reason)]); items = (path, crop)."""
+    """(reps of the readable images, kept positions, skipped [(position, reason)]); items = (path, crop).
+
+    Scorers with ``encode_pil`` (adapters whose components are cropped or detected on the original image) get
+    the decoded images and their ids (the path; a cropped item's id names the crop, so annotated boxes of the
+    whole image are not applied to it)."""
+    pil = hasattr(scorer, "encode_pil")
     parts, kept, skipped, batch = [], [], [], []
+
+    def flush():
+        if pil:
+            parts.append(scorer.encode_pil([im for im, _ in batch], [i for _, i in batch]))
+        else:
+            parts.append(scorer.encode_images(torch.stack(batch)))
+        batch.clear()
+
     for k, (path, crop) in enumerate(tqdm(items, desc=desc, unit="img", leave=False)):
         try:
-            batch.append(scorer.preprocess(_load(path, crop)))
+            image = _load(path, crop)
+            batch.append((image, path if crop is None else f"{path}#crop={','.join(map(str, crop))}") if pil
+                         else scorer.preprocess(image))
             kept.append(k)
         except (BadImage, OSError) as e:
             skipped.append((k, f"{type(e).__name__}: {e}"))
         if len(batch) == batch_size:
-            parts.append(scorer.encode_images(torch.stack(batch)))
-            batch = []
+            flush()
     if batch:
-        parts.append(scorer.encode_images(torch.stack(batch)))
+        flush()
     return cat_reps(parts), kept, skipped
+
+
+def directed_scorer(scorer, direction: str):
+    """score function (image_reps, text_reps) -> [I, T] for one direction ("t2i": texts rank images, "i2t":
+    images rank texts); the plain ``score`` for scorers whose directions agree."""
+    if getattr(scorer, "directional", False):
+        return lambda i, t: scorer.score_directed(i, t, direction)
+    return scorer.score
 
 
 @torch.no_grad()
@@ -226,10 +253,24 @@ def run_retrieval(scorer, source, batch_size: int) -> dict:
             texts.append(c.text)
             caption_image.append(row)
     text_reps = encode_texts(scorer, texts, batch_size)
-    out = retrieval_metrics(lambda rows: scorer.score(image_reps, take_reps(text_reps, rows)), len(kept),
-                            torch.tensor(caption_image))
+    out = retrieval_from_reps(scorer, image_reps, text_reps, torch.tensor(caption_image))
     out.update(images=len(kept), captions=len(texts), skipped_images=len(skipped))
     return out
+
+
+def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tensor) -> dict:
+    """retrieval_metrics on encoded images and captions; a directional scorer ranks each direction with its own
+    score matrix (text->image ranks from "t2i" scores, image->text ranks from "i2t")."""
+    n_images = num_items(image_reps)
+
+    def metrics(score):
+        return retrieval_metrics(lambda rows: score(image_reps, take_reps(text_reps, rows)), n_images, caption_image)
+
+    if not getattr(scorer, "directional", False):
+        return metrics(scorer.score)
+    t2i, i2t = metrics(directed_scorer(scorer, "t2i")), metrics(directed_scorer(scorer, "i2t"))
+    return {"text_to_image": t2i["text_to_image"], "image_to_text": i2t["image_to_text"],
+            "images_without_captions": t2i["images_without_captions"]}
 
 
 def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) -> dict:
@@ -242,38 +283,47 @@ def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) ->
     return out
 
 
-def item_correct(kind: str, s: torch.Tensor) -> dict[str, bool]:
-    """Correctness of one item from its score matrix s [n_images, n_texts]; ties count as wrong."""
+def item_correct(kind: str, s: torch.Tensor, s_t2i: torch.Tensor | None = None) -> dict[str, bool]:
+    """Correctness of one item from its score matrix s [n_images, n_texts]; ties count as wrong.
+
+    ``s_t2i`` (directional scorers): the text->image matrix, used where texts choose between images ("image"
+    items, Winoground's image score); ``s`` is then the image->text matrix."""
+    s_t2i = s if s_t2i is None else s_t2i
     if kind == "text":  # one image, text 0 true
         return {"acc": bool(s[0, 0] > s[0, 1:].max())}
     if kind == "image":  # one text, image 0 true
-        return {"acc": bool(s[0, 0] > s[1:, 0].max())}
+        return {"acc": bool(s_t2i[0, 0] > s_t2i[1:, 0].max())}
     if kind == "group":  # Winoground (Thrush et al. 2022, sec. 3.3): c_k matches i_k
         text = bool(s[0, 0] > s[0, 1] and s[1, 1] > s[1, 0])
-        image = bool(s[0, 0] > s[1, 0] and s[1, 1] > s[0, 1])
+        image = bool(s_t2i[0, 0] > s_t2i[1, 0] and s_t2i[1, 1] > s_t2i[0, 1])
         return {"text": text, "image": image, "group": text and image}
     raise ValueError(f"unknown benchmark kind {kind!r}")
 
 
 def run_compositional(scorer, bench, batch_size: int) -> dict:
-    refs = [(p, item.crop) for item in bench.items for p in item.images]
+    # Items share images and texts (SugarCrepe reuses COCO images, the toy world has several negatives per
+    # caption): each distinct (image, crop) and text is encoded once; scores are the same either way.
+    refs = list(dict.fromkeys((p, item.crop) for item in bench.items for p in item.images))
+    ref_index = {r: k for k, r in enumerate(refs)}
     image_reps, kept, skipped = encode_image_files(scorer, refs, batch_size, f"{bench.name} images")
     row_of = {k: r for r, k in enumerate(kept)}
-    texts = [t for item in bench.items for t in item.texts]
+    texts = list(dict.fromkeys(t for item in bench.items for t in item.texts))
+    text_index = {t: k for k, t in enumerate(texts)}
     text_reps = encode_texts(scorer, texts, batch_size)
     per_type: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     unreadable = 0
-    i = t = 0
     for item in bench.items:
-        rows = [row_of.get(i + k) for k in range(len(item.images))]
-        i += len(item.images)
-        cols = list(range(t, t + len(item.texts)))
-        t += len(item.texts)
+        rows = [row_of.get(ref_index[(p, item.crop)]) for p in item.images]
+        cols = [text_index[t] for t in item.texts]
         if any(r is None for r in rows):
             unreadable += 1  # excluded from the denominator, counted
             continue
-        s = scorer.score(take_reps(image_reps, rows), take_reps(text_reps, cols))
-        for metric, ok in item_correct(bench.kind, s).items():
+        img, txt = take_reps(image_reps, rows), take_reps(text_reps, cols)
+        if getattr(scorer, "directional", False):
+            ok_by = item_correct(bench.kind, scorer.score_directed(img, txt, "i2t"), scorer.score_directed(img, txt, "t2i"))
+        else:
+            ok_by = item_correct(bench.kind, scorer.score(img, txt))
+        for metric, ok in ok_by.items():
             per_type[item.subtype][metric].append(ok)
             per_type["all"][metric].append(ok)
     table = {sub: {m: 100 * float(np.mean(v)) for m, v in ms.items()} | {"n": len(next(iter(ms.values())))}
@@ -286,6 +336,8 @@ def run_linear_probe(scorer, train_set: ClassificationSet, test_set: Classificat
                      seed: int) -> dict:
     from train.linear_probe import linear_probe
 
+    if not getattr(scorer, "has_global_embedding", True):  # e.g. adapters: sets of components, not one vector
+        return {"skipped": f"{scorer.name} has no single global image embedding to probe"}
     feats = []
     for data in (train_set, test_set):
         reps, kept, _ = encode_image_files(scorer, [(p, None) for p in data.paths], batch_size, "probe images")
@@ -381,7 +433,8 @@ def evaluate(args) -> dict:
     all_results: dict[str, dict] = {}
     for model, pretrained in zip(args.model, args.pretrained):
         started = time.perf_counter()
-        scorer = load_scorer(model, pretrained, device=args.device)
+        scorer = load_scorer(model, pretrained, device=args.device, detector=args.detector,
+                             annotations=args.annotations or (args.data if args.data else None))
         res: dict = {}
         if "retrieval" in tasks:
             res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], args.batch_size)

@@ -1,0 +1,213 @@
+"""A trained adapter as a :class:`adapters.scoring.Scorer`: frozen backbone + live component extraction + head.
+
+The head was trained on cached arrays (``python -m extract``). To score new images and texts, the
+:class:`LiveExtractor` recomputes exactly those arrays with the pipeline's own code
+(:class:`extract.pipeline.ShardBuilder`) and the cache's own settings (stored in the checkpoint): the same
+backbone (weights checked by SHA-256), crops of the same boxes embedded the same way, the same spaCy rules,
+the same fp16 rounding. The head then sees what it saw in training.
+
+Boxes: a head trained on ground-truth boxes (the toy world, ``--annotations objects.json``) needs boxes for
+the images it scores: pass ``annotations`` (a toy-world folder, a Visual-Genome ``objects.json`` or a dict keyed
+by image id / file name), or ``detector`` (YOLO weights) to detect them instead. Images are identified by the
+ids the caller gives (evaluation passes file paths; a path whose file name an annotation names maps to that
+annotation's image id, which also seeds random regions exactly as in the cache).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from adapters.base import AdapterHead, Reps, to_tensors
+from adapters.checkpoint import CheckpointError, load_adapter
+
+
+def load_annotations(spec) -> dict[str, dict]:
+    """Ground-truth boxes by image id and by file name: from a dict (returned as is), a toy-world folder or its
+    ``annotations.json`` (every split), or a Visual-Genome-style ``objects.json``."""
+    if spec is None or isinstance(spec, dict):
+        return spec
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "annotations.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"annotations {spec}: no such file or toy-world folder")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(data, dict) and isinstance(data.get("scenes"), list):  # a toy world
+        out = {}
+        for scene in data["scenes"]:
+            out[str(scene["image_id"])] = scene
+            if scene.get("file_name"):
+                out.setdefault(os.path.basename(scene["file_name"]), scene)
+        return out
+    from extract.regions import load_box_annotations
+
+    return load_box_annotations(path)
+
+
+def _extract_defaults() -> dict:
+    from extract.pipeline import build_parser
+
+    p = build_parser()
+    return {a.dest: a.default for a in p._actions if a.dest not in ("help",)}
+
+
+class LiveExtractor:
+    """The cache's arrays for new images / texts (module docstring).
+
+    ``extraction_args``: the resolved ``python -m extract`` arguments of the training cache (its
+    ``config.json``); ``box_source``: the cache's box source (``"gt"`` / ``"yolo"`` / None).
+    """
+
+    def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
+                 detector: str | None = None):
+        from extract.data import ToyWorldSource
+        from extract.pipeline import ShardBuilder, _Components
+
+        args = argparse.Namespace(**{**_extract_defaults(), **extraction_args})
+        args.workers, args.annotations = 0, None
+        if isinstance(args.components, str):
+            args.components = [c for c in args.components.split(",") if c]
+        self.annotations = load_annotations(annotations)
+        if detector is not None:
+            box_source, args.detector = "yolo", detector
+        needs_gt = box_source == "gt" or ("regions" in args.components and args.regions == "gt")
+        if needs_gt and self.annotations is None:
+            raise ValueError("this adapter was trained on ground-truth boxes: give the boxes of the images to score "
+                             "(annotations=<toy-world folder | objects.json>, --annotations in python -m "
+                             "train.evaluate) or a detector to find them (detector=WEIGHTS.pt, --detector)")
+        if box_source is not None:
+            args.boxes = box_source
+
+        class _Boxes(ToyWorldSource):
+            """Stands in for the training source: _Components takes ground-truth boxes from ``annotations``."""
+
+            def __init__(self, annotations):  # noqa: D401 - no files to read
+                self.annotations = annotations
+
+        self.args = args
+        self.components = _Components(args, _Boxes(self.annotations or {}), backbone.device)
+        self.builder = ShardBuilder(backbone, self.components, args)
+        self.backbone = backbone
+        self._file_ids = {}
+        for key, entry in (self.annotations or {}).items():
+            if isinstance(entry, dict) and "image_id" in entry and "file_name" in entry:
+                self._file_ids[os.path.basename(entry["file_name"])] = str(entry["image_id"])
+
+    @property
+    def needs_pixels(self) -> bool:
+        """True when crops, detections or masks need the decoded image (not only the preprocessed tensor)."""
+        return self.builder.keep_raw
+
+    def image_id(self, key: str) -> str:
+        return self._file_ids.get(os.path.basename(key), key) if self._file_ids else key
+
+    def settings(self) -> dict:
+        return self.components.settings()
+
+    @torch.no_grad()
+    def image_arrays(self, images: Sequence, ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """PIL images (RGB) with their ids -> per-image arrays as cached (fp16 features, bool masks)."""
+        tensors = torch.stack([self.backbone.preprocess(im) for im in images])
+        raws = [np.asarray(im) for im in images] if self.needs_pixels else [None] * len(images)
+        return self.builder.image_batch(tensors, raws, [self.image_id(i) for i in ids])
+
+    @torch.no_grad()
+    def tensor_arrays(self, images: torch.Tensor, ids: Sequence[str]) -> dict[str, np.ndarray]:
+        """Already preprocessed images [B, 3, H, W] -> arrays; only for heads that need no pixels."""
+        if self.needs_pixels:
+            raise ValueError("this adapter's components crop or detect on the original image: pass PIL images "
+                             "(encode_pil), not preprocessed tensors")
+        return self.builder.image_batch(images, [None] * len(images), [self.image_id(i) for i in ids])
+
+    @torch.no_grad()
+    def text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Captions -> per-caption arrays as cached."""
+        return self.builder.caption_batch(list(texts))[0]
+
+
+def _settings_diff(trained: dict, live: dict) -> list[str]:
+    from extract.cache import settings_diff
+
+    keys = ("components", "limits", "text", "boxes", "regions")
+    return settings_diff({k: trained.get(k) for k in keys}, {k: live.get(k) for k in keys})
+
+
+class AdapterScorer:
+    """Scorer for a trained head (see the module docstring). ``encode_pil(images, ids)`` is the entry point for
+    evaluation and serving; ``encode_images`` works for heads whose components need no pixels."""
+
+    #: representations are the head's (components, masks), not one embedding a linear probe could read
+    has_global_embedding = False
+
+    def __init__(self, head: AdapterHead, backbone, extractor: LiveExtractor, name: str, meta: dict | None = None):
+        self.head = head.eval()
+        self.backbone = backbone
+        self.extractor = extractor
+        self.name = name
+        self.meta = meta or {}
+        self.preprocess = backbone.preprocess
+        self.device = backbone.device
+        self.directional = bool(head.directional)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu", precision: str | None = None,
+                        pretrained: str | None = None, annotations=None, detector: str | None = None) -> "AdapterScorer":
+        """Rebuild from the checkpoint alone. ``pretrained`` overrides where the base weights are (a moved file;
+        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads."""
+        from extract.backbone import load_backbone
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / "adapter.safetensors"
+        head, meta = load_adapter(path, device=device)
+        base, extraction = meta["base"], meta["extraction"]
+        backbone = load_backbone(base["base"], pretrained or base["pretrained"], device=device,
+                                 precision=precision or extraction["args"].get("precision", "fp32"))
+        theirs = base.get("weights_sha256")
+        ours = backbone.describe(hash_weights=True)["weights_sha256"]
+        if theirs and theirs != ours:
+            raise CheckpointError(f"{path} was trained on {base['base']} weights with SHA-256 {theirs[:16]}..., but "
+                                  f"{pretrained or base['pretrained']} has {ours[:16]}...: pass the original weights "
+                                  "(--pretrained PATH)")
+        box_source = (extraction["settings"].get("boxes") or {}).get("source")
+        extractor = LiveExtractor(backbone, extraction["args"], box_source=box_source, annotations=annotations,
+                                  detector=detector)
+        diff = _settings_diff(extraction["settings"], extractor.settings())
+        if diff and detector is None:
+            print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))
+        return cls(head, backbone, extractor, name=f"{base['base']} + {meta['method']}", meta=meta)
+
+    # -- encoding ----------------------------------------------------------------------------------------
+    def _image_reps(self, arrays: dict[str, np.ndarray]) -> Reps:
+        batch = to_tensors({k: arrays[k] for k in self.head.image_keys}, self.device)
+        return self.head.encode_image(batch)
+
+    @torch.no_grad()
+    def encode_pil(self, images: Sequence, ids: Sequence[str]) -> Reps:
+        """Decoded RGB images with their ids (paths are fine) -> head representations."""
+        return self._image_reps(self.extractor.image_arrays(images, ids))
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, ids: Sequence[str] | None = None) -> Reps:
+        ids = list(ids) if ids is not None else [str(k) for k in range(len(images))]
+        return self._image_reps(self.extractor.tensor_arrays(images.to(self.device), ids))
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> Reps:
+        arrays = self.extractor.text_arrays(texts)
+        return self.head.encode_text(to_tensors({k: arrays[k] for k in self.head.text_keys}, self.device))
+
+    # -- scoring -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, image_reps: Reps, text_reps: Reps) -> torch.Tensor:
+        return self.head.score(image_reps, text_reps)
+
+    @torch.no_grad()
+    def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
+        return self.head.score_directed(image_reps, text_reps, direction)

@@ -1,0 +1,202 @@
+"""Adapter checkpoints: safetensors files that describe themselves, and the training state for exact resumption.
+
+Two kinds of file, one format (safetensors tensors + a JSON description in the safetensors header under
+``"plugvlm"``; nothing is ever unpickled):
+
+- **adapter** (``RUN/adapter.safetensors``, kind ``"adapter"``): the head's state dict (``head.<name>``) and
+  the description evaluation and serving need to rebuild the model from the file alone: ``method``,
+  ``config``, ``embed_dim``, ``base`` (backbone alias, pretrained tag / path and the weights' SHA-256),
+  ``extraction`` (the cache's settings, fingerprint and resolved extraction arguments, so the live pipeline
+  computes the very arrays the head was trained on), ``args``, ``epoch`` / ``step``, ``metrics`` and what
+  ``fit_inference`` fitted. A ``.json`` copy of the description is written next to it for people.
+- **training state** (``RUN/checkpoints/last.safetensors``, kind ``"train_state"``): the same plus the
+  optimizer's tensors (``optimizer.<param index>.<key>``), the RNG states (``rng.<name>``), and in the JSON
+  the optimizer's param groups, the scheduler and gradient-scaler states and the position in the data
+  order, so ``--resume`` continues exactly where the run stopped.
+
+Files are written to a temporary name and renamed, so a crash never leaves a half-written checkpoint where
+the last good one was.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from adapters.base import AdapterHead
+from adapters.registry import ADAPTERS
+
+FORMAT = "plugvlm-adapter"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A file that is not a (compatible) plugvlm adapter checkpoint; the message says what it is instead."""
+
+
+# --------------------------------------------------------------------------------------------- raw format
+def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write ``tensors`` + ``meta`` (JSON-serialisable) atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {"format": FORMAT, "version": str(VERSION),
+              "plugvlm": json.dumps(meta, sort_keys=True, default=_json_default)}
+    # safetensors refuses shared storage and non-contiguous views: store private contiguous copies
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file(plain, str(tmp), metadata=header)
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(obj):
+    if isinstance(obj, (Path, torch.device, torch.dtype)):
+        return str(obj)
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"not JSON-serialisable in a checkpoint description: {type(obj).__name__}")
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON description of a checkpoint, without loading its tensors. Raises CheckpointError on any file
+    that is not one of ours (another safetensors file, a .pt, a newer format version)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter checkpoint {path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error types for non-safetensors files
+        raise CheckpointError(f"{path} is not a safetensors file ({type(e).__name__}: {e}); adapter checkpoints "
+                              "are written by python -m train.adapter") from None
+    if header.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is a safetensors file but not a plugvlm adapter checkpoint (no "
+                              f"format={FORMAT!r} in its header); backbone weights go to --pretrained, not --model")
+    if int(header.get("version", 0)) > VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version {header['version']}; this plugvlm reads up to "
+                              f"{VERSION}: update plugvlm")
+    return json.loads(header["plugvlm"])
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    try:
+        read_meta(path)
+        return True
+    except (CheckpointError, FileNotFoundError):
+        return False
+
+
+def read(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, description) of a checkpoint."""
+    meta = read_meta(path)
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return tensors, meta
+
+
+def _sub(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# --------------------------------------------------------------------------------------------- the head
+def describe_head(head: AdapterHead) -> dict:
+    return {"method": head.name, "config": head.config_dict(), "embed_dim": head.embed_dim}
+
+
+def build_head(meta: dict) -> AdapterHead:
+    """The (untrained) head a description names; an unregistered method lists the registered ones."""
+    try:
+        cls = ADAPTERS.get(meta["method"])
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint names {e.args[0]}") from None
+    return cls.from_config(meta.get("config"), int(meta["embed_dim"]))
+
+
+def load_head_state(head: AdapterHead, tensors: dict[str, torch.Tensor], source: str) -> None:
+    state = _sub(tensors, "head.")
+    result = head.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(f"{source}: head weights do not fit {head.name} with this config "
+                              f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
+
+
+def save_adapter(path: str | os.PathLike, head: AdapterHead, meta: dict) -> Path:
+    """The inference checkpoint: head weights + description (module docstring). ``meta`` adds to
+    :func:`describe_head`'s fields. Also writes ``<path>.json`` with the description."""
+    meta = {"kind": "adapter", **meta, **describe_head(head)}
+    tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
+    out = write(path, tensors, meta)
+    Path(str(out) + ".json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default) + "\n")
+    return out
+
+
+def load_adapter(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[AdapterHead, dict]:
+    """Rebuild a head from a checkpoint alone (adapter or training state): (head in eval mode, description)."""
+    tensors, meta = read(path)
+    head = build_head(meta)
+    load_head_state(head, tensors, str(path))
+    return head.to(device).eval(), meta
+
+
+# --------------------------------------------------------------------------------------------- training state
+def save_training_state(path: str | os.PathLike, head: AdapterHead, optimizer: torch.optim.Optimizer,
+                        scheduler, scaler, meta: dict) -> Path:
+    """Everything ``--resume`` needs (module docstring). ``scheduler`` / ``scaler`` may be None."""
+    tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
+    opt = optimizer.state_dict()
+    opt_scalars: dict[str, dict] = {}
+    for index, state in opt["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{key}"] = value
+            else:
+                opt_scalars.setdefault(str(index), {})[key] = value
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for k, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{k}"] = s
+    state = {"param_groups": opt["param_groups"], "optimizer_scalars": opt_scalars,
+             "scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
+             "scaler": _plain(scaler.state_dict()) if scaler is not None else None}
+    return write(path, tensors, {"kind": "train_state", **meta, **describe_head(head), "state": state})
+
+
+def _plain(state: dict) -> dict:
+    # LambdaLR keeps [None] for plain-function lambdas; every value left is a number, list or None.
+    return {k: v for k, v in state.items() if not callable(v)}
+
+
+def load_training_state(path: str | os.PathLike, head: AdapterHead, optimizer: torch.optim.Optimizer,
+                        scheduler, scaler) -> dict:
+    """Restore head, optimizer, scheduler, scaler and RNG states in place; returns the description."""
+    tensors, meta = read(path)
+    if meta.get("kind") != "train_state":
+        raise CheckpointError(f"{path} is an inference checkpoint ({meta.get('kind')}); --resume needs "
+                              "RUN/checkpoints/last.safetensors")
+    load_head_state(head, tensors, str(path))
+    state = meta["state"]
+    opt_state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer."):
+            _, index, name = key.split(".", 2)
+            opt_state.setdefault(int(index), {})[name] = value
+    for index, scalars in state["optimizer_scalars"].items():
+        opt_state.setdefault(int(index), {}).update(scalars)
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in state["param_groups"]]  # JSON lists
+    optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    return meta

@@ -1,0 +1,207 @@
+"""FILIP (Yao et al. 2022, "Fine-grained Interactive Language-Image Pre-training"): contrastive learning on a
+token-wise late-interaction similarity instead of the global embeddings.
+
+For image i with patch embeddings x_k and text j with token embeddings y_l (both L2-normalised, FILIP §3.1.1):
+
+- image-to-text similarity ``s^I_ij = mean over i's patches k of max over j's tokens l <x_k, y_l>``
+- text-to-image similarity ``s^T_ij = mean over j's tokens l of max over i's patches k <x_k, y_l>``
+
+and the loss is InfoNCE on ``s^I`` for image->text and on ``s^T`` for text->image (FILIP eq. 4-5), with CLIP's
+learnt temperature. Padding never takes part: a padded text token is neither a candidate of a max nor a term of
+a mean (the paper: "we only consider the non-padded tokens"). The start-of-text token is left out too: under the
+causal mask it sees nothing but itself, so its embedding is the same for every caption and would add a
+caption-independent term to ``s^T``. The class token is left out of the image side (patches only).
+
+The [b, B, K, L] token similarities are computed in chunks of images with the chunk recomputed in the backward
+pass (``torch.utils.checkpoint``), so memory stays bounded by ``--filip-chunk``. On many ranks each rank scores
+its images against every text and every image against its texts (the ``local_loss`` pattern of
+:mod:`adapters.contrastive`), so two ranks give one process's loss and gradients.
+
+Evaluation scores with the same late interaction (:class:`FILIPScorer`, as the FILIP paper does for retrieval
+and zero-shot); ``adapters.scoring.load_scorer`` picks it from the checkpoint's JSON.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adapters.contrastive import gather, local_rows
+from adapters.pretrain._base import Features, StepContext
+from adapters.pretrain._towers import encode_image, encode_text, normalize, token_mask
+from adapters.pretrain.clip import CLIPObjective
+from adapters.registry import PRETRAIN
+
+
+def _block(img: Tensor, img_mask: Tensor | None, txt: Tensor, txt_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(s^I, s^T) [bi, bj] for a block of images [bi, K, D] against texts [bj, L, D] (unit rows).
+
+    ``txt`` must already have its padded tokens replaced by a real token of the same caption (see
+    :func:`filip_similarities`): a duplicate never changes a max, so the max over a caption's tokens needs no
+    mask; means use the masks. img_mask None = every patch is real (training), which skips a pass.
+    """
+    bi, k, d = img.shape
+    bj, length, _ = txt.shape
+    sim = (img.reshape(bi * k, d) @ txt.reshape(bj * length, d).T).view(bi, k, bj, length)
+    best_token = sim.amax(dim=3)  # [bi, K, bj]: each patch's best token of each caption
+    if img_mask is None:
+        s_i = best_token.mean(dim=1)
+        best_patch = sim.amax(dim=1)  # [bi, bj, L]
+    else:
+        im = img_mask.to(sim.dtype)
+        s_i = (best_token * im[:, :, None]).sum(1) / im.sum(1, keepdim=True).clamp_min(1)
+        best_patch = sim.masked_fill(~img_mask[:, :, None, None], torch.finfo(sim.dtype).min).amax(dim=1)
+    tm = txt_mask.to(sim.dtype)[None]  # [1, bj, L]
+    s_t = (best_patch * tm).sum(-1) / tm.sum(-1).clamp_min(1)
+    return s_i, s_t
+
+
+def _fill_padding(txt: Tensor, txt_mask: Tensor) -> Tensor:
+    """Padded token rows replaced by the caption's last real token (a duplicate: no max changes, and the
+    gradient a max sends to it reaches that token). A caption without real tokens keeps its rows (masked out
+    of every mean anyway)."""
+    positions = torch.arange(txt.shape[1], device=txt.device)
+    last = torch.where(txt_mask, positions, torch.zeros_like(positions)).amax(dim=1)  # [bj]
+    source = torch.where(txt_mask, positions, last[:, None])  # [bj, L]
+    return torch.gather(txt, 1, source[..., None].expand(-1, -1, txt.shape[-1]))
+
+
+def filip_similarities(img: Tensor, img_mask: Tensor | None, txt: Tensor, txt_mask: Tensor, *,
+                       chunk: int = 0, max_elements: int = 1 << 27) -> tuple[Tensor, Tensor]:
+    """Token-wise similarities s^I, s^T [Bi, Bj] (FILIP eq. 2-3) of every image against every text.
+
+    img [Bi, K, D], txt [Bj, L, D]: L2-normalised token embeddings; img_mask [Bi, K] (None: all real),
+    txt_mask [Bj, L]: bool, True = a real token. Captions are cut to the longest real length of the batch first.
+    Computed in fp32 for ``chunk`` images at a time (0: as many as keep chunk x Bj x K x L under ``max_elements``);
+    under autograd, when the images do not fit one chunk, each chunk is recomputed in the backward pass
+    (``torch.utils.checkpoint``) so peak memory stays that bound.
+    """
+    with torch.autocast(device_type=img.device.type, enabled=False):
+        img, txt = img.float(), txt.float()
+        txt_mask = txt_mask.bool()
+        length = max(1, int(txt_mask.any(0).nonzero().max()) + 1) if txt_mask.any() else 1
+        txt, txt_mask = _fill_padding(txt[:, :length], txt_mask[:, :length]), txt_mask[:, :length]
+        if img_mask is not None:
+            img_mask = img_mask.bool()
+            if bool(img_mask.all()):
+                img_mask = None
+        if chunk <= 0:
+            chunk = max(1, max_elements // max(1, txt.shape[0] * img.shape[1] * length))
+        grad = torch.is_grad_enabled() and (img.requires_grad or txt.requires_grad)
+        s_i, s_t = [], []
+        for s in range(0, len(img), chunk):
+            args = (img[s:s + chunk], None if img_mask is None else img_mask[s:s + chunk], txt, txt_mask)
+            a, b = (torch.utils.checkpoint.checkpoint(_block, *args, use_reentrant=False)
+                    if grad and len(img) > chunk else _block(*args))
+            s_i.append(a)
+            s_t.append(b)
+        return torch.cat(s_i), torch.cat(s_t)
+
+
+def filip_loss(img: Tensor, img_mask: Tensor | None, txt: Tensor, txt_mask: Tensor, logit_scale: Tensor, *,
+               rank: int = 0, world_size: int = 1, local_loss: bool = True, gather_with_grad: bool = True,
+               chunk: int = 0) -> Tensor:
+    """FILIP's contrastive loss (eq. 4-5) on the local batch; features are gathered over ranks inside.
+    img_mask None: every patch is real."""
+    g = lambda x: gather(x, rank, world_size, with_grad=gather_with_grad)  # noqa: E731
+    g_mask = lambda m: gather(m.to(torch.uint8), rank, world_size, with_grad=False, keep_local_grad=False).bool()  # noqa: E731
+    all_img, all_txt = g(img), g(txt)
+    all_imask = None if img_mask is None else g_mask(img_mask)
+    all_tmask = g_mask(txt_mask)
+    if world_size > 1 and local_loss:
+        labels = local_rows(len(img), rank, world_size, img.device)
+        s_i, _ = filip_similarities(img, img_mask, all_txt, all_tmask, chunk=chunk)  # my images vs all texts
+        _, s_t = filip_similarities(all_img, all_imask, txt, txt_mask, chunk=chunk)  # all images vs my texts
+        logits_i, logits_t = logit_scale * s_i, logit_scale * s_t.T
+    else:
+        labels = torch.arange(len(all_img), device=img.device)
+        s_i, s_t = filip_similarities(all_img, all_imask, all_txt, all_tmask, chunk=chunk)
+        logits_i, logits_t = logit_scale * s_i, logit_scale * s_t.T
+    return 0.5 * (F.cross_entropy(logits_i.float(), labels) + F.cross_entropy(logits_t.float(), labels))
+
+
+@PRETRAIN.register("filip")
+class FILIPObjective(CLIPObjective):
+    """Token-wise late-interaction contrastive loss. Features: normalised ``patch_tokens`` [b, K, D],
+    ``text_tokens`` [b, L, D] with ``text_mask`` [b, L], and ``logit_scale``."""
+
+    def __init__(self, chunk: int = 0):
+        self.chunk = chunk
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("filip")
+        g.add_argument("--filip-chunk", type=int, default=0,
+                       help="filip: images per chunk of the token-similarity tensor (0: up to 2^27 floats a chunk); "
+                            "bounds memory, never changes the result")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "FILIPObjective":
+        return cls(chunk=args.filip_chunk)
+
+    def config(self) -> dict:
+        return {"text_tokens": "after start-of-text through end-of-text", "image_tokens": "patches"}
+
+    def features(self, model: nn.Module, batch: dict[str, Tensor], ctx: StepContext) -> Features:
+        image = encode_image(model, batch["image"], patches=True)
+        text = encode_text(model, batch["text"], tokens=True)
+        return {"patch_tokens": normalize(image.patches), "text_tokens": normalize(text.tokens),
+                "text_mask": token_mask(batch["text"], include_sot=False), "logit_scale": model.logit_scale.exp()}
+
+    def loss(self, features: Features, ctx: StepContext) -> dict[str, Tensor]:
+        f = features
+        loss = filip_loss(f["patch_tokens"], None, f["text_tokens"], f["text_mask"], f["logit_scale"],
+                          rank=ctx.rank, world_size=ctx.world_size, local_loss=ctx.local_loss,
+                          gather_with_grad=ctx.gather_with_grad, chunk=self.chunk)
+        return {"loss": loss, "filip": loss.detach()}
+
+    @staticmethod
+    def scorer(backbone, name: str | None = None) -> "FILIPScorer":
+        """How a FILIP-trained checkpoint is evaluated (see :class:`FILIPScorer`)."""
+        return FILIPScorer(backbone, name)
+
+
+class FILIPScorer:
+    """An :class:`adapters.scoring.Scorer` scoring with FILIP's late interaction on a frozen backbone: image
+    reps are the normalised patch embeddings, text reps the normalised token embeddings after start-of-text
+    with their mask. Retrieval is directional, as in FILIP: texts are ranked for an image by s^I (image-to-
+    text, eq. 2) and images for a text by s^T (eq. 3); a single score per pair (compositional benchmarks,
+    zero-shot) is their mean (s^I + s^T) / 2."""
+
+    directional = True
+
+    def __init__(self, backbone, name: str | None = None, chunk: int = 0):
+        self.backbone, self.name, self.chunk = backbone, name or "filip", chunk
+        self.preprocess = backbone.preprocess
+        self.device = backbone.device
+
+    @torch.no_grad()
+    def encode_images(self, images: Tensor) -> dict[str, Tensor]:
+        patches = self.backbone.encode_images(images.to(self.device)).patches
+        return {"patches": F.normalize(patches.float(), dim=-1)}
+
+    @torch.no_grad()
+    def encode_texts(self, texts: Sequence[str]) -> dict[str, Tensor]:
+        t = self.backbone.encode_texts(list(texts))
+        mask = t.attention_mask.clone()
+        mask[:, 0] = False  # start-of-text: see the module docstring
+        return {"tokens": F.normalize(t.tokens.float(), dim=-1), "mask": mask}
+
+    @torch.no_grad()
+    def _both(self, image_reps: dict[str, Tensor], text_reps: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return filip_similarities(image_reps["patches"], None, text_reps["tokens"], text_reps["mask"], chunk=self.chunk,
+                                  max_elements=1 << 25)
+
+    def score(self, image_reps: dict[str, Tensor], text_reps: dict[str, Tensor]) -> Tensor:
+        s_i, s_t = self._both(image_reps, text_reps)
+        return 0.5 * (s_i + s_t)
+
+    def score_directed(self, image_reps: dict[str, Tensor], text_reps: dict[str, Tensor], direction: str) -> Tensor:
+        """[I, T] scores for ``direction`` "i2t" (s^I: images rank texts) or "t2i" (s^T: texts rank images)."""
+        s_i, s_t = self._both(image_reps, text_reps)
+        if direction not in ("i2t", "t2i"):
+            raise ValueError(f"direction must be 'i2t' or 't2i', got {direction!r}")
+        return s_i if direction == "i2t" else s_t

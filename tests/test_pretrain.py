@@ -1,0 +1,239 @@
+"""python -m train.pretrain: the engine, its checkpoints, and the reliability checks of issue 6 (two processes
+equal one, kill -9 and resume equal an uninterrupted run, NaN steps skipped then a clean abort)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from extract import toyworld
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "_pretrain_ddp_worker.py"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Training steps of the tiny model gain nothing from a second thread, and on a busy 2-core machine OpenMP's
+    spinning threads make them several times slower; the subprocesses run with OMP_NUM_THREADS=1 too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("toy") / "world"
+    toyworld.generate(out, 64, seed=0, workers=1)
+    return out
+
+
+def _argv(toy: Path, out: Path, *extra: str) -> list[str]:
+    return ["--data", str(toy), "--out", str(out), "--batch-size", "8", "--workers", "0", "--no-tensorboard",
+            "--eval-every-n-epochs", "0", *extra]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MKL_CBWR="AUTO,STRICT", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+# --------------------------------------------------------------------------------------------- pieces
+def test_cosine_schedule_is_open_clip_trains():
+    from open_clip_train.scheduler import cosine_lr as theirs
+
+    from train.pretrain import cosine_lr
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    adjust = theirs(opt, 1e-3, 7, 50)
+    for step in (0, 3, 6, 7, 20, 49):
+        assert cosine_lr(1e-3, 7, 50, step) == pytest.approx(adjust(step), rel=1e-12)
+
+
+def test_weight_decay_groups_follow_open_clip():
+    from train.pretrain import create_model, param_groups
+
+    model = create_model("plugvlm-tiny", False, 0)[0]
+    groups, names = param_groups(model, 0.2)
+    no_decay = set(names[:len(groups[0]["params"])])
+    assert groups[0]["weight_decay"] == 0.0 and groups[1]["weight_decay"] == 0.2
+    assert {"logit_scale", "visual.class_embedding", "ln_final.weight", "ln_final.bias"} <= no_decay
+    assert "visual.positional_embedding" not in no_decay and "token_embedding.weight" not in no_decay
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_ranks_come_from_torchrun_or_slurm_variables(monkeypatch):
+    from train.pretrain import init_distributed, world_info_from_env
+
+    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    assert world_info_from_env() == (0, 0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert world_info_from_env() == (1, 3, 8)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's variables win, as in open_clip_train.distributed
+    assert world_info_from_env()[0] == 0
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        init_distributed("cpu")
+
+
+def test_accumulated_step_gives_the_big_batch_gradient(toy):
+    """--accum-freq 2 with cached features = one micro-batch of twice the size (clip and powerclip)."""
+    from adapters.registry import PRETRAIN
+    from train.pretrain import Dist, Trainer, create_model, parse_args
+    from train.pretrain_data import SeededTransform, build_train_data
+
+    for method in ("clip", "powerclip"):
+        grads = []
+        for batch, accum in ((8, 1), (4, 2)):
+            args = parse_args(_argv(toy, toy.parent / "unused", "--method", method, "--batch-size", str(batch),
+                                    "--accum-freq", str(accum)))
+            model, _, eval_tf, tok = create_model("plugvlm-tiny", False, 1)
+            objective = PRETRAIN.get(method).from_args(args)
+            objective.setup(model, {})
+            trainer = Trainer(args, Dist(), model, objective)
+            data = build_train_data(str(toy), batch_size=batch, rank=0, world_size=1, accum_freq=accum, seed=0,
+                                    tokenizer=tok, objective=objective, transform=SeededTransform(eval_tf, False),
+                                    workers=0)
+            micro = next(iter(data.epoch_batches(0, 0)))
+            assert len(micro) == accum
+            losses = trainer.forward_backward(micro, trainer.context(0, 0, 1))
+            grads.append((float(losses["loss"]), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (l1, g1), (l2, g2) = grads
+        assert l1 == pytest.approx(l2, rel=1e-5), method
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=f"{method}: {name}")
+
+
+# --------------------------------------------------------------------------------------------- end to end
+def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
+    import open_clip
+
+    from adapters.scoring import BackboneScorer, load_scorer
+    from extract.backbone import load_backbone
+    from train.pretrain import main
+
+    out = tmp_path / "run"
+    assert main(_argv(toy, out, "--epochs", "2", "--tensorboard", "--eval-every-n-epochs", "2",
+                      "--log-every-n-steps", "1", "--save-every-n-steps", "2")) == 0
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["epoch_0001", "epoch_0002", "step_00000008", "step_00000010"]  # 2 newest steps kept
+    assert (out / "checkpoints" / "latest").read_text().strip() == "epoch_0002"
+    desc = json.loads((out / "model.json").read_text())
+    assert desc["format"] == "plugvlm-pretrain" and desc["model"] == "plugvlm-tiny" and desc["method"] == "clip"
+    assert desc["model_cfg"] == open_clip.get_model_config("plugvlm-tiny") and desc["epoch"] == 2
+    assert desc["step"] == 2 * (51 // 8) and "retrieval T2I R@1" in desc["metrics"]
+    assert json.loads((out / "eval" / "epoch_0002.json").read_text()) == desc["metrics"]
+    rows = (out / "log.csv").read_text().splitlines()
+    assert rows[0].startswith("step,epoch,lr,loss,clip,logit_scale,grad_norm") and len(rows) == 1 + desc["step"]
+    assert any((out / "tb").iterdir()) and (out / "config.json").is_file() and (out / "data_report.json").is_file()
+    state = json.loads((out / "checkpoints" / "step_00000008" / "state.json").read_text())
+    assert (state["step"], state["epoch"], state["step_in_epoch"]) == (8, 1, 2)
+
+    weights = out / "model.safetensors"
+    upstream, _, preprocess = open_clip.create_model_and_transforms("plugvlm-tiny", pretrained=str(weights))
+    upstream.eval().requires_grad_(False)  # inference mode, as our frozen backbone (same attention kernels)
+    ours = load_backbone("tiny", str(weights))
+    images = torch.randn(3, 3, 64, 64)
+    texts = ["a small red circle", "a blue square to the left of a green star", "x"]
+    with torch.no_grad():
+        assert torch.equal(upstream.encode_image(images, normalize=True), ours.encode_images(images).embedding)
+        assert torch.equal(upstream.encode_text(open_clip.get_tokenizer("plugvlm-tiny")(texts), normalize=True),
+                           ours.encode_texts(texts).embedding)
+    final = load_file(str(weights))
+    assert final.keys() == upstream.state_dict().keys()
+    assert isinstance(load_scorer("tiny", str(weights)), BackboneScorer)
+
+
+def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo) on a global batch of 16 == one process on the same 16 samples, for the
+    gathered-feature losses (clip, powerclip, filip): the mean of the ranks' losses and DDP's gradients."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from _pretrain_ddp_worker import run
+    finally:
+        sys.path.remove(str(WORKER.parent))
+    methods = ["clip", "powerclip", "filip"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER), str(toy), str(tmp_path), "16", *methods],
+                          env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(str(toy), tmp_path, 16, methods)
+    for method in methods:
+        one = load_file(str(tmp_path / f"{method}-world1.safetensors"))
+        two = load_file(str(tmp_path / f"{method}-world2.safetensors"))
+        assert one.keys() == two.keys() and len(one) > 60
+        torch.testing.assert_close(two["loss"], one["loss"], rtol=1e-6, atol=1e-6)
+        for name in one:
+            scale = float(one[name].abs().max()) + 1e-8
+            torch.testing.assert_close(two[name] / scale, one[name] / scale, rtol=0, atol=1e-5, msg=f"{method} {name}")
+
+
+def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path):
+    from train.pretrain import main
+
+    args = ["--epochs", "2", "--save-every-n-steps", "2", "--keep-checkpoints", "0", "--method", "flip"]
+    victim_out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "train.pretrain", *_argv(toy, victim_out, *args)]
+    victim = subprocess.Popen(cmd, env=_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    latest = victim_out / "checkpoints" / "latest"
+    deadline = time.monotonic() + 240
+    while not latest.is_file() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the subprocess, not waiting for an effect
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = json.loads((victim_out / "checkpoints" / latest.read_text().strip() / "state.json").read_text())
+    assert killed_at["step"] < 2 * (51 // 8) and not (victim_out / "model.safetensors").exists()
+
+    resumed = subprocess.run(cmd + ["--resume", "latest"], env=_env(), cwd=str(ROOT), capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {victim_out / 'checkpoints'}" in resumed.stdout
+
+    reference = tmp_path / "uninterrupted"  # in this process, one thread as the subprocesses: same reductions
+    assert main(_argv(toy, reference, *args)) == 0
+    a, b = load_file(str(victim_out / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+
+
+def test_nan_steps_are_skipped_then_the_run_stops_with_checkpoints_intact(toy, tmp_path, capsys):
+    from train.pretrain import main
+
+    out = tmp_path / "nan"
+    base = _argv(toy, out, "--max-steps", "6", "--save-every-n-steps", "2", "--keep-checkpoints", "0",
+                 "--log-every-n-steps", "100")
+    assert main(base + ["--debug-nan-steps", "2,3", "--max-bad-steps", "3"]) == 0
+    rows = [r.split(",") for r in (out / "log.csv").read_text().splitlines()]
+    col = rows[0].index("skipped_step")
+    assert {int(r[0]): int(r[col]) for r in rows[1:]} == {1: 0, 3: 1, 4: 1}  # logged: first step and bad ones
+    ck = out / "checkpoints"
+    before, after = load_file(str(ck / "step_00000002" / "model.safetensors")), \
+        load_file(str(ck / "step_00000004" / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps changed nothing
+    assert "step 2: non-finite loss or gradient" in capsys.readouterr().out
+
+    out2 = tmp_path / "nan2"
+    code = main(_argv(toy, out2, "--max-steps", "8", "--save-every-n-steps", "2", "--keep-checkpoints", "0",
+                      "--debug-nan-steps", "3,4,5", "--max-bad-steps", "3"))
+    err = capsys.readouterr().err
+    assert code == 3 and "3 steps in a row had a NaN/inf loss" in err and "steps 3, 4, 5" in err
+    assert "--resume latest" in err and str(out2 / "checkpoints" / "step_00000004") in err
+    names = sorted(p.name for p in (out2 / "checkpoints").iterdir() if p.is_dir())
+    assert names == ["step_00000002", "step_00000004"]
+    for name in names:  # every checkpoint written before the abort is complete and loadable
+        assert json.loads((out2 / "checkpoints" / name / "state.json").read_text())["step"] == int(name[5:])
+        load_file(str(out2 / "checkpoints" / name / "model.safetensors"))
+    assert not (out2 / "model.safetensors").exists()

@@ -1,0 +1,47 @@
+"""train/pretrain_benchmark.py runs end to end (a smoke run on the tiny model; the figures themselves are the
+script's output, never asserted here) and train/pretrain_compare.py builds its side-by-side table."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from extract import toyworld
+
+
+def test_benchmark_times_every_configuration(tmp_path):
+    from train.pretrain_benchmark import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["--model", "tiny", "--batch-size", "4", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                     "--device", "cpu", "--json", str(tmp_path / "b.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert set(result["step_seconds"]) == {"open_clip", "clip", "flip", "clip-pgs", "powerclip"}
+    assert all(v > 0 for v in result["step_seconds"].values())
+    assert set(result["ratios"]) == {"clip / open_clip throughput", "powerclip / clip step",
+                                     "clip-pgs / flip step (0.5)", "flip 0.5 / clip step"}
+
+
+def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path):
+    from train.pretrain_compare import main
+
+    world = tmp_path / "toy"
+    toyworld.generate(world, 30, seed=1, workers=1)  # seed 1: the test split has single-object scenes (zero-shot)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["--out", str(tmp_path / "cmp"), "--data", str(world), "--methods", "clip,filip",
+                     "--minutes-per-method", "0.005", "--batch-size", "4", "--workers", "0",
+                     "--calibration-steps", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    table = (tmp_path / "cmp" / "compare.md").read_text().splitlines()
+    assert table[0] == "| | clip | filip |" and table[2].startswith("| training steps (epochs) |")
+    rows = {line.split("|")[1].strip() for line in table[2:]}
+    assert {"retrieval T2I R@1", "retrieval I2T R@1", "zero-shot top-1", "toyworld all"} <= rows
+    data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert data["runs"]["filip"]["steps"] >= 1 and "retrieval" in data["results"]["filip"]

@@ -1,0 +1,181 @@
+"""``python -m train.pretrain_benchmark``: step-time ratios of the pre-training objectives, measured in one run on
+the same model, batch and machine (issue 6's speed targets).
+
+    python -m train.pretrain_benchmark                               # ViT-B-16 geometry, batch 8, on CPU
+    python -m train.pretrain_benchmark --device cuda --batch-size 128 --precision amp_bf16 --steps 10
+
+Figures (each the median over ``--rounds`` of the mean step time over ``--steps`` steps, after warm-up; every
+configuration is timed in every round, interleaved, so a machine whose load drifts slows them alike -- on a
+shared CPU, single steps still vary by 2x, so use many rounds or a quiet machine):
+
+- ``clip`` vs open_clip's own trainer: ``open_clip_train.train.train_one_epoch`` on the same synthetic
+  batches, with open_clip's ClipLoss, AdamW and cosine schedule, on the very same model object
+  (target: our throughput >= 0.95x theirs);
+- ``powerclip`` (M = 10 random boxes, phrase trees precomputed as the data workers do) / ``clip`` (<= 1.25x;
+  the paper reports 1.72x for its implementation);
+- ``clip-pgs`` at a fixed 0.5 ratio (CLIP-PGS_0.5) / ``flip`` at 0.5 (<= 1.03x: the paper's "< 3%");
+- ``flip`` at 0.5 / ``clip`` (<= 0.65x).
+
+Everything runs through ``train.pretrain.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
+the data already in memory: data loading is not what is compared. The default model is the papers' ViT-B/16
+(224 px, 196 patches, 12-layer text tower): the masking ratios are about how the image tower's cost scales
+with its token count, which the 64-patch, 2-layer tiny test model does not show (its step is dominated by the
+49k-token embedding table). ``--model tiny`` gives a quick smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from extract.config import parse_with_config
+
+CAPTIONS = ["a small red circle to the left of a large blue square", "a green star above a purple hexagon",
+            "three objects: a small yellow triangle, a large red circle and a blue star; the triangle is left of the "
+            "circle", "a man riding a brown horse on a beach next to the sea", "two dogs playing with a frisbee in a "
+            "park", "a plate of pasta with tomato sauce on a wooden table", "a red double-decker bus driving down a "
+            "busy street", "a cat sleeping on a laptop keyboard"]
+TARGETS = {"clip / open_clip throughput": (">=", 0.95), "powerclip / clip step": ("<=", 1.25),
+           "clip-pgs / flip step (0.5)": ("<=", 1.03), "flip 0.5 / clip step": ("<=", 0.65)}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.pretrain_benchmark", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="ViT-B-16", help="open_clip architecture or plugvlm alias (tiny)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before the rounds")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the figures are medians over them")
+    p.add_argument("--num-masks", type=int, default=10, help="PowerCLIP's M")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "amp", "amp_bf16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    return parse_with_config(p, argv)
+
+
+def _synthetic(batch: int, image_size, tok, generator) -> dict:
+    images = torch.randn(batch, 3, *image_size, generator=generator)
+    captions = [CAPTIONS[k % len(CAPTIONS)] for k in range(batch)]
+    return {"image": images, "captions": captions, "text": tok(captions)}
+
+
+class _Loader:
+    """What open_clip_train's train_one_epoch reads from ``data['train'].dataloader``."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.batches = batches
+        self.num_batches = len(batches)
+        self.num_samples = sum(len(b[0]) for b in batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from open_clip.loss import ClipLoss
+    from open_clip_train.data import DataInfo
+    from open_clip_train.scheduler import cosine_lr as oc_cosine_lr
+    from open_clip_train.train import train_one_epoch
+
+    from adapters.registry import PRETRAIN
+    from train.pretrain import Dist, Trainer, _Forward, create_model, parse_args as pretrain_args, resolve_architecture
+    from train.pretrain_data import to_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    arch = resolve_architecture(args.model)
+    model, _, _, tok = create_model(arch, False, 0)
+    model.output_dict = True  # what open_clip's trainer expects from model(images, texts)
+    base = pretrain_args(["--data", "unused", "--model", args.model, "--precision", args.precision,
+                          "--batch-size", str(args.batch_size), "--num-masks", str(args.num_masks),
+                          "--pgs-min-ratio", "0.5", "--pgs-max-ratio", "0.5", "--mask-ratio", "0.5"])
+    trainer = Trainer(base, Dist(device=device), model, PRETRAIN.get("clip").from_args(base))
+    size = tuple(model.visual.image_size) if isinstance(model.visual.image_size, (tuple, list)) \
+        else (model.visual.image_size,) * 2
+    g = torch.Generator().manual_seed(0)
+    batches = [_synthetic(args.batch_size, size, tok, g) for _ in range(2)]
+
+    objectives = {}
+    for name in ("clip", "flip", "clip-pgs", "powerclip"):
+        obj = PRETRAIN.get(name).from_args(base)
+        obj.setup(model, {})
+        prepared = []
+        for b in batches:  # the data workers' share (phrase trees), outside the timed step
+            extra = obj.prepare(b["captions"], [str(i) for i in range(len(b["captions"]))], tok)
+            prepared.append(to_device({"image": b["image"], "text": extra.pop("text", b["text"]), **extra}, device))
+        objectives[name] = (obj, prepared)
+
+    def ours(name: str, steps: int, start: int) -> float:
+        obj, prepared = objectives[name]
+        trainer.objective, trainer.forward = obj, _Forward(trainer.model, obj)
+        t0 = time.perf_counter()
+        for k in range(steps):
+            ctx = trainer.context(start + k, 0, 1).with_batch(0, args.batch_size)
+            trainer.step([prepared[k % len(prepared)]], ctx, 1e-4)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    oc_args = argparse.Namespace(device=str(device), precision=args.precision, accum_freq=1, distill=False,
+                                 skip_scheduler=False, grad_clip_norm=None, horovod=False, log_every_n_steps=10 ** 9,
+                                 batch_size=args.batch_size, world_size=1, rank=0, local_rank=0, wandb=False,
+                                 val_frequency=0, epochs=1, distributed=False, save_logs=False)
+    oc_loss = ClipLoss(local_loss=False, gather_with_grad=False, cache_labels=True, rank=0, world_size=1)
+    oc_sched = oc_cosine_lr(trainer.optimizer, 1e-4, 1, 10 ** 6)
+    oc_batches = [(b["image"], b["text"]) for b in batches]
+
+    def theirs(steps: int) -> float:
+        loader = _Loader([oc_batches[k % len(oc_batches)] for k in range(steps)])
+        t0 = time.perf_counter()
+        train_one_epoch(model, {"train": DataInfo(dataloader=loader)}, oc_loss, 0, trainer.optimizer, None, oc_sched,
+                        None, oc_args)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / steps
+
+    configs = ["open_clip", "clip", "flip", "clip-pgs", "powerclip"]
+    runners = {"open_clip": lambda n, s: theirs(n), **{c: (lambda n, s, c=c: ours(c, n, s)) for c in configs[1:]}}
+    print(f"{arch}, batch {args.batch_size}, {args.precision} on {device} ({torch.get_num_threads()} CPU threads): "
+          f"warm-up {args.warmup}, then {args.rounds} rounds x {args.steps} steps per configuration")
+    for c in configs:
+        runners[c](args.warmup, 0)
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs:
+            times[c].append(runners[c](args.steps, 1000 * (r + 1)))
+        print(f"  round {r + 1}: " + ", ".join(f"{c} {times[c][-1]:.3f} s" for c in configs))
+    step = {c: statistics.median(v) for c, v in times.items()}
+    ratios = {"clip / open_clip throughput": step["open_clip"] / step["clip"],
+              "powerclip / clip step": step["powerclip"] / step["clip"],
+              "clip-pgs / flip step (0.5)": step["clip-pgs"] / step["flip"],
+              "flip 0.5 / clip step": step["flip"] / step["clip"]}
+    print("\n| configuration | s / step (median) | samples / s |\n|---|---|---|")
+    for c in configs:
+        print(f"| {c} | {step[c]:.3f} | {args.batch_size / step[c]:.1f} |")
+    print("\n| ratio | measured | target |\n|---|---|---|")
+    for k, v in ratios.items():
+        op, bound = TARGETS[k]
+        ok = v >= bound if op == ">=" else v <= bound
+        print(f"| {k} | {v:.3f} | {op} {bound} {'(met)' if ok else '(NOT met)'} |")
+    result = {"model": arch, "batch_size": args.batch_size, "device": str(device), "precision": args.precision,
+              "threads": torch.get_num_threads(), "step_seconds": step, "rounds": times, "ratios": ratios}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

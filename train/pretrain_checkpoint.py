@@ -1,0 +1,227 @@
+"""Pre-training checkpoints: open_clip's weights as safetensors, everything else as JSON, nothing pickled.
+
+A checkpoint is a folder ``OUT/checkpoints/<name>/`` (``step_00001000`` every ``--save-every-n-steps``,
+``epoch_0003`` at the end of each epoch):
+
+- ``model.safetensors``: the model's ``state_dict`` exactly as open_clip names it, so
+  ``open_clip.create_model_and_transforms(name, pretrained=".../model.safetensors")`` loads it (open_clip reads
+  safetensors files itself) and so does ``extract.backbone.load_backbone(name, path)`` -- hence ``python -m
+  extract``, ``train.adapter --base`` and ``train.evaluate --model``.
+- ``model.json``: what the weights are (format ``plugvlm-pretrain``; the open_clip model name *and* its config
+  dict, QuickGELU or not, the method and its settings, step / epoch / samples seen, the data, all arguments,
+  library versions, evaluation results). ``extract.weights.checkpoint_sidecar`` reads it back.
+- ``state.safetensors`` + ``state.json``: what ``--resume`` needs besides the weights -- the optimizer's
+  tensors (AdamW moments and step counts, keyed by parameter name) and hyper-parameters, the gradient scaler,
+  torch's RNG states, the step, epoch and position in the epoch, the bad-step counter and the data report.
+
+Folders are written under a temporary name, fsynced and renamed (atomic on POSIX); ``checkpoints/latest``
+names the newest and is replaced atomically after the rename. A kill -9 at any moment therefore leaves the
+previous checkpoints intact and ``--resume latest`` never sees half a checkpoint; leftovers are removed by the
+next run. The final weights are also written as ``OUT/model.safetensors`` + ``OUT/model.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from extract.weights import SIDECAR_FORMAT
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_\d+$")
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(path.parent)
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as contiguous CPU tensors (what goes into model.safetensors)."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+
+
+def write_model(folder: Path, model: torch.nn.Module, description: dict) -> Path:
+    """``folder/model.safetensors`` + ``folder/model.json`` (fsynced; the caller makes the folder visible)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    save_file(model_tensors(model), str(path), metadata={"format": "pt", "plugvlm": SIDECAR_FORMAT})
+    _fsync_path(path)
+    _write_json(folder / "model.json", {"format": SIDECAR_FORMAT, "format_version": FORMAT_VERSION, **description})
+    return path
+
+
+def save_final(out: Path, model: torch.nn.Module, description: dict) -> Path:
+    """``OUT/model.safetensors`` + ``OUT/model.json``, each replaced atomically."""
+    tmp = out / f".final.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_model(tmp, model, description)
+    os.replace(tmp / "model.safetensors", out / "model.safetensors")
+    os.replace(tmp / "model.json", out / "model.json")
+    shutil.rmtree(tmp, ignore_errors=True)
+    _fsync_path(out)
+    return out / "model.safetensors"
+
+
+# --------------------------------------------------------------------------------------------- resume state
+def optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, json) for an optimizer whose parameters, in ``param_groups`` order, are named ``names``."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{names[idx]}/{key}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars.setdefault(names[idx], {})[key] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars, "names": names}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str], tensors: dict[str, torch.Tensor],
+                         meta: dict) -> None:
+    if meta["names"] != names:
+        raise ValueError("the checkpoint's optimizer holds other parameters than this model (another architecture "
+                         "or a changed parameter grouping); resume with the same --model, or start a new run")
+    state: dict[int, dict[str, Any]] = {}
+    index = {n: i for i, n in enumerate(names)}
+    for key, value in tensors.items():
+        if key.startswith("optimizer/"):
+            _, name, field = key.split("/", 2)
+            state.setdefault(index[name], {})[field] = value
+    for name, scalars in meta["scalars"].items():
+        state.setdefault(index[name], {}).update(scalars)
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng/torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng/cuda_{i}"] = s
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    if "rng/torch_cpu" in tensors:
+        torch.set_rng_state(tensors["rng/torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("rng/cuda_")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_checkpoint(ckpt_dir: Path, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    param_names: list[str], scaler, state: dict, description: dict) -> Path:
+    """Write checkpoint ``ckpt_dir/name`` atomically and point ``latest`` at it (module docstring)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    final = ckpt_dir / name
+    tmp = ckpt_dir / f"{name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_model(tmp, model, description)
+    opt_tensors, opt_meta = optimizer_state(optimizer, param_names)
+    tensors = {**opt_tensors, **rng_tensors()}
+    save_file(tensors, str(tmp / "state.safetensors"))
+    _fsync_path(tmp / "state.safetensors")
+    _write_json(tmp / "state.json", {"format_version": FORMAT_VERSION, **state, "optimizer": opt_meta,
+                                     "scaler": scaler.state_dict() if scaler is not None else None})
+    _fsync_path(tmp)
+    if final.exists():  # the same step saved again (e.g. a resumed run): replace it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_path(ckpt_dir)
+    _atomic_text(ckpt_dir / LATEST, name + "\n")
+    return final
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                    param_names: list[str], scaler) -> dict:
+    """Restore weights (strict), optimizer, scaler and RNG from a checkpoint folder; returns state.json."""
+    weights = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not fit this model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}); resume with the --model it was trained with")
+    state = json.loads((path / "state.json").read_text())
+    tensors = load_file(str(path / "state.safetensors"))
+    if optimizer is not None:
+        load_optimizer_state(optimizer, param_names, tensors, state["optimizer"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    restore_rng(tensors)
+    return state
+
+
+def find_resume(out: Path, resume: str) -> Path | None:
+    """``--resume latest``: the folder ``checkpoints/latest`` names (None when there is none yet); else a path
+    to a checkpoint folder (or to a file inside one)."""
+    if resume == "latest":
+        pointer = out / "checkpoints" / LATEST
+        if not pointer.is_file():
+            return None
+        path = out / "checkpoints" / pointer.read_text().strip()
+        if not (path / "state.json").is_file():
+            raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint; pass "
+                                    "--resume PATH with an older one from " + str(out / "checkpoints"))
+        return path
+    path = Path(resume)
+    if path.is_file():
+        path = path.parent
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"--resume {resume}: no checkpoint there (expected a folder with model.safetensors, "
+                                "state.safetensors and state.json, or 'latest')")
+    return path
+
+
+def clean_partial(ckpt_dir: Path) -> int:
+    """Remove temporary folders a killed run left behind; returns how many."""
+    removed = 0
+    for tmp in ckpt_dir.glob("*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def prune_steps(ckpt_dir: Path, keep: int) -> list[str]:
+    """Delete all but the ``keep`` newest ``step_*`` checkpoints (epoch checkpoints are kept, as open_clip
+    keeps its epoch files); the one ``latest`` names is never deleted. Returns the removed names."""
+    if keep <= 0:
+        return []
+    latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
+    steps = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+    removed = [n for n in steps[:-keep] if n != latest]
+    for n in removed:
+        shutil.rmtree(ckpt_dir / n, ignore_errors=True)
+    return removed

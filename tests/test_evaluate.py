@@ -137,3 +137,13 @@ def test_retrieval_from_the_feature_cache_matches_live_encoding(world, report, t
     # a cache built by other weights is refused, naming the difference
     assert main(["--tasks", "retrieval", "--cache", str(tmp_path / "cache"), "--model", "tiny-coca",
                  "--pretrained", "none", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_zeroshot_without_labelled_images_is_skipped_not_a_crash():
+    from train.evaluate import headline, run_zeroshot
+    from train.zeroshot import ClassificationSet
+
+    empty = ClassificationSet("toyworld:test", [], [], [])
+    out = run_zeroshot(object(), empty, ("a {}.",), batch_size=4)  # never touches the scorer
+    assert "skipped" in out and "no labelled images" in out["skipped"]
+    assert not any(k.startswith("zero-shot") for k in headline({"zeroshot": out}))

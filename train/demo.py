@@ -1,29 +1,28 @@
-"""The demo: the whole pipeline that exists so far, on the embedded default (the toy world).
+"""The demo: the main job end to end on the embedded default, the toy world.
 
-``python -m train.demo`` generates the toy world, loads a frozen backbone (the tiny config with random
-weights unless ``--base/--pretrained`` say otherwise), embeds the chosen split through the data-source
-interface (bad inputs reported, never fatal), and prints what it did: counts, shapes, throughput, and a
-first look at retrieval and hard-negative accuracy. It grows as the project does (feature cache,
-adapters, evaluation suite).
+``python -m train.demo`` checks the backbone (absent weights fail at once, naming the file), generates the toy
+world, pre-trains the tiny backbone on it with CLIP's objective (``python -m train.pretrain``; a few minutes on
+a CPU) unless ``--pretrained`` names weights, then trains every registered adapter on that frozen base
+(``python -m train.adapter_compare``: one shared feature cache, one ``train.adapter`` run per method) and prints
+the side-by-side table of the frozen base vs base + each adapter on the test split: retrieval R@k and
+accuracy per hard-negative type.
+
+Everything lands in ``--out``: ``toyworld/``, ``base/`` (the pre-trained backbone, open_clip-loadable
+``model.safetensors`` + ``model.json``), ``adapters/`` (cache, one run folder per method, ``results.{json,md,png}``),
+``demo_report.json`` and the resolved ``config.json``. Rerunning reuses the toy world, the base and the cache
+when their settings are unchanged.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-import torch
-from torch.utils.data import DataLoader
-from tqdm import tqdm
-
+from adapters.registry import ADAPTERS
 from extract import toyworld
-from extract.backbone import load_backbone
 from extract.config import parse_with_config, save_config
-from extract.data import SampleDataset, collate_skipping, open_source
-from extract.weights import WeightsNotFoundError
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -32,67 +31,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--n", type=int, default=2000, help="toy-world scenes to generate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default="test", choices=["train", "val", "test"], help="split to embed")
     p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
-    p.add_argument("--pretrained", default=None, help="tag, checkpoint path, or 'none' (default: the alias's)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--pretrained", default=None,
+                   help="weights of --base (tag, file or 'none'); default for the tiny base: pre-train it on the "
+                        "toy world first; for other bases: the alias's default weights")
+    p.add_argument("--pretrain-epochs", type=int, default=10, help="epochs of CLIP pre-training of the tiny base")
+    p.add_argument("--pretrain-batch-size", type=int, default=64)
+    p.add_argument("--methods", default="all", help=f"adapters to train: comma list from "
+                                                    f"{', '.join(ADAPTERS.names())}, or all")
+    p.add_argument("--epochs", type=int, default=5, help="adapter training epochs")
+    p.add_argument("--batch-size", type=int, default=128, help="adapter training batch")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--workers", type=int, default=2, help="data-loading worker processes")
     return parse_with_config(p, argv)
 
 
-@torch.no_grad()
-def embed_split(backbone, source, batch_size: int, workers: int):
-    """Embed every good image and caption of ``source``.
+def _pretrain_base(args, world: Path, out: Path) -> Path:
+    """CLIP pre-training of the tiny base on the toy world's train split; reused when already done with the
+    same settings (model.json records them)."""
+    from train import pretrain
 
-    Returns (image_emb [N_img, D], caption_emb [N_cap, D], caption_to_image [N_cap] long, caption_ids,
-    image_ids); bad images are skipped and recorded in ``source.report``.
-    """
-    dataset = SampleDataset(source, backbone.preprocess)
-    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, collate_fn=collate_skipping)
-    image_emb, caption_texts, caption_to_image, caption_ids, image_ids = [], [], [], [], []
-    for good, skips in tqdm(loader, desc=f"embedding {source.name}", unit="batch"):
-        source.report.add_batch(good, skips)
-        if good["images"] is None:
-            continue
-        image_emb.append(backbone.encode_images(good["images"]).embedding.cpu())
-        for image_id, caps in zip(good["image_ids"], good["captions"]):
-            for cap in caps:
-                caption_texts.append(cap.text)
-                caption_ids.append(cap.id)
-                caption_to_image.append(len(image_ids))
-            image_ids.append(image_id)
-    text_emb = [backbone.encode_texts(caption_texts[i:i + batch_size]).embedding.cpu()
-                for i in range(0, len(caption_texts), batch_size)]
-    return torch.cat(image_emb), torch.cat(text_emb), torch.tensor(caption_to_image), caption_ids, image_ids
-
-
-def recall_at_1(image_emb: torch.Tensor, text_emb: torch.Tensor, caption_to_image: torch.Tensor) -> dict:
-    """Text->image and image->text R@1 (an image counts as hit when its top caption is one of its own)."""
-    sims = text_emb @ image_emb.T
-    t2i = (sims.argmax(1) == caption_to_image).float().mean().item()
-    i2t = (caption_to_image[sims.argmax(0)] == torch.arange(len(image_emb))).float().mean().item()
-    return {"t2i_r1": t2i, "i2t_r1": i2t, "t2i_chance": 1 / len(image_emb)}
-
-
-@torch.no_grad()
-def hard_negative_accuracy(backbone, image_emb, caption_ids, items, image_row) -> dict:
-    """Per negative type: fraction of (image, positive, negative) triples where the positive scores higher."""
-    wins, totals = defaultdict(int), defaultdict(int)
-    cap_row = {cid: i for i, cid in enumerate(caption_ids)}
-    usable = [it for it in items if str(it["caption_id"]) in cap_row and str(it["image_id"]) in image_row]
-    texts = [it["positive"] for it in usable] + [neg["text"] for it in usable for neg in it["negatives"]]
-    emb = torch.cat([backbone.encode_texts(texts[i:i + 512]).embedding for i in range(0, len(texts), 512)]) \
-        if texts else torch.empty(0)
-    k = len(usable)
-    for i, it in enumerate(usable):
-        img = image_emb[image_row[str(it["image_id"])]]
-        pos = emb[i] @ img
-        for neg in it["negatives"]:
-            totals[neg["type"]] += 1
-            wins[neg["type"]] += int(pos > emb[k] @ img)
-            k += 1
-    return {t: {"accuracy": wins[t] / totals[t], "n": totals[t]} for t in sorted(totals)}
+    weights, described = out / "model.safetensors", out / "model.json"
+    argv = ["--method", "clip", "--model", args.base, "--data", str(world), "--epochs", str(args.pretrain_epochs),
+            "--batch-size", str(args.pretrain_batch_size), "--seed", str(args.seed), "--out", str(out),
+            "--workers", str(args.workers), "--eval-every-n-epochs", "0", "--save-every-n-steps", "0",
+            "--no-tensorboard"]
+    if args.device:
+        argv += ["--device", args.device]
+    pargs = pretrain.parse_args(argv)
+    if weights.is_file() and described.is_file():
+        old = json.loads(described.read_text()).get("args", {})
+        # options left at None are resolved by the run itself (e.g. --val-data from --data)
+        if all(old.get(k) == v for k, v in vars(pargs).items()
+               if v is not None and k not in ("device", "workers", "resume")):
+            print(f"  reusing {weights} (same settings)")
+            return weights
+    pretrain.train(pargs)
+    return weights
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,48 +75,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     save_config(args, out / "config.json")
     t_start = time.perf_counter()
+    from extract.backbone import load_backbone
+    from extract.weights import WeightsNotFoundError
 
+    pretrain_base = args.pretrained is None and args.base.startswith("tiny")
     # the backbone first: missing weights must fail before any other work
-    print(f"[1/3] backbone: {args.base} (pretrained: {args.pretrained or 'alias default'})")
+    print(f"[1/4] backbone: {args.base} (weights: "
+          f"{'pre-trained on the toy world next' if pretrain_base else args.pretrained or 'alias default'})")
     try:
-        backbone = load_backbone(args.base, args.pretrained, device=args.device)
+        backbone = load_backbone(args.base, "none" if pretrain_base else args.pretrained, device="cpu")
     except (WeightsNotFoundError, ValueError) as e:
         print(f"error: {e}")
         return 2
     info = backbone.describe()
-    print(f"  {info['model']}: {info['weights']} weights, embed dim {info['embed_dim']}, "
-          f"{info['grid'][0]}x{info['grid'][1]} patches, {info['context_length']} tokens")
+    print(f"  {info['model']}: embed dim {info['embed_dim']}, {info['grid'][0]}x{info['grid'][1]} patches, "
+          f"{info['context_length']} tokens")
+    del backbone
 
-    print(f"[2/3] toy world: {args.n} scenes, seed {args.seed} -> {out / 'toyworld'}")
-    summary = toyworld.generate(out / "toyworld", args.n, args.seed)
-    print(toyworld.format_summary(summary))
+    world = out / "toyworld"
+    print(f"[2/4] toy world: {args.n} scenes, seed {args.seed} -> {world}")
+    meta = json.loads((world / "meta.json").read_text()) if (world / "meta.json").is_file() else {}
+    # regenerating would give the same bytes but new mtimes, which the feature cache's fingerprint sees
+    if (meta.get("n"), meta.get("seed"), meta.get("version")) == (args.n, args.seed, toyworld.VERSION):
+        print("  reusing it (same n, seed and generator version)")
+    else:
+        print(toyworld.format_summary(toyworld.generate(world, args.n, args.seed)))
 
-    print(f"[3/3] embedding the {args.split} split through the data-source interface")
-    source = open_source(out / "toyworld", split=args.split)
-    t0 = time.perf_counter()
-    image_emb, text_emb, cap2img, caption_ids, image_ids = embed_split(backbone, source, args.batch_size, args.workers)
-    dt = time.perf_counter() - t0
-    print(f"  {len(image_ids)} images -> {tuple(image_emb.shape)}, {len(caption_ids)} captions -> "
-          f"{tuple(text_emb.shape)} in {dt:.1f} s ({len(image_ids) / dt:.0f} images/s incl. captions)")
-    print(f"  data report: {source.report.summary()}")
-    retrieval = recall_at_1(image_emb, text_emb, cap2img)
-    items = [it for it in json.loads((out / "toyworld" / "negatives.json").read_text())["items"]
-             if it["split"] == args.split]
-    negatives = hard_negative_accuracy(backbone, image_emb, caption_ids, items,
-                                       {iid: r for r, iid in enumerate(image_ids)})
-    print(f"  retrieval R@1: text->image {retrieval['t2i_r1']:.3f}, image->text {retrieval['i2t_r1']:.3f} "
-          f"(chance {retrieval['t2i_chance']:.4f})")
-    print("  hard negatives (positive beats negative; chance 0.5): "
-          + ", ".join(f"{t} {v['accuracy']:.3f} (n={v['n']})" for t, v in negatives.items()))
-    if info["weights"] == "random":
-        print("  note: random weights, so these figures sit near chance; pass --pretrained to use trained ones.")
-    report = {"backbone": info, "split": args.split, "images": len(image_ids), "captions": len(caption_ids),
-              "retrieval": retrieval, "hard_negatives": negatives, "data_report": source.report.counts(),
+    pretrained = args.pretrained
+    if pretrain_base:
+        print(f"[3/4] pre-training the {args.base} base on the toy world (CLIP, {args.pretrain_epochs} epochs)")
+        t0 = time.perf_counter()
+        pretrained = str(_pretrain_base(args, world, out / "base"))
+        print(f"  base: {pretrained} ({time.perf_counter() - t0:.0f} s)")
+    else:
+        print("[3/4] pre-training skipped: using the given weights")
+
+    print(f"[4/4] adapters on the frozen base: {args.methods}")
+    from train import adapter_compare
+
+    cargv = ["--data", str(world), "--out", str(out / "adapters"), "--base", args.base, "--methods", args.methods,
+             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(args.seed),
+             "--workers", str(args.workers)]
+    if pretrained is not None:
+        cargv += ["--pretrained", pretrained]
+    if args.device:
+        cargv += ["--device", args.device]
+    result = adapter_compare.compare(adapter_compare.parse_args(cargv))
+    table = Path(result["table"]) if result.get("table") else None
+    if table is not None:
+        print("\nfrozen base vs base + adapter (toy world test split; retrieval R@k and hard-negative accuracy, %):")
+        print(table.read_text())
+    report = {"backbone": info, "pretrained": pretrained, "toyworld": str(world), "adapters": result,
               "seconds": time.perf_counter() - t_start}
-    (out / "demo_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    source.report.to_json(out / "data_report.json")
-    print(f"done in {report['seconds']:.1f} s: {out / 'demo_report.json'}, {out / 'data_report.json'}, "
-          f"{out / 'config.json'}")
+    (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"done in {report['seconds']:.0f} s: {out / 'demo_report.json'}"
+          + (f", {table}, {table.with_suffix('.png')}" if table else ""))
     return 0
 
 

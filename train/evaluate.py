@@ -274,6 +274,9 @@ def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tens
 
 
 def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) -> dict:
+    if not data.paths or not data.classes:
+        # e.g. a small toy-world split without single-object scenes: nothing to classify, not an error
+        return {"skipped": f"{data.name} has no labelled images"}
     image_reps, kept, skipped = encode_image_files(scorer, [(p, None) for p in data.paths], batch_size,
                                                    "zero-shot images")
     reps, groups = class_representations(scorer, data.classes, templates)
@@ -366,7 +369,7 @@ def headline(results: dict) -> dict[str, float]:
             for k in ("R@1", "R@5", "R@10"):
                 flat[f"retrieval {tag} {k}"] = r[d][k]
     z = results.get("zeroshot")
-    if z:
+    if z and "top1" in z:
         flat["zero-shot top-1"] = z["top1"]
         if "top5" in z:
             flat["zero-shot top-5"] = z["top5"]

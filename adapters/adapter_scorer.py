@@ -159,7 +159,9 @@ class AdapterScorer:
     def from_checkpoint(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu", precision: str | None = None,
                         pretrained: str | None = None, annotations=None, detector: str | None = None) -> "AdapterScorer":
         """Rebuild from the checkpoint alone. ``pretrained`` overrides where the base weights are (a moved file;
-        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads."""
+        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads.
+        A checkpoint of an ``--unfreeze`` fine-tune names its backbone weights (``RUN/backbone.safetensors``,
+        read from the adapter's folder; ``pretrained`` then points at a moved copy) and its text context."""
         from extract.backbone import load_backbone
 
         path = Path(path)
@@ -167,21 +169,32 @@ class AdapterScorer:
             path = path / "adapter.safetensors"
         head, meta = load_adapter(path, device=device)
         base, extraction = meta["base"], meta["extraction"]
-        backbone = load_backbone(base["base"], pretrained or base["pretrained"], device=device,
-                                 precision=precision or extraction["args"].get("precision", "fp32"))
-        theirs = base.get("weights_sha256")
+        precision = precision or extraction["args"].get("precision", "fp32")
+        tuned = meta.get("backbone")
+        if tuned:  # an --unfreeze fine-tune: the backbone's own weights sit next to the adapter
+            weights = Path(pretrained) if pretrained else path.parent / tuned["file"]
+            if not weights.is_file():
+                raise FileNotFoundError(f"{path} was trained with a fine-tuned backbone, {tuned['file']}, which is not "
+                                        f"next to it ({weights} missing): copy the run folder whole, or pass the "
+                                        "file (pretrained=PATH / --pretrained PATH)")
+            backbone = load_backbone(base["base"], str(weights), device=device, precision=precision,
+                                     context_length=tuned.get("context_length"))
+            theirs, what = tuned.get("weights_sha256"), f"fine-tuned {base['base']} weights ({weights})"
+        else:
+            backbone = load_backbone(base["base"], pretrained or base["pretrained"], device=device, precision=precision)
+            theirs, what = base.get("weights_sha256"), f"{pretrained or base['pretrained']}"
         ours = backbone.describe(hash_weights=True)["weights_sha256"]
         if theirs and theirs != ours:
             raise CheckpointError(f"{path} was trained on {base['base']} weights with SHA-256 {theirs[:16]}..., but "
-                                  f"{pretrained or base['pretrained']} has {ours[:16]}...: pass the original weights "
-                                  "(--pretrained PATH)")
+                                  f"{what} has {ours[:16]}...: pass the original weights (--pretrained PATH)")
         box_source = (extraction["settings"].get("boxes") or {}).get("source")
         extractor = LiveExtractor(backbone, extraction["args"], box_source=box_source, annotations=annotations,
                                   detector=detector)
         diff = _settings_diff(extraction["settings"], extractor.settings())
         if diff and detector is None:
             print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))
-        return cls(head, backbone, extractor, name=f"{base['base']} + {meta['method']}", meta=meta)
+        label = f"{base['base']} fine-tuned" if tuned else base["base"]
+        return cls(head, backbone, extractor, name=f"{label} + {meta['method']}", meta=meta)
 
     # -- encoding ----------------------------------------------------------------------------------------
     def _image_reps(self, arrays: dict[str, np.ndarray]) -> Reps:

@@ -54,6 +54,9 @@ class AdapterHead(nn.Module):
     #: True when ``score_directed`` differs between "t2i" and "i2t" (evaluation then ranks each direction with
     #: its own matrix); False: one matrix serves both
     directional: ClassVar[bool] = False
+    #: True when the head can also train with the backbone unfrozen (``train.adapter --unfreeze``): its inputs
+    #: must all be arrays a backbone forward produces (see ``train/adapter_live.py``)
+    supports_unfreeze: ClassVar[bool] = False
 
     def __init__(self, config: Any, embed_dim: int):
         super().__init__()

@@ -12,7 +12,11 @@ Two kinds of file, one format (safetensors tensors + a JSON description in the s
 - **training state** (``RUN/checkpoints/last.safetensors``, kind ``"train_state"``): the same plus the
   optimizer's tensors (``optimizer.<param index>.<key>``), the RNG states (``rng.<name>``), and in the JSON
   the optimizer's param groups, the scheduler and gradient-scaler states and the position in the data
-  order, so ``--resume`` continues exactly where the run stopped.
+  order, so ``--resume`` continues exactly where the run stopped. Other trained modules (the backbone of an
+  ``--unfreeze`` fine-tune) are stored under their own prefix (``backbone.<name>``).
+- **fine-tuned backbone** (``--unfreeze``): ``RUN/backbone.safetensors``, the open_clip model's plain state
+  dict (``open_clip.load_checkpoint`` reads it), written by :func:`save_backbone_weights`; the adapter's
+  description names it under ``"backbone"`` (file, SHA-256, text context length).
 
 Files are written to a temporary name and renamed, so a crash never leaves a half-written checkpoint where
 the last good one was.
@@ -145,11 +149,31 @@ def load_adapter(path: str | os.PathLike, device: str | torch.device = "cpu") ->
     return head.to(device).eval(), meta
 
 
+# --------------------------------------------------------------------------------------------- fine-tuned backbone
+def save_backbone_weights(path: str | os.PathLike, model: torch.nn.Module) -> dict:
+    """Write an open_clip model's state dict as plain safetensors (open_clip's key names, no wrapper), atomically.
+    Returns ``{"file": name, "weights_sha256": ...}`` for the adapter's description."""
+    from extract.weights import file_sha256
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file(plain, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return {"file": path.name, "weights_sha256": file_sha256(path)}
+
+
 # --------------------------------------------------------------------------------------------- training state
 def save_training_state(path: str | os.PathLike, head: AdapterHead, optimizer: torch.optim.Optimizer,
-                        scheduler, scaler, meta: dict) -> Path:
-    """Everything ``--resume`` needs (module docstring). ``scheduler`` / ``scaler`` may be None."""
+                        scheduler, scaler, meta: dict, modules: dict[str, torch.nn.Module] | None = None) -> Path:
+    """Everything ``--resume`` needs (module docstring). ``scheduler`` / ``scaler`` may be None; ``modules``:
+    other trained modules by prefix (e.g. ``{"backbone": open_clip_model}``), restored by the same prefix."""
     tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
+    for prefix, module in (modules or {}).items():
+        if prefix in ("head", "optimizer", "rng"):
+            raise ValueError(f"module prefix {prefix!r} is taken by the checkpoint format")
+        tensors.update({f"{prefix}.{k}": v for k, v in module.state_dict().items()})
     opt = optimizer.state_dict()
     opt_scalars: dict[str, dict] = {}
     for index, state in opt["state"].items():
@@ -165,7 +189,8 @@ def save_training_state(path: str | os.PathLike, head: AdapterHead, optimizer: t
     state = {"param_groups": opt["param_groups"], "optimizer_scalars": opt_scalars,
              "scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
              "scaler": _plain(scaler.state_dict()) if scaler is not None else None}
-    return write(path, tensors, {"kind": "train_state", **meta, **describe_head(head), "state": state})
+    return write(path, tensors, {"kind": "train_state", **meta, **describe_head(head), "state": state,
+                                 "modules": sorted(modules or {})})
 
 
 def _plain(state: dict) -> dict:
@@ -174,13 +199,23 @@ def _plain(state: dict) -> dict:
 
 
 def load_training_state(path: str | os.PathLike, head: AdapterHead, optimizer: torch.optim.Optimizer,
-                        scheduler, scaler) -> dict:
-    """Restore head, optimizer, scheduler, scaler and RNG states in place; returns the description."""
+                        scheduler, scaler, modules: dict[str, torch.nn.Module] | None = None) -> dict:
+    """Restore head, optimizer, scheduler, scaler and RNG states (and ``modules`` by prefix, as saved) in
+    place; returns the description."""
     tensors, meta = read(path)
     if meta.get("kind") != "train_state":
         raise CheckpointError(f"{path} is an inference checkpoint ({meta.get('kind')}); --resume needs "
                               "RUN/checkpoints/last.safetensors")
     load_head_state(head, tensors, str(path))
+    saved = set(meta.get("modules", []))
+    for prefix, module in (modules or {}).items():
+        if prefix not in saved:
+            raise CheckpointError(f"{path} holds no {prefix!r} weights (saved modules: {sorted(saved) or 'none'}); "
+                                  "it was written by a run of another mode")
+        result = module.load_state_dict(_sub(tensors, prefix + "."), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise CheckpointError(f"{path}: {prefix} weights do not fit this model (missing "
+                                  f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]})")
     state = meta["state"]
     opt_state: dict[int, dict] = {}
     for key, value in tensors.items():

@@ -169,12 +169,17 @@ class FrozenBackbone(nn.Module):
     ``encode_images`` / ``encode_texts`` return :class:`ImageFeatures` / :class:`TextFeatures`. The module
     stays in eval mode even when a parent calls ``.train()`` (dropout or patch dropout would change
     cached features).
+
+    Fine-tuning (``python -m train.adapter --unfreeze``) calls :meth:`unfreeze`: the weights then require
+    gradients and ``.train()`` reaches the model; :meth:`image_features` / :meth:`token_features` are the
+    same computations as ``encode_images`` / ``encode_token_ids`` without ``torch.no_grad``.
     """
 
     def __init__(self, model: nn.Module, tokenizer, preprocess, spec: BackboneSpec, weights: ResolvedWeights,
                  precision: str = "fp32", init_seed: int | None = None):
         super().__init__()
         self.init_seed = init_seed
+        self.trainable = False
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.preprocess = preprocess
@@ -212,8 +217,15 @@ class FrozenBackbone(nn.Module):
             return m.transformer, m.ln_final, m.text_projection, False
         return text.transformer, text.ln_final, text.text_projection, getattr(text, "cls_emb", None) is not None
 
-    def train(self, mode: bool = True):  # noqa: D401 - frozen on purpose
-        return super().train(False)
+    def train(self, mode: bool = True):  # noqa: D401 - frozen on purpose (unless unfrozen)
+        return super().train(mode and self.trainable)
+
+    def unfreeze(self) -> "FrozenBackbone":
+        """Make every weight trainable (full fine-tuning): gradients on, and ``.train()`` now switches the
+        model to train mode (dropout, patch dropout as configured). ``encode_*`` stay gradient-free."""
+        self.trainable = True
+        self.model.requires_grad_(True)
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -239,6 +251,10 @@ class FrozenBackbone(nn.Module):
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> ImageFeatures:
         """images: [B, 3, H, W] already preprocessed (``self.preprocess``); returns :class:`ImageFeatures`."""
+        return self.image_features(images)
+
+    def image_features(self, images: torch.Tensor) -> ImageFeatures:
+        """:meth:`encode_images` with autograd as the caller has it (gradients reach unfrozen weights)."""
         images = images.to(device=self.device, dtype=self.dtype)
         embedding = self.model.encode_image(images, normalize=True)
         patches = self._patch_tokens(self._vision_capture.pop())
@@ -252,6 +268,10 @@ class FrozenBackbone(nn.Module):
     @torch.no_grad()
     def encode_token_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids / attention_mask: [B, L]. Returns (normalised global [B, D], joint-space tokens [B, L, D])."""
+        return self.token_features(ids, attention_mask)
+
+    def token_features(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode_token_ids` with autograd as the caller has it (gradients reach unfrozen weights)."""
         _, ln_final, projection, has_cls = self._text_parts()
         embedding = self.model.encode_text(ids.to(self.device), normalize=True)
         x = self._text_capture.pop()
@@ -335,7 +355,8 @@ def _load_weights(model: nn.Module, path: Path) -> None:
 
 
 def load_backbone(base: str, pretrained: str | None = None, *, device: str | torch.device = "cpu", precision: str = "fp32",
-                  cache_dir: str | None = None, offline: bool | None = None, init_seed: int = 0) -> FrozenBackbone:
+                  cache_dir: str | None = None, offline: bool | None = None, init_seed: int = 0,
+                  context_length: int | None = None) -> FrozenBackbone:
     """Build a frozen backbone.
 
     base: an alias from backbones.json (ViT-B-32, ViT-B-16, ViT-L-14, coca_ViT-B-32, NegCLIP, tiny, tiny-coca)
@@ -343,6 +364,9 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
     pretrained: an open_clip tag, a checkpoint path (.safetensors / .pt / .bin; loaded with
         ``weights_only=True``), "none" for random weights, or None for the alias's default.
     init_seed: seed of the random initialisation (what "random weights" are; overwritten by loaded weights).
+    context_length: a longer text context (Long-CLIP position stretching, ``extract.long_context``). A
+        safetensors checkpoint already saved at that length (``train.adapter --unfreeze --context-length``) is
+        loaded into the stretched model as is; any other is loaded first and then stretched.
     Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
     cannot be downloaded.
     """
@@ -371,15 +395,51 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
         model, _, preprocess = open_clip.create_model_and_transforms(
             spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu,
             **pp_kwargs)
+    tokenizer = open_clip.get_tokenizer(spec.model)
+    stretched = False
+    if context_length is not None and weights.path is not None:
+        in_file = _text_positions_in_file(weights.path)
+        if in_file is not None and in_file != _text_positions(model):
+            # saved after stretching: stretch the random init to the same shape, then load it strictly (open_clip's
+            # own loader would otherwise interpolate the file's positions back down to the config's length)
+            tokenizer = _stretch(model, tokenizer, context_length)
+            stretched = True
     if weights.path is not None:
         try:
             _load_weights(model, weights.path)
         except RuntimeError as e:
-            raise RuntimeError(f"checkpoint {weights.path} does not fit architecture {spec.model}: {e}") from e
+            raise RuntimeError(f"checkpoint {weights.path} does not fit architecture {spec.model}"
+                               + (f" with a {context_length}-token context" if stretched else "") + f": {e}") from e
         model.to(device)
+    if context_length is not None and not stretched:
+        tokenizer = _stretch(model, tokenizer, context_length)
     log.info("built %s (%s weights) in %.1f s", spec.model, weights.kind, time.perf_counter() - t0)
-    tokenizer = open_clip.get_tokenizer(spec.model)
     return FrozenBackbone(model, tokenizer, preprocess, spec, weights, precision=precision, init_seed=init_seed)
+
+
+def _text_positions(model: nn.Module) -> int:
+    text = getattr(model, "text", None)
+    return int((text if text is not None else model).positional_embedding.shape[0])
+
+
+def _text_positions_in_file(path: Path) -> int | None:
+    """Rows of the text position embedding in a safetensors checkpoint (None for other formats)."""
+    if Path(path).suffix != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        for key in ("positional_embedding", "text.positional_embedding"):
+            if key in f.keys():
+                return int(f.get_slice(key).get_shape()[0])
+    return None
+
+
+def _stretch(model: nn.Module, tokenizer, context_length: int):
+    from extract.long_context import extend_text_context
+
+    # no frozen-position hook: a loaded model is for inference (train.adapter stretches with freeze_kept itself)
+    return extend_text_context(model, tokenizer, context_length, freeze_kept=False)[1]
 
 
 # --------------------------------------------------------------------------------------------- CLI

@@ -45,3 +45,16 @@ def test_example_configs_parse():
     assert demo_args(["--config", str(examples / "demo.yaml")]).n == 2000
     toy = toy_args(["--config", str(examples / "toyworld.yaml")])
     assert ("red", "circle") in toy.holdout and toy.n == 10000
+
+
+def test_training_example_configs_parse():
+    from pathlib import Path
+
+    from train.adapter import parse_args as adapter_args
+    from train.pretrain import parse_args as pretrain_args
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    a = adapter_args(["--config", str(examples / "adapter_comalign_vitb32.yaml")])
+    assert (a.method, a.base, a.schedule) == ("comalign", "ViT-B-32", "step")
+    p = pretrain_args(["--config", str(examples / "pretrain_powerclip_r.yaml")])
+    assert (p.method, p.masks, p.num_masks, p.model, p.grad_checkpointing) == ("powerclip", "random", 10, "ViT-B-16", True)

@@ -20,10 +20,12 @@ def test_benchmark_times_every_configuration(tmp_path):
     finally:
         torch.set_num_threads(threads)
     result = json.loads((tmp_path / "b.json").read_text())
-    assert set(result["step_seconds"]) == {"open_clip", "clip", "flip", "clip-pgs", "powerclip"}
+    assert set(result["step_seconds"]) == {"open_clip", "clip", "flip", "clip-pgs", "powerclip", "powerclip-M5",
+                                           "powerclip-M15"}
     assert all(v > 0 for v in result["step_seconds"].values())
     assert set(result["ratios"]) == {"clip / open_clip throughput", "powerclip / clip step",
-                                     "clip-pgs / flip step (0.5)", "flip 0.5 / clip step"}
+                                     "clip-pgs / flip step (0.5)", "flip 0.5 / clip step",
+                                     "powerclip M=15 / M=5 step"}
 
 
 def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path):

@@ -1,4 +1,5 @@
-"""``python -m train.adapter``: train a compositional adapter head on a frozen backbone, from cached features.
+"""``python -m train.adapter``: train a compositional adapter head on a frozen backbone, from cached features
+(or, with ``--unfreeze``, together with the backbone from raw data).
 
     python -m train.adapter --method comalign --data toy/ --out runs/comalign             # tiny backbone, toy world
     python -m train.adapter --base ViT-B-32 --method comalign --data pairs.csv --detector yolov9c.pt \\
@@ -36,6 +37,16 @@ the RNG state of each micro-batch's first pass is replayed, so even dropout sees
 
 Divergence: a step whose loss or gradients are not finite is skipped (no update) and logged; ``--max-bad-steps``
 of them in a row abort the run with exit status 3, keeping the last good checkpoint.
+
+``--unfreeze`` (heads whose class sets ``supports_unfreeze``, e.g. SmartCLIP's official recipe) fine-tunes the
+backbone with the head (``train.adapter_live``): no feature cache; images and captions are read from the raw
+source with the same held-out rules and batch order, the backbone runs in train mode with gradients in its own
+AdamW groups at ``--backbone-lr`` (default: the head class's ``backbone_lr``), ``--context-length 248``
+stretches the text positions first (Long-CLIP, ``extract.long_context``; the first 20 stay fixed). Held-out
+evaluation re-encodes the held-out split with the current backbone every epoch; the checkpoint adds
+``RUN/backbone.safetensors`` (open_clip's state dict), named with its SHA-256 and context length in the adapter's
+description, so ``load_scorer(RUN/adapter.safetensors)`` rebuilds the fine-tuned model from the run folder alone.
+The head's learning rate defaults to its class's ``head_lr`` (when it names one) in both modes.
 """
 from __future__ import annotations
 
@@ -57,7 +68,8 @@ import torch
 from tqdm import tqdm
 
 from adapters.base import AdapterHead, to_tensors
-from adapters.checkpoint import load_training_state, save_adapter, save_training_state, read_meta
+from adapters.checkpoint import load_training_state, read_meta, save_adapter, save_backbone_weights, \
+    save_training_state
 from adapters.registry import ADAPTERS
 from adapters.scoring import cat_reps
 from extract.config import parse_with_config, save_config
@@ -71,8 +83,13 @@ _EXTRACT_OWN = {"help", "config", "base", "pretrained", "data", "out", "split", 
                 "batch_size", "workers", "image_root"}
 # arguments that must not change across --resume for the continuation to be exact
 _RESUME_KEYS = ("method", "base", "epochs", "batch_size", "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
-                "schedule", "warmup", "step_epochs", "gamma", "precision", "grad_clip", "seed")
+                "schedule", "warmup", "step_epochs", "gamma", "precision", "grad_clip", "seed", "unfreeze",
+                "backbone_lr", "context_length")
+# values of keys added since the first checkpoints, so those still resume
+_RESUME_KEY_DEFAULTS = {"unfreeze": False, "backbone_lr": None, "context_length": None}
 DIVERGED = 3
+DEFAULT_LR = 5e-4          # head learning rate when its class names no head_lr
+DEFAULT_BATCH_SIZE = 256   # per process, when --unfreeze does not take the head class's unfreeze_batch_size
 
 
 class TrainingDiverged(RuntimeError):
@@ -113,11 +130,14 @@ def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.Argument
                    help="extraction: backbone precision")
     o = p.add_argument_group("optimisation")
     o.add_argument("--epochs", type=int, default=10)
-    o.add_argument("--batch-size", type=int, default=256, help="contrastive batch per process (the global batch is "
-                                                               "this x processes)")
+    o.add_argument("--batch-size", type=int, default=None,
+                   help=f"contrastive batch per process (the global batch is this x processes); default "
+                        f"{DEFAULT_BATCH_SIZE}, with --unfreeze the head class's unfreeze_batch_size (a global batch) "
+                        "divided by the number of processes")
     o.add_argument("--accum-steps", type=int, default=1, help="split each batch into this many micro-batches "
                                                               "(same gradient, less memory)")
-    o.add_argument("--lr", type=float, default=5e-4)
+    o.add_argument("--lr", type=float, default=None,
+                   help=f"head learning rate (default: the head class's head_lr, else {DEFAULT_LR:g})")
     o.add_argument("--weight-decay", type=float, default=0.1)
     o.add_argument("--beta1", type=float, default=0.9)
     o.add_argument("--beta2", type=float, default=0.98)
@@ -131,6 +151,15 @@ def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.Argument
     o.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast for the head")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="default: accelerate's device (cuda if present, else cpu)")
+    u = p.add_argument_group("fine-tuning the backbone (--unfreeze)")
+    u.add_argument("--unfreeze", action="store_true",
+                   help="train the backbone with the head, from raw images and captions (heads whose class sets "
+                        "supports_unfreeze)")
+    u.add_argument("--backbone-lr", type=float, default=None,
+                   help="backbone learning rate (default: the head class's backbone_lr)")
+    u.add_argument("--context-length", type=int, default=None,
+                   help="stretch the text context to this many tokens first (Long-CLIP; 248 in SmartCLIP; the "
+                        "first 20 positions stay fixed)")
     r = p.add_argument_group("run")
     r.add_argument("--out", default=None, help="run folder: checkpoints, logs, evaluation")
     r.add_argument("--resume", nargs="?", const="auto", default=None,
@@ -202,6 +231,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--out is required (the run folder)")
     if not args.data and not args.cache:
         p.error("--data is required (or --cache with a finished cache)")
+    _check_unfreeze(p, args, head_cls)
+    if args.lr is None:
+        args.lr = float(getattr(head_cls, "head_lr", None) or DEFAULT_LR)
+    if args.batch_size is None:
+        per_run = getattr(head_cls, "unfreeze_batch_size", None) if args.unfreeze else None
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
+        args.batch_size = max(2, per_run // world) if per_run else DEFAULT_BATCH_SIZE
     if args.batch_size < 2 or args.batch_size % args.accum_steps:
         p.error("--batch-size must be >= 2 and a multiple of --accum-steps")
     args.head_config = {f: getattr(args, d) for f, d in p.head_dests.items() if getattr(args, d, None) is not None}
@@ -209,6 +245,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                             **{a.dest: getattr(args, a.dest) for a in _extract_actions() if getattr(args, a.dest, None) is not None}}
     args.components = sorted({c.strip() for c in args.components.split(",") if c.strip()} | set(head_cls.components))
     return args
+
+
+def _check_unfreeze(p: argparse.ArgumentParser, args, head_cls) -> None:
+    """--unfreeze / --backbone-lr / --context-length: allowed combinations, and the backbone lr default."""
+    from train.adapter_live import unfreeze_methods, unfreeze_support
+
+    if not args.unfreeze:
+        for flag, value in (("--backbone-lr", args.backbone_lr), ("--context-length", args.context_length)):
+            if value is not None:
+                p.error(f"{flag} only applies with --unfreeze (the cached path never changes the backbone)")
+        return
+    why = unfreeze_support(head_cls)
+    if why is not None:
+        p.error(f"--unfreeze: method {head_cls.name!r} trains on cached features only ({why}); methods that support "
+                f"--unfreeze: {', '.join(unfreeze_methods(ADAPTERS)) or 'none'}")
+    if args.cache:
+        p.error("--unfreeze reads raw images and captions (--data); a feature cache (--cache) holds frozen features")
+    if args.extract_precision != "fp32":
+        p.error("--unfreeze keeps fp32 weights for the optimizer; use --precision bf16/fp16 for mixed precision, not "
+                "--extract-precision")
+    if args.backbone_lr is None:
+        args.backbone_lr = getattr(head_cls, "backbone_lr", None)
+        if args.backbone_lr is None:
+            p.error(f"--unfreeze: {head_cls.__name__} names no backbone_lr; pass --backbone-lr")
+    if args.context_length is not None and args.context_length < 2:
+        p.error("--context-length must be at least 2 tokens")
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -292,10 +354,16 @@ def _default_workers() -> int:
 
 
 # --------------------------------------------------------------------------------------------- optimisation
-def make_optimizer(head: AdapterHead, args) -> torch.optim.Optimizer:
+def make_optimizer(head: AdapterHead, args, backbone_model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+    """AdamW over the head's param groups at ``--lr`` (a group may carry its own lr) and, with ``backbone_model``
+    (``--unfreeze``), the backbone's own groups at ``--backbone-lr`` after them."""
     groups = head.param_groups(args.weight_decay)
     if not groups:
         raise ValueError(f"{head.name}: nothing to train (every parameter is frozen with this config)")
+    if backbone_model is not None:
+        from train.adapter_live import backbone_param_groups
+
+        groups = groups + backbone_param_groups(backbone_model, args.weight_decay, args.backbone_lr)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
 
 
@@ -352,7 +420,9 @@ def _leaves(reps: dict) -> dict:
 
 def compute_gradients(head: AdapterHead, images: dict, texts: dict, accum: int, ctx: _Ctx) -> dict:
     """Back-propagate the head's loss on one (local) batch; returns the loss dict. ``accum > 1``: gradient
-    caching over micro-batches (module docstring), same gradient as ``accum = 1``."""
+    caching over micro-batches (module docstring), same gradient as ``accum = 1``. ``head``: anything with the
+    head's ``encode_image`` / ``encode_text`` / ``loss`` (``train.adapter_live.LiveModel`` for --unfreeze), and
+    ``images`` / ``texts`` dicts of tensors with the batch first."""
     if accum == 1:
         with ctx.autocast():
             out = head.loss(head.encode_image(images), head.encode_text(texts), rank=ctx.rank, world_size=ctx.world)
@@ -387,21 +457,31 @@ def compute_gradients(head: AdapterHead, images: dict, texts: dict, accum: int, 
     return out
 
 
+_BUCKET_ELEMENTS = 1 << 24  # 64 MB of fp32 per all-reduce: a head is one bucket, an unfrozen backbone a few
+
+
 def _all_reduce_grads(params: list[torch.nn.Parameter], world: int) -> None:
-    """Average gradients over ranks in one flat all-reduce (what DDP does, for a head of a few MB)."""
+    """Average gradients over ranks, one flat all-reduce per bucket of parameters (what DDP does), so an unfrozen
+    ViT-L does not need a second full copy of its gradients at once."""
     import torch.distributed as dist
 
     # every rank runs the same code, so the same parameters have gradients everywhere
     params = [p for p in params if p.grad is not None]
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for p in params:
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
+    start = 0
+    while start < len(params):
+        end, size = start, 0
+        while end < len(params) and (end == start or size + params[end].numel() <= _BUCKET_ELEMENTS):
+            size += params[end].numel()
+            end += 1
+        bucket = params[start:end]
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for p in bucket:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        start = end
 
 
 def _all_ranks(flag: bool, ctx: _Ctx) -> bool:
@@ -426,8 +506,9 @@ def _mean_over_ranks(out: dict, ctx: _Ctx) -> dict[str, float]:
     return dict(zip(names, values.tolist()))
 
 
-def optimizer_step(head: AdapterHead, optimizer, out: dict, args, ctx: _Ctx) -> str | None:
-    """Average gradients over ranks, check them, clip, step. Returns None on success, else why it was skipped."""
+def optimizer_step(head: torch.nn.Module, optimizer, out: dict, args, ctx: _Ctx) -> str | None:
+    """Average gradients over ranks, check them, clip, step (``head``: every trained parameter, the backbone's
+    too with --unfreeze). Returns None on success, else why it was skipped."""
     params = [p for p in head.parameters() if p.requires_grad]
     if ctx.world > 1:
         _all_reduce_grads(params, ctx.world)
@@ -552,20 +633,40 @@ def train(args) -> dict:
 
     # 1. the backbone first: absent weights fail in about a second, before any data is read or extracted
     backbone = load_backbone(args.base, args.pretrained, device=device, precision=args.extract_precision)
-    # 2. caches (built or reused) and splits
-    data = prepare_data(args, head_cls, backbone, is_main)
-    cache = data.train_cache
-    missing = sorted((set(head_cls.image_keys) | set(head_cls.text_keys)) - set(cache.keys))
-    if missing:
-        raise ValueError(f"cache {cache.path} lacks arrays {missing} that {args.method} reads")
+    base_info = _describe_base(args, backbone)  # the original weights, before any fine-tuning
+    # 2. caches (built or reused) and splits; with --unfreeze the raw source's splits (train.adapter_live)
+    live = base_val = None
+    if args.unfreeze:
+        from extract.long_context import extend_backbone_context
+        from train.adapter_live import prepare_live
+
+        live = prepare_live(args, backbone, base_info["describe"])
+        if is_main and not args.resume:  # the frozen base's held-out figures, before stretching or training
+            base_val = live.heldout(args.extract_batch_size, _workers(args))
+        if args.context_length is not None:
+            # Long-CLIP §3.1: first 20 positions kept (and frozen by a gradient hook), the rest stretched
+            extend_backbone_context(backbone, args.context_length, freeze_kept=True)
+        backbone.unfreeze()
+        train_rows, caption_image = live.train_rows, live.caption_image
+        extraction, test_argv, data_key = live.extraction, final_table_data(args), f"live {live.train.name}"
+    else:
+        data = prepare_data(args, head_cls, backbone, is_main)
+        cache = data.train_cache
+        missing = sorted((set(head_cls.image_keys) | set(head_cls.text_keys)) - set(cache.keys))
+        if missing:
+            raise ValueError(f"cache {cache.path} lacks arrays {missing} that {args.method} reads")
+        train_rows, caption_image, test_argv, data_key = data.train_rows, data.caption_image, data.test_argv, \
+            cache.fingerprint
+        extraction = {"fingerprint": cache.fingerprint, "settings": cache.settings, "args": cache_config(cache),
+                      "path": str(cache.path)}
     global_batch = args.batch_size * world
-    n_train_images = len(np.unique(data.caption_image[data.train_rows]))
+    n_train_images = len(np.unique(caption_image[train_rows]))
     if global_batch > n_train_images:
         raise ValueError(f"the global batch ({global_batch}) exceeds the {n_train_images} training images: a batch "
                          "holds each image at most once (no caption is a negative of its own image); lower --batch-size")
-    steps_per_epoch = len(data.train_rows) // global_batch
+    steps_per_epoch = len(train_rows) // global_batch
     if steps_per_epoch == 0:
-        raise ValueError(f"{len(data.train_rows)} training captions make no batch of {global_batch}; lower --batch-size")
+        raise ValueError(f"{len(train_rows)} training captions make no batch of {global_batch}; lower --batch-size")
     total_steps = steps_per_epoch * args.epochs
 
     # 3. head, optimizer, schedule. Seeded right here: extraction may have drawn from the global RNG (DataLoader
@@ -573,16 +674,20 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     head = head_cls.from_config(args.head_config, backbone.embed_dim).to(device)
     torch.manual_seed(args.seed + 1 + rank)
-    optimizer = make_optimizer(head, args)
+    # what trains: the head, or (--unfreeze) backbone + head behind the head's interface over raw inputs
+    model = head
+    modules = {}
+    if live is not None:
+        from train.adapter_live import LiveModel
+
+        model, modules = LiveModel(backbone, head), {"backbone": backbone.model}
+    optimizer = make_optimizer(head, args, backbone.model if live is not None else None)
     scheduler = make_scheduler(optimizer, args, total_steps, steps_per_epoch)
     scaler = accelerator.scaler if mixed == "fp16" else None
     ctx = _Ctx(accelerator, rank, world, device, scaler)
-    base_info = _describe_base(args, backbone)
-    extraction = {"fingerprint": cache.fingerprint, "settings": cache.settings, "args": cache_config(cache),
-                  "path": str(cache.path)}
     resume_key = {k: getattr(args, k) for k in _RESUME_KEYS} | {
         "head_config": head.config_dict(), "weights_sha256": base_info["weights_sha256"],
-        "cache": cache.fingerprint, "world_size": world, "train_rows": int(len(data.train_rows))}
+        "cache": data_key, "world_size": world, "train_rows": int(len(train_rows))}
     state_path = out / "checkpoints" / "last.safetensors"
     start_epoch = start_batch = step = 0
     bad_in_a_row, skipped_total = 0, 0
@@ -591,12 +696,12 @@ def train(args) -> dict:
         path = Path(args.resume) if args.resume != "auto" else state_path
         if not path.is_file():
             raise FileNotFoundError(f"--resume: no training state at {path} (a run saves it at every epoch end)")
-        theirs = read_meta(path).get("resume_key", {})
+        theirs = {**_RESUME_KEY_DEFAULTS, **read_meta(path).get("resume_key", {})}
         diff = [f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in resume_key.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume {path}: this run's settings differ from the checkpoint's, so it would not "
                              "continue the same run:\n  " + "\n  ".join(diff))
-        meta = load_training_state(path, head, optimizer, scheduler, scaler)
+        meta = load_training_state(path, head, optimizer, scheduler, scaler, modules)
         start_epoch, start_batch, step = meta["epoch"], meta["batch"], meta["step"]
         bad_in_a_row, skipped_total = meta.get("bad_in_a_row", 0), meta.get("skipped_total", 0)
         history = meta.get("history", [])
@@ -606,20 +711,25 @@ def train(args) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         save_config(_jsonable(args), out / "config.json")
     logs = _Logs(out, is_main, step if args.resume else None)
-    say(f"{args.method} on {args.base}: {len(data.train_rows)} training captions of {n_train_images} images, "
-        f"held-out {len(data.val.image_rows)} images / {len(data.val.caption_rows)} captions"
-        + (f" + {len(data.val.negatives)} hard negatives" if data.val.negatives else "")
-        + f"; {steps_per_epoch} steps/epoch x {args.epochs} epochs, global batch {global_batch} on {world} "
-          f"process(es), {sum(p.numel() for p in head.parameters() if p.requires_grad):,} trainable parameters")
+    val = base_val if live is not None else data.val  # held-out arrays (live: re-encoded every epoch)
+    held = (f"held-out {len(live.val.records)} images / {len(live.val.texts)} captions" if live is not None else
+            f"held-out {len(val.image_rows)} images / {len(val.caption_rows)} captions"
+            + (f" + {len(val.negatives)} hard negatives" if val.negatives else ""))
+    say(f"{args.method} on {args.base}{' (fine-tuning the backbone)' if live is not None else ''}: {len(train_rows)} "
+        f"training captions of {n_train_images} images, {held}; {steps_per_epoch} steps/epoch x {args.epochs} epochs, "
+        f"global batch {global_batch} on {world} process(es), "
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
+        + (f" (backbone lr {args.backbone_lr:g}, head lr {args.lr:g}"
+           + (f", text context {backbone.context_length}" if args.context_length else "") + ")" if live else ""))
     if is_main and not args.resume:
-        base_metrics = _flat_metrics(evaluate_heldout(CachedBase(), data.val, device, args.eval_batch_size))
-        say(f"frozen base on {data.val.name}: {_summary_line(base_metrics)}")
+        base_metrics = _flat_metrics(evaluate_heldout(CachedBase(), val, device, args.eval_batch_size))
+        say(f"frozen base on {val.name}: {_summary_line(base_metrics)}")
         history.append({"epoch": 0, "step": 0, "model": "base", **base_metrics})
 
     def save_state(epoch: int, batch: int) -> bool:
         """Training state at (epoch, next batch); refused (False) during a run of skipped steps or when the weights
         are not finite, so the file on disk stays the last good state."""
-        if bad_in_a_row or not _params_finite(head):
+        if bad_in_a_row or not _params_finite(model):
             say(f"warning: not saving at step {step}: {bad_in_a_row} step(s) in a row skipped as non-finite; "
                 f"{state_path} keeps the last good state")
             return False
@@ -627,7 +737,7 @@ def train(args) -> dict:
             save_training_state(state_path, head, optimizer, scheduler, scaler, {
                 "epoch": epoch, "batch": batch, "step": step, "bad_in_a_row": bad_in_a_row,
                 "skipped_total": skipped_total, "history": history, "resume_key": resume_key,
-                "args": _jsonable(args), "base": base_info, "extraction": extraction})
+                "args": _jsonable(args), "base": base_info, "extraction": extraction}, modules)
             _save_rank_rng(state_path, rank)
         else:
             _save_rank_rng(state_path, rank)
@@ -638,25 +748,34 @@ def train(args) -> dict:
     stopped = False
     t_start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
-        batches = epoch_batches(data.train_rows, data.caption_image, global_batch, args.seed, epoch, steps_per_epoch)
-        head.train()
+        batches = epoch_batches(train_rows, caption_image, global_batch, args.seed, epoch, steps_per_epoch)
+        model.train()
         first = start_batch if epoch == start_epoch else 0
+        if live is not None:  # images decoded and captions tokenized by DataLoader workers, batches in this order
+            from train.adapter_live import batch_loader
+
+            loader = iter(batch_loader(live.train, [bt[rank * args.batch_size:(rank + 1) * args.batch_size]
+                                                    for bt in batches[first:]], backbone, _workers(args)))
         bar = tqdm(range(first, len(batches)), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step",
                    disable=not is_main, dynamic_ncols=True, leave=False)
         for b in bar:
             t0 = time.perf_counter()
-            local = batches[b][rank * args.batch_size:(rank + 1) * args.batch_size]
-            arrays = to_tensors(cache.batch(local, keys), device)
-            images = {k: arrays[k] for k in head_cls.image_keys}
-            texts = {k: arrays[k] for k in head_cls.text_keys}
-            out_step = compute_gradients(head, images, texts, args.accum_steps, ctx)
+            if live is not None:
+                images, texts = _live_batch(next(loader), live, ctx, say)
+            else:
+                local = batches[b][rank * args.batch_size:(rank + 1) * args.batch_size]
+                arrays = to_tensors(cache.batch(local, keys), device)
+                images = {k: arrays[k] for k in head_cls.image_keys}
+                texts = {k: arrays[k] for k in head_cls.text_keys}
+            out_step = compute_gradients(model, images, texts, args.accum_steps, ctx)
             lr = optimizer.param_groups[0]["lr"]
-            reason = optimizer_step(head, optimizer, out_step, args, ctx)
+            lrs = {"lr_backbone": optimizer.param_groups[-1]["lr"]} if live is not None else {}
+            reason = optimizer_step(model, optimizer, out_step, args, ctx)
             with warnings.catch_warnings():  # a skipped first step is not the misuse torch warns about
                 warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
                 scheduler.step()  # skipped steps count: the schedule follows the step number
             step += 1
-            row = {"step": step, "epoch": epoch + (b + 1) / len(batches), "lr": lr,
+            row = {"step": step, "epoch": epoch + (b + 1) / len(batches), "lr": lr, **lrs,
                    **_mean_over_ranks(out_step, ctx), "seconds": time.perf_counter() - t0,
                    "skipped": int(reason is not None), "reason": reason or ""}
             logs.step(row)
@@ -685,10 +804,12 @@ def train(args) -> dict:
             break
         start_batch = 0
         if is_main:
-            metrics = _flat_metrics(evaluate_heldout(head, data.val, device, args.eval_batch_size))
+            if live is not None:  # the held-out split through the backbone as it is now
+                val = live.heldout(args.extract_batch_size, _workers(args))
+            metrics = _flat_metrics(evaluate_heldout(head, val, device, args.eval_batch_size))
             history.append({"epoch": epoch + 1, "step": step, "model": args.method, **metrics})
             logs.scalars("val", metrics, step)
-            say(f"epoch {epoch + 1}/{args.epochs}: {data.val.name}: {_summary_line(metrics)}")
+            say(f"epoch {epoch + 1}/{args.epochs}: {val.name}: {_summary_line(metrics)}")
             (out / "history.json").write_text(json.dumps(history, indent=2) + "\n")
         save_state(epoch + 1, 0)
     logs.close()
@@ -699,24 +820,62 @@ def train(args) -> dict:
         return summary
 
     # 5. inference-only parameters on the held-out split, the checkpoint, the final table
-    head.eval()
-    image_reps, text_reps = encode_heldout(head, data.val, device, args.eval_batch_size)
-    fitted = head.fit_inference(image_reps, text_reps, data.val.caption_image)
+    model.eval()
+    if live is not None and val is None:  # resumed after the last epoch's evaluation
+        val = live.heldout(args.extract_batch_size, _workers(args))
+    image_reps, text_reps = encode_heldout(head, val, device, args.eval_batch_size)
+    fitted = head.fit_inference(image_reps, text_reps, val.caption_image)
     if fitted:
         say("fitted on the held-out split: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.items()))
-    final_val = _flat_metrics(evaluate_heldout(head, data.val, device, args.eval_batch_size))
+    final_val = _flat_metrics(evaluate_heldout(head, val, device, args.eval_batch_size))
+    tuned = {}
+    if live is not None:  # the fine-tuned backbone next to the adapter, named (and hashed) in its description
+        tuned = {"backbone": {**save_backbone_weights(out / "backbone.safetensors", backbone.model),
+                              "context_length": args.context_length, "lr": args.backbone_lr}}
+        if live.report.skips:
+            live.report.to_json(out / "data_report.json")
+            say(f"skipped while training: {live.report.summary()} (listed in {out / 'data_report.json'})")
     adapter_path = save_adapter(out / "adapter.safetensors", head, {
         "base": base_info, "extraction": extraction, "args": _jsonable(args), "epoch": args.epochs, "step": step,
-        "metrics": {"val": final_val}, "inference": fitted, "history": history})
+        "metrics": {"val": final_val}, "inference": fitted, "history": history, **tuned})
     say(f"checkpoint: {adapter_path} (held-out after fitting: {_summary_line(final_val)})")
     summary.update(adapter=str(adapter_path), val=final_val, inference=fitted)
-    if args.final_eval and data.test_argv:
-        summary["eval"] = final_table(args, adapter_path, data.test_argv, device)
+    if tuned:
+        summary["backbone"] = str(out / tuned["backbone"]["file"])
+    if args.final_eval and test_argv:
+        summary["eval"] = final_table(args, adapter_path, test_argv, device)
     elif args.final_eval:
         say("note: no test data (--test-data, --val-data or a toy world): no final table")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     accelerator.wait_for_everyone()
     return summary
+
+
+def _workers(args) -> int:
+    return args.workers if args.workers is not None else _default_workers()
+
+
+def _live_batch(batch: dict, live, ctx: _Ctx, say) -> tuple[dict, dict]:
+    """A loaded --unfreeze batch as (images, texts) inputs of LiveModel. Undecodable images dropped their pairs;
+    on several ranks every rank keeps as many pairs as the smallest local batch (gathered shapes must agree)."""
+    from train.adapter_live import take
+
+    for skip in live.note_skips(batch["skips"]):
+        say(f"warning: training image {skip.id} ({skip.location}) skipped: {skip.reason} {skip.detail}".rstrip())
+    n = len(batch["rows"])
+    if ctx.world > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([n], device=ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        n = int(t.item())
+    if n == 0:
+        raise ValueError("a whole training batch of undecodable images: check the data with python -m "
+                         "extract.check_data (its report lists them)")
+    batch = take(batch, n)
+    images = {"pixels": batch["pixels"].to(ctx.device)}
+    texts = {"ids": batch["ids"].to(ctx.device), "attention_mask": batch["attention_mask"].to(ctx.device)}
+    return images, texts
 
 
 def _save_rank_rng(state_path: Path, rank: int) -> None:

@@ -14,7 +14,9 @@ shared CPU, single steps still vary by 2x, so use many rounds or a quiet machine
 - ``powerclip`` (M = 10 random boxes, phrase trees precomputed as the data workers do) / ``clip`` (<= 1.25x;
   the paper reports 1.72x for its implementation);
 - ``clip-pgs`` at a fixed 0.5 ratio (CLIP-PGS_0.5) / ``flip`` at 0.5 (<= 1.03x: the paper's "< 3%");
-- ``flip`` at 0.5 / ``clip`` (<= 0.65x).
+- ``flip`` at 0.5 / ``clip`` (<= 0.65x);
+- ``powerclip`` with M = 15 / M = 5 masks (<= 1.5x): PowerCLIP's Fig. 9 (training time vs number of masks);
+  issue 5's bound for the NLA loss, which ``python -m train.nla_benchmark`` also measures for the loss alone.
 
 Everything runs through ``train.pretrain.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
 the data already in memory: data loading is not what is compared. The default model is the papers' ViT-B/16
@@ -41,7 +43,8 @@ CAPTIONS = ["a small red circle to the left of a large blue square", "a green st
             "park", "a plate of pasta with tomato sauce on a wooden table", "a red double-decker bus driving down a "
             "busy street", "a cat sleeping on a laptop keyboard"]
 TARGETS = {"clip / open_clip throughput": (">=", 0.95), "powerclip / clip step": ("<=", 1.25),
-           "clip-pgs / flip step (0.5)": ("<=", 1.03), "flip 0.5 / clip step": ("<=", 0.65)}
+           "clip-pgs / flip step (0.5)": ("<=", 1.03), "flip 0.5 / clip step": ("<=", 0.65),
+           "powerclip M=15 / M=5 step": ("<=", 1.5)}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -103,15 +106,20 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     batches = [_synthetic(args.batch_size, size, tok, g) for _ in range(2)]
 
-    objectives = {}
-    for name in ("clip", "flip", "clip-pgs", "powerclip"):
-        obj = PRETRAIN.get(name).from_args(base)
+    def prepared_objective(name: str, pargs: argparse.Namespace):
+        obj = PRETRAIN.get(name).from_args(pargs)
         obj.setup(model, {})
         prepared = []
         for b in batches:  # the data workers' share (phrase trees), outside the timed step
             extra = obj.prepare(b["captions"], [str(i) for i in range(len(b["captions"]))], tok)
             prepared.append(to_device({"image": b["image"], "text": extra.pop("text", b["text"]), **extra}, device))
-        objectives[name] = (obj, prepared)
+        return obj, prepared
+
+    objectives = {name: prepared_objective(name, base) for name in ("clip", "flip", "clip-pgs", "powerclip")}
+    for m in (5, 15):  # Fig. 9: the same step with fewer / more masks
+        objectives[f"powerclip-M{m}"] = prepared_objective("powerclip", pretrain_args(
+            ["--data", "unused", "--model", args.model, "--precision", args.precision,
+             "--batch-size", str(args.batch_size), "--num-masks", str(m)]))
 
     def ours(name: str, steps: int, start: int) -> float:
         obj, prepared = objectives[name]
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         return (time.perf_counter() - t0) / steps
 
-    configs = ["open_clip", "clip", "flip", "clip-pgs", "powerclip"]
+    configs = ["open_clip", "clip", "flip", "clip-pgs", "powerclip", "powerclip-M5", "powerclip-M15"]
     runners = {"open_clip": lambda n, s: theirs(n), **{c: (lambda n, s, c=c: ours(c, n, s)) for c in configs[1:]}}
     print(f"{arch}, batch {args.batch_size}, {args.precision} on {device} ({torch.get_num_threads()} CPU threads): "
           f"warm-up {args.warmup}, then {args.rounds} rounds x {args.steps} steps per configuration")
@@ -156,7 +164,8 @@ def run(args: argparse.Namespace) -> dict:
     ratios = {"clip / open_clip throughput": step["open_clip"] / step["clip"],
               "powerclip / clip step": step["powerclip"] / step["clip"],
               "clip-pgs / flip step (0.5)": step["clip-pgs"] / step["flip"],
-              "flip 0.5 / clip step": step["flip"] / step["clip"]}
+              "flip 0.5 / clip step": step["flip"] / step["clip"],
+              "powerclip M=15 / M=5 step": step["powerclip-M15"] / step["powerclip-M5"]}
     print("\n| configuration | s / step (median) | samples / s |\n|---|---|---|")
     for c in configs:
         print(f"| {c} | {step[c]:.3f} | {args.batch_size / step[c]:.1f} |")

@@ -96,14 +96,35 @@ def is_adapter_path(model: str) -> bool:
     return model.endswith(".safetensors") or os.path.isfile(os.path.join(model, "adapter.safetensors"))
 
 
+def pretrained_checkpoint(model: str) -> tuple[str, str] | None:
+    """(architecture, weights file) when ``--model`` names a ``python -m train.pretrain`` checkpoint (its
+    ``model.safetensors``, or the run folder holding one): it says what it is in its JSON description, so no
+    ``--pretrained`` is needed. None otherwise."""
+    from pathlib import Path
+
+    from extract.weights import checkpoint_sidecar
+
+    path = Path(model)
+    if path.is_dir():
+        path = path / "model.safetensors"
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None
+    sidecar = checkpoint_sidecar(path)
+    return (sidecar["model"], str(path)) if sidecar and sidecar.get("model") else None
+
+
 def load_scorer(model: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
                 precision: str = "fp32", annotations=None, detector: str | None = None) -> Scorer:
     """The scorer for ``--model``: a backbone alias / open_clip name, with ``pretrained`` a tag, a checkpoint
-    path or 'none'; or an adapter checkpoint (``RUN/adapter.safetensors`` or the run folder), rebuilt from the
+    path or 'none'; a pre-trained checkpoint of ours (``RUN/model.safetensors`` or the run folder: it names its
+    architecture); or an adapter checkpoint (``RUN/adapter.safetensors`` or the run folder), rebuilt from the
     file alone through the method registry (``pretrained`` then relocates its base weights). ``annotations`` /
     ``detector``: boxes for adapters trained on ground-truth boxes (see :mod:`adapters.adapter_scorer`);
     ignored by bare backbones."""
-    if is_adapter_path(model):
+    ours = pretrained_checkpoint(model) if pretrained is None else None
+    if ours is not None:
+        model, pretrained = ours
+    elif is_adapter_path(model):
         from adapters.adapter_scorer import AdapterScorer
 
         return AdapterScorer.from_checkpoint(model, device=device, pretrained=pretrained, annotations=annotations,

@@ -154,6 +154,11 @@ def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
     final = load_file(str(weights))
     assert final.keys() == upstream.state_dict().keys()
     assert isinstance(load_scorer("tiny", str(weights)), BackboneScorer)
+    # the checkpoint names its architecture: the file or the run folder alone is a --model for evaluation
+    for alone in (str(weights), str(out)):
+        scorer = load_scorer(alone)
+        with torch.no_grad():
+            assert torch.equal(scorer.encode_images(images)["embed"], ours.encode_images(images).embedding)
 
 
 def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path):

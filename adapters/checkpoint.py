@@ -44,18 +44,24 @@ class CheckpointError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- raw format
-def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write ``tensors`` + ``meta`` (JSON-serialisable) atomically; returns the path."""
+def save_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
+    """safetensors file written under a temporary name and renamed into place: a reader (or a run killed
+    mid-write) never sees half a file. Tensors are stored as private contiguous CPU copies (safetensors refuses
+    shared storage and non-contiguous views)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = {"format": FORMAT, "version": str(VERSION),
-              "plugvlm": json.dumps(meta, sort_keys=True, default=_json_default)}
-    # safetensors refuses shared storage and non-contiguous views: store private contiguous copies
     plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_file(plain, str(tmp), metadata=header)
+    save_file(plain, str(tmp), metadata=metadata)
     os.replace(tmp, path)
     return path
+
+
+def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write ``tensors`` + ``meta`` (JSON-serialisable) atomically; returns the path."""
+    header = {"format": FORMAT, "version": str(VERSION),
+              "plugvlm": json.dumps(meta, sort_keys=True, default=_json_default)}
+    return save_atomic(tensors, path, header)
 
 
 def _json_default(obj):
@@ -155,12 +161,7 @@ def save_backbone_weights(path: str | os.PathLike, model: torch.nn.Module) -> di
     Returns ``{"file": name, "weights_sha256": ...}`` for the adapter's description."""
     from extract.weights import file_sha256
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_file(plain, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    path = save_atomic(model.state_dict(), path, {"format": "pt"})
     return {"file": path.name, "weights_sha256": file_sha256(path)}
 
 

@@ -76,7 +76,7 @@ class CacheDir:
         self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / "settings.json"
         if not target.exists():
-            _atomic_write_text(target, json.dumps({"fingerprint": self.fingerprint, "format": FORMAT_VERSION,
+            atomic_write_text(target, json.dumps({"fingerprint": self.fingerprint, "format": FORMAT_VERSION,
                                                    "settings": self.settings}, indent=2, sort_keys=True, default=str))
 
     def other_caches(self) -> list[tuple[Path, dict]]:
@@ -123,12 +123,12 @@ class CacheDir:
             f.write(json.dumps(meta, sort_keys=True, default=str))
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # another rank or an earlier run finished it meanwhile: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
             return final
         os.rename(tmp, final)
-        _fsync_dir(self.path)
+        fsync_path(self.path)
         return final
 
     def write_manifest(self, n_shards: int, extra: dict) -> dict:
@@ -143,18 +143,25 @@ class CacheDir:
         manifest = {"fingerprint": self.fingerprint, "format": FORMAT_VERSION, "shards": shards,
                     "images": sum(s["images"] for s in shards), "captions": sum(s["captions"] for s in shards),
                     **extra}
-        _atomic_write_text(self.path / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
+        atomic_write_text(self.path / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
         return manifest
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a part, even
+    after kill -9 or a power cut: temporary file, flushed and fsynced, renamed over, folder entry fsynced."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
-    # Rename durability needs the directory entry flushed too; a no-op where the OS refuses.
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (rename durability needs the directory entry flushed too); a no-op where the
+    OS refuses."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -75,3 +75,23 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect_ex", _guarded_connect_ex)
     monkeypatch.setattr(socket, "getaddrinfo", _guarded_getaddrinfo)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_toy_cache(tmp_path_factory):
+    """Factory: ``tiny_toy_cache(components)`` -> the FeatureCache of one 60-scene toy world (train split) under
+    the random tiny backbone with those components; built once per component set and session."""
+    from extract.pipeline import build_cache
+    from extract.toyworld import generate
+
+    root = tmp_path_factory.mktemp("tiny-toy")
+    generate(root / "toy", 60, 0)
+    built = {}
+
+    def make(components):
+        key = tuple(sorted(components))
+        if key not in built:
+            built[key] = build_cache(root / "toy", root / "cache", base="tiny", components=list(key), workers=0)
+        return built[key]
+
+    return make

@@ -32,11 +32,14 @@ def test_benchmark_runs_and_reports_consistent_figures(capsys, tmp_path):
         assert c["met"] == (c["forward_peak_bytes"] <= 2 * 2**30)
     assert (tmp_path / "b.json").is_file()
     assert ("MISSED" in text) == (not a["met"] or not b["met"] or c["met"] is False)
+    f = out["d"]
+    assert "(d)" in text and f["seconds_fused"] > 0 and (f["B"], f["M"]) == (6, 3)
+    assert f["speedup_vs_checkpointed"] > 0 and f["speedup_vs_plain"] > 0
 
 
 def test_only_selects_figures(capsys):
     out = nb.run(nb.build_parser().parse_args([*TOY, "--only", "b"]))
-    assert "b" in out and "a" not in out and "c" not in out
+    assert "b" in out and "a" not in out and "c" not in out and "d" not in out
     assert nb.main([*TOY, "--only", "z"]) == 2
     assert "unknown figure" in capsys.readouterr().err
 

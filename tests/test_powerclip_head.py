@@ -1,7 +1,6 @@
 """PowerCLIP NLA head (adapters/methods/powerclip.py): embeddings from the cache, score, loss, beta fitting."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -196,14 +195,8 @@ def test_untrained_nla_term_ranks_sensibly_and_fit_picks_beta():
 
 # ------------------------------------------------------------------------------------ real tiny cache
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from extract.pipeline import build_cache
-    from extract.toyworld import generate
-
-    root = tmp_path_factory.mktemp("powerclip")
-    generate(root / "toy", 60, 0)
-    return build_cache(root / "toy", root / "cache", base="tiny", components=list(PowerCLIPHead.components),
-                       workers=0)
+def cache(tiny_toy_cache):
+    return tiny_toy_cache(PowerCLIPHead.components)
 
 
 def test_a_few_steps_on_the_toy_cache_lower_the_loss(cache):

@@ -216,14 +216,8 @@ def test_bf16_autocast_keeps_scores_in_fp32():
 
 # ------------------------------------------------------------------------------------ real tiny cache
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from extract.pipeline import build_cache
-    from extract.toyworld import generate
-
-    root = tmp_path_factory.mktemp("smartclip")
-    generate(root / "toy", 60, 0)
-    return build_cache(root / "toy", root / "cache", base="tiny", components=list(SmartCLIPHead.components),
-                       workers=0)
+def cache(tiny_toy_cache):
+    return tiny_toy_cache(SmartCLIPHead.components)
 
 
 def test_a_few_steps_on_the_toy_cache_lower_the_loss(cache):

@@ -880,13 +880,9 @@ def _live_batch(batch: dict, live, ctx: _Ctx, say) -> tuple[dict, dict]:
 
 def _save_rank_rng(state_path: Path, rank: int) -> None:
     """Each rank's torch RNG next to the training state (rank 0's is also inside it)."""
-    from safetensors.torch import save_file
+    from adapters.checkpoint import save_atomic
 
-    path = state_path.with_name(f"rng-rank{rank}.safetensors")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    save_file({"torch": torch.get_rng_state()}, str(tmp))
-    os.replace(tmp, path)
+    save_atomic({"torch": torch.get_rng_state()}, state_path.with_name(f"rng-rank{rank}.safetensors"))
 
 
 def load_rng_for_rank(state_path: Path, rank: int) -> torch.Tensor:
@@ -911,13 +907,15 @@ def final_table(args, adapter_path: Path, test_argv: list[str], device) -> dict:
     return ev.evaluate(ev.parse_args(argv))["results"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_cli(fn, args) -> int:
+    """Exit status of ``fn(args)`` for a command line: 0, DIVERGED (3) after too many bad steps, 2 for what
+    the user can fix (missing weights or files, bad settings, a foreign checkpoint, a missing extra), each
+    printed as one ``error:`` line."""
     from adapters.checkpoint import CheckpointError
     from extract.weights import WeightsNotFoundError
 
     try:
-        train(args)
+        fn(args)
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return DIVERGED
@@ -925,6 +923,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli(train, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -105,20 +105,9 @@ def compare(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    from adapters.checkpoint import CheckpointError
-    from extract.weights import WeightsNotFoundError
-    from train.adapter import DIVERGED, TrainingDiverged
+    from train.adapter import run_cli
 
-    try:
-        compare(args)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return DIVERGED
-    except (WeightsNotFoundError, FileNotFoundError, ValueError, CheckpointError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(compare, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
 (b) the exact loss (closed-form T2R + R2T enumerated over the 2^M region subsets, same composition) over the
     NLA loss at M = 12 (target: >= 50x slower);
 (c) peak memory of the chunked pair similarities for Bi = Bj = 1024, M = 10, K = 16, d = 512 (target:
-    <= 2 GiB), forward only and forward + backward, each in a fresh subprocess.
+    <= 2 GiB), forward only and forward + backward, each in a fresh subprocess;
+(d) the fused pair path (``pair_similarities(fused=True)``, the default) against the reference path through
+    ``nla_t1`` / ``nla_t2`` under autograd, with and without ``torch.utils.checkpoint``: forward + backward at
+    the (a) batch and M = 10, as reference time over fused time.
 
 How memory is measured (CPU): PyTorch's CPU allocator keeps no statistics and ``tracemalloc`` does not see
 it, so the process's resident set is read from ``/proc/self/status``: free heap pages are handed back to the
@@ -311,12 +314,32 @@ def figure_memory(bi: int, m: int, k: int, d: int, chunk_size: int, device, thre
             "met": None if fwd is None else fwd <= 2 * GIB}
 
 
+def figure_fused(b: int, m: int, k: int, d: int, cfg: PowerCLIPLossConfig, device, repeats: int) -> dict:
+    """(d) forward + backward of the pair similarities: reference path (checkpointed / plain) over fused."""
+    batch = make_batch(b, m, k, d, device=device)
+
+    def step(**kw):
+        def f():
+            for key in ("regions", "nodes"):
+                batch[key].grad = None
+            t2r, r2t = pair_similarities(batch["regions"], batch["region_mask"], batch["nodes"], batch["node_mask"],
+                                         cfg.nla, chunk_size=cfg.chunk_size, **kw)
+            (t2r.sum() + r2t.sum()).backward()
+        return f
+
+    ckpt = paired_ratio(step(fused=False, checkpoint=True), step(fused=True), device, repeats)
+    plain = paired_ratio(step(fused=False, checkpoint=False), step(fused=True), device, repeats)
+    return {"B": b, "M": m, "K": k, "d": d, "seconds_fused": min(ckpt["seconds_den"], plain["seconds_den"]),
+            "seconds_checkpointed": ckpt["seconds_num"], "seconds_plain": plain["seconds_num"],
+            "speedup_vs_checkpointed": ckpt["ratio"], "speedup_vs_plain": plain["ratio"]}
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m train.nla_benchmark", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--only", default="a,b,c", help="comma list of figures to measure: a (M ratio), b (exact vs "
-                                                   "NLA), c (memory)")
+    p.add_argument("--only", default="a,b,c,d", help="comma list of figures to measure: a (M ratio), b (exact vs "
+                                                     "NLA), c (memory), d (fused vs reference path)")
     p.add_argument("--batch", type=int, default=128, help="(a) batch size B")
     p.add_argument("--k", type=int, default=16, help="tree nodes per text K")
     p.add_argument("--dim", type=int, default=512, help="embedding width d")
@@ -342,9 +365,9 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
-    unknown = only - {"a", "b", "c"}
+    unknown = only - {"a", "b", "c", "d"}
     if unknown:
-        raise ValueError(f"--only: unknown figure(s) {', '.join(sorted(unknown))}; choose from a, b, c")
+        raise ValueError(f"--only: unknown figure(s) {', '.join(sorted(unknown))}; choose from a, b, c, d")
     cfg = replace(PowerCLIPLossConfig(), chunk_size=args.chunk_size)
     out: dict = {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "config": asdict(cfg)}
@@ -381,6 +404,12 @@ def run(args: argparse.Namespace) -> dict:
               f"[{c['method']}, fresh process]: forward peak +{fmt(c['forward_peak_bytes'])} "
               f"(target <= 2 GiB: {verdict}); forward+backward peak +{fmt(c['grad_peak_bytes'])}; "
               f"the unchunked q alone would be {fmt(c['unchunked_q_bytes'])}")
+    if "d" in only:
+        f = out["d"] = figure_fused(args.batch, args.mem_m, args.k, args.dim, cfg, device, args.repeats)
+        print(f"(d) pair similarities fwd+bwd, B={f['B']} M={f['M']} K={f['K']} d={f['d']}: fused "
+              f"{f['seconds_fused'] * 1e3:.1f} ms; reference path {f['speedup_vs_checkpointed']:.2f}x slower with "
+              f"checkpointing ({f['seconds_checkpointed'] * 1e3:.1f} ms), {f['speedup_vs_plain']:.2f}x without "
+              f"({f['seconds_plain'] * 1e3:.1f} ms)")
     out["load_after"] = load = machine_load()
     if device.type == "cpu" and (msg := load_warning(load, torch.get_num_threads())):
         print(msg.replace("is busy", "was busy"))

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from extract.cache import atomic_write_text, fsync_path
 from extract.weights import SIDECAR_FORMAT
 
 FORMAT_VERSION = 1
@@ -38,34 +39,11 @@ LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_\d+$")
 
 
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict) -> None:
     with open(path, "w") as f:
         f.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +56,7 @@ def write_model(folder: Path, model: torch.nn.Module, description: dict) -> Path
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.safetensors"
     save_file(model_tensors(model), str(path), metadata={"format": "pt", "plugvlm": SIDECAR_FORMAT})
-    _fsync_path(path)
+    fsync_path(path)
     _write_json(folder / "model.json", {"format": SIDECAR_FORMAT, "format_version": FORMAT_VERSION, **description})
     return path
 
@@ -91,7 +69,7 @@ def save_final(out: Path, model: torch.nn.Module, description: dict) -> Path:
     os.replace(tmp / "model.safetensors", out / "model.safetensors")
     os.replace(tmp / "model.json", out / "model.json")
     shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_path(out)
+    fsync_path(out)
     return out / "model.safetensors"
 
 
@@ -154,15 +132,15 @@ def save_checkpoint(ckpt_dir: Path, name: str, model: torch.nn.Module, optimizer
     opt_tensors, opt_meta = optimizer_state(optimizer, param_names)
     tensors = {**opt_tensors, **rng_tensors()}
     save_file(tensors, str(tmp / "state.safetensors"))
-    _fsync_path(tmp / "state.safetensors")
+    fsync_path(tmp / "state.safetensors")
     _write_json(tmp / "state.json", {"format_version": FORMAT_VERSION, **state, "optimizer": opt_meta,
                                      "scaler": scaler.state_dict() if scaler is not None else None})
-    _fsync_path(tmp)
+    fsync_path(tmp)
     if final.exists():  # the same step saved again (e.g. a resumed run): replace it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_path(ckpt_dir)
-    _atomic_text(ckpt_dir / LATEST, name + "\n")
+    fsync_path(ckpt_dir)
+    atomic_write_text(ckpt_dir / LATEST, name + "\n")
     return final
 
 

@@ -19,7 +19,8 @@ Two kinds of file, one format (safetensors tensors + a JSON description in the s
   description names it under ``"backbone"`` (file, SHA-256, text context length).
 
 Files are written to a temporary name and renamed, so a crash never leaves a half-written checkpoint where
-the last good one was.
+the last good one was. Every file carries the digest of its tensors (``extract.tensorfile``), checked when it
+is read: a damaged copy, or a file holding NaN / infinite weights, is refused with its name.
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from adapters.base import AdapterHead
 from adapters.registry import ADAPTERS
+from extract.cache import atomic_write_text
+from extract.tensorfile import load_tensors, save_tensors
 
 FORMAT = "plugvlm-adapter"
 VERSION = 1
@@ -46,15 +48,15 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------------------------- raw format
 def save_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
     """safetensors file written under a temporary name and renamed into place: a reader (or a run killed
-    mid-write) never sees half a file. Tensors are stored as private contiguous CPU copies (safetensors refuses
-    shared storage and non-contiguous views)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    plain = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    save_file(plain, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return path
+    mid-write) never sees half a file. The header carries the tensors' digest, the file the umask's
+    permissions (:func:`extract.tensorfile.save_tensors`); :func:`read_tensors` reads it back verified."""
+    return save_tensors(path, tensors, metadata)
+
+
+def read_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a file :func:`save_atomic` wrote (e.g. a per-rank RNG file), verified against its digest
+    (:func:`extract.tensorfile.load_tensors`: a damaged file or non-finite weights raise, naming the file)."""
+    return load_tensors(path, device)[0]
 
 
 def write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
@@ -104,11 +106,10 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def read(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, description) of a checkpoint."""
+    """(tensors, description) of a checkpoint; the tensors are verified against the digest saved with them
+    (a damaged file or non-finite weights raise :class:`extract.tensorfile.TensorFileError` naming the file)."""
     meta = read_meta(path)
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return tensors, meta
+    return read_tensors(path, device), meta
 
 
 def _sub(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -143,7 +144,7 @@ def save_adapter(path: str | os.PathLike, head: AdapterHead, meta: dict) -> Path
     meta = {"kind": "adapter", **meta, **describe_head(head)}
     tensors = {f"head.{k}": v for k, v in head.state_dict().items()}
     out = write(path, tensors, meta)
-    Path(str(out) + ".json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default) + "\n")
+    atomic_write_text(Path(str(out) + ".json"), json.dumps(meta, indent=2, sort_keys=True, default=_json_default) + "\n")
     return out
 
 

@@ -23,6 +23,8 @@ import argparse
 import hashlib
 import json
 import logging
+import pickle
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from extract.tensorfile import verify_file
 from extract.tokens import TokenizedText, tokenize_with_spans
 from extract.weights import (ResolvedWeights, WeightsNotFoundError, checkpoint_sidecar, file_sha256,
                              resolve_weights)
@@ -293,9 +296,13 @@ class FrozenBackbone(nn.Module):
         import open_clip
 
         pp = getattr(self.model.visual, "preprocess_cfg", {}) or {}
+        # A weights file is named by its resolved path, so `ckpt.pt`, `./ckpt.pt` and `/abs/ckpt.pt` describe (and
+        # fingerprint) one backbone; a tag stays a tag.
+        weights_file = str(Path(self.weights.path).resolve()) if self.weights.path else None
+        pretrained = weights_file if self.weights.kind == "file" else self.spec.pretrained
         info = {
-            "base": self.spec.base, "model": self.spec.model, "pretrained": self.spec.pretrained,
-            "weights": self.weights.kind, "weights_file": str(self.weights.path) if self.weights.path else None,
+            "base": self.spec.base, "model": self.spec.model, "pretrained": pretrained,
+            "weights": self.weights.kind, "weights_file": weights_file,
             "quick_gelu": self.spec.quick_gelu, "precision": self.precision, "embed_dim": self.embed_dim,
             "image_size": list(self.image_size), "grid": list(self.grid), "context_length": self.context_length,
             "preprocess": {k: (list(v) if isinstance(v, tuple) else v) for k, v in pp.items()},
@@ -327,19 +334,59 @@ def _is_torchscript(path: Path) -> bool:
         return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
 
 
-def _load_weights(model: nn.Module, path: Path) -> None:
-    """Load a checkpoint without unpickling arbitrary objects.
+class PickledObjectsError(ValueError):
+    """A weights file that is a pickle holding Python objects besides tensors: plugvlm will not unpickle it.
+    The message names what torch refused and how to convert the file to safetensors."""
+
+
+def _pickled_objects_message(path: Path, error: Exception) -> str:
+    import zipfile
+
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please use|\n\s*\n|$)", text, re.S)
+    refused = " ".join((found.group(1) if found else text.splitlines()[0] if text else type(error).__name__).split())
+    what = ("a PyTorch file (torch.save) that holds Python objects besides tensors" if zipfile.is_zipfile(path)
+            else "a plain pickle file, not a PyTorch tensor file")
+    out = path.with_suffix(".safetensors")
+    return (
+        f"{path} is {what} (torch's tensors-only loader refused it: {refused}). plugvlm will not unpickle it: "
+        "unpickling can run arbitrary code from the file. Convert it "
+        "once, on a machine where you trust the file, to a safetensors state dict plugvlm loads (these 3 lines of "
+        "Python, pasted as they are):\n"
+        "import torch; from safetensors.torch import save_file\n"
+        f"ckpt = torch.load({json.dumps(str(path))}, map_location=\"cpu\", weights_only=False)\n"
+        "sd = ckpt.get(\"state_dict\", ckpt); save_file({k.removeprefix(\"module.\"): v.detach().clone().contiguous() "
+        f"for k, v in sd.items() if isinstance(v, torch.Tensor)}}, {json.dumps(str(out))})\n"
+        f"then pass --pretrained {out}")
+
+
+def load_weights_file(model: nn.Module, path: str | Path) -> None:
+    """Load a weights file into an open_clip ``model`` (strict) without unpickling arbitrary objects.
 
     safetensors, or torch.load(weights_only=True) through open_clip (which also converts third-party
     layouts and resizes position embeddings); TorchScript archives (OpenAI's .pt) are read with
     torch.jit.load, whose restricted unpickler builds only TorchScript types, never arbitrary Python objects.
+    A safetensors file plugvlm wrote is first checked against the digest of its tensors
+    (:func:`extract.tensorfile.verify_file`). Raises :class:`extract.tensorfile.TensorFileError` for a damaged
+    file or non-finite weights, :class:`PickledObjectsError` for a pickle holding other objects (with how to
+    convert it), RuntimeError when the weights do not fit ``model``.
     """
     import open_clip
     from open_clip.factory import convert_state_dict
     from open_clip.model import resize_pos_embed, resize_text_pos_embed
 
+    path = Path(path)
+    if path.suffix == ".safetensors":  # open_clip's own test for the format
+        verify_file(path)
     if not _is_torchscript(path):
-        open_clip.load_checkpoint(model, str(path), strict=True, weights_only=True)
+        try:
+            open_clip.load_checkpoint(model, str(path), strict=True, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as e:
+            # torch's weights-only unpickler met something other than tensors (an UnpicklingError; accept a
+            # RuntimeError naming weights_only too); any other RuntimeError (shapes) goes to the caller
+            if isinstance(e, RuntimeError) and "weights_only" not in str(e) and "WeightsUnpickler" not in str(e):
+                raise
+            raise PickledObjectsError(_pickled_objects_message(path, e)) from None
         return
     state_dict = torch.jit.load(str(path), map_location="cpu").state_dict()
     # TorchScript archives also carry buffers that are not parameters of the eager model
@@ -406,7 +453,7 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
             stretched = True
     if weights.path is not None:
         try:
-            _load_weights(model, weights.path)
+            load_weights_file(model, weights.path)
         except RuntimeError as e:
             raise RuntimeError(f"checkpoint {weights.path} does not fit architecture {spec.model}"
                                + (f" with a {context_length}-token context" if stretched else "") + f": {e}") from e
@@ -428,10 +475,13 @@ def _text_positions_in_file(path: Path) -> int | None:
         return None
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        for key in ("positional_embedding", "text.positional_embedding"):
-            if key in f.keys():
-                return int(f.get_slice(key).get_shape()[0])
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in ("positional_embedding", "text.positional_embedding"):
+                if key in f.keys():
+                    return int(f.get_slice(key).get_shape()[0])
+    except Exception as e:  # safetensors raises its own error types for a cut or foreign file
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); re-copy it") from None
     return None
 
 

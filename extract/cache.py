@@ -7,10 +7,23 @@ by side and are never confused)::
     CACHE_DIR/<fingerprint[:16]>/shard-00000/         one finished shard: <array>.npy files + meta.json
     CACHE_DIR/<fingerprint[:16]>/manifest.json        written last, when every shard is done
     CACHE_DIR/<fingerprint[:16]>/report.json          skipped inputs and counts
+    CACHE_DIR/<fingerprint[:16]>/lock                 flock'ed by the run building the cache (holder as JSON)
 
 A shard is written into ``shard-XXXXX.tmp-<pid>`` and renamed into place only when complete (a directory
 rename is atomic on POSIX), so a kill -9 leaves at worst a temporary folder that no reader looks at and the
 next run deletes. Readers open ``.npy`` files with ``mmap_mode="r"``: nothing is loaded until indexed.
+
+Damage after the fact (a copy cut short, a full disk, a file truncated by hand) is caught when a cache is
+opened, not at the first gather: each shard's meta.json records the byte size of every ``.npy`` it holds, and
+:func:`shard_problem` compares them with ``stat`` (caches written before sizes were recorded: the size the
+``.npy`` header implies). Readers raise :class:`CacheError` naming the file; the writer (``python -m
+extract``) treats a damaged shard as not done, so rerunning the command that built the cache rebuilds exactly
+the damaged shards.
+
+One run builds a given cache at a time: :meth:`CacheDir.build_lock` holds an exclusive ``flock`` on the
+``lock`` file (the kernel drops it when the process dies, kill -9 included). A second run into the same folder
+waits for it, saying who holds it, and then finds the cache complete and reuses it; after
+:data:`LOCK_TIMEOUT_S` it gives up with :class:`CacheBusyError`. Reading a finished cache takes no lock.
 
 Arrays are keyed by name; those starting with ``image_`` / ``region_`` / ``ventity_`` / ``vrelation_`` / ``patch_``
 have one row per image of the shard, all others one row per caption (``caption_image`` maps a caption
@@ -18,18 +31,38 @@ to its image row inside the shard).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 FORMAT_VERSION = 1
 IMAGE_PREFIXES = ("image_", "patch_", "region_", "ventity_", "vrelation_")
+
+
+# How long a run waits for another run building the same cache before giving up (seconds). Waiting is the
+# useful default: the other run's cache is what this one would compute, so it is reused when that finishes.
+# The environment variable PLUGVLM_CACHE_LOCK_TIMEOUT overrides it.
+LOCK_TIMEOUT_S = 24 * 3600.0
+LOCK_REMINDER_S = 600.0  # while waiting, repeat who holds the lock this often
+
+
+class CacheError(ValueError):
+    """A cache folder that cannot be used as it is (damaged files, busy); the message names the file and what to
+    do. A ValueError, so command-line entry points report it as a one-line error."""
+
+
+class CacheBusyError(CacheError):
+    """Another run holds the cache's build lock and did not release it within the timeout."""
 
 
 def is_image_key(key: str) -> bool:
@@ -60,6 +93,61 @@ _fingerprint = fingerprint  # FeatureCache.open has a parameter of the same name
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
+
+
+def shard_problem(shard: Path, meta: dict | None = None) -> str | None:
+    """None when the finished shard folder ``shard`` is intact, else what is wrong with it, naming the file.
+
+    Cheap: one ``stat`` per array, compared with the byte sizes meta.json recorded at write time (``meta``:
+    that file's content, if already read). Shards written before sizes were recorded fall back to the size the
+    ``.npy`` header implies (a read of its first bytes), so a truncated file is caught there too.
+    """
+    meta_path = shard / "meta.json"
+    if meta is None:
+        try:
+            meta = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            return f"{meta_path} is missing"
+        except (OSError, ValueError) as e:
+            return f"{meta_path} is unreadable ({e})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("arrays"), dict):
+        return f"{meta_path} lists no arrays"
+    recorded = meta.get("bytes") or {}
+    for key, info in sorted(meta["arrays"].items()):
+        path = shard / f"{key}.npy"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return f"{path} is missing"
+        except OSError as e:
+            return f"{path} cannot be read ({e.strerror or e})"
+        if key in recorded:
+            if size != recorded[key]:
+                return f"{path} is {size:,} bytes, the shard's meta.json says {recorded[key]:,}"
+            continue
+        problem = _npy_problem(path, size, info)
+        if problem:
+            return problem
+    return None
+
+
+def _npy_problem(path: Path, size: int, info: dict) -> str | None:
+    """Check a .npy against its own header (and the shape / dtype meta.json lists): for caches without sizes."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+            header = f.tell()
+    except (OSError, ValueError, EOFError) as e:
+        return f"{path} is not a readable .npy file ({e})"
+    if list(shape) != list(info.get("shape", shape)) or str(dtype) != info.get("dtype", str(dtype)):
+        return (f"{path} holds {dtype} {list(shape)}, the shard's meta.json says {info.get('dtype')} "
+                f"{info.get('shape')}")
+    want = header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != want:
+        return f"{path} is {size:,} bytes, its header ({dtype} {list(shape)}) needs {want:,}"
+    return None
 
 
 class CacheDir:
@@ -94,7 +182,130 @@ class CacheDir:
         return (self.path / "manifest.json").is_file()
 
     def shard_done(self, index: int) -> bool:
-        return (self.path / shard_name(index) / "meta.json").is_file()
+        """The shard is finished and intact (see :func:`shard_problem`); a damaged one counts as not done."""
+        return self.shard_problem(index) is None
+
+    def shard_problem(self, index: int) -> str | None:
+        """None when shard ``index`` is finished and intact, else what is wrong ("... is missing" when absent)."""
+        return shard_problem(self.path / shard_name(index))
+
+    def damaged_shards(self, indices: Iterable[int]) -> dict[int, str]:
+        """Shards among ``indices`` whose folder exists but fails the check, with what is wrong."""
+        out = {}
+        for i in indices:
+            if (self.path / shard_name(i)).exists():
+                problem = self.shard_problem(i)
+                if problem is not None:
+                    out[i] = problem
+        return out
+
+    def problems(self) -> dict[str, str]:
+        """For a finished cache: the shards of its manifest that are missing or damaged, with what is wrong."""
+        try:
+            manifest = json.loads((self.path / "manifest.json").read_text())
+            names = [s["name"] for s in manifest["shards"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return {"manifest.json": f"{self.path / 'manifest.json'} is unreadable ({e})"}
+        found = {name: shard_problem(self.path / name) for name in names}
+        return {name: p for name, p in found.items() if p is not None}
+
+    def discard_shard(self, index: int) -> None:
+        """Remove a (damaged) finished shard: renamed to a temporary name first, which no reader looks at and
+        :meth:`clean_partial` deletes if this process dies before the removal ends."""
+        final = self.path / shard_name(index)
+        aside = self.path / f"{shard_name(index)}.tmp-damaged-{os.getpid()}"
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def retract_manifest(self) -> None:
+        """Mark a finished cache unfinished again (before rebuilding a damaged shard), so no reader opens it."""
+        try:
+            os.unlink(self.path / "manifest.json")
+        except FileNotFoundError:
+            return
+        fsync_path(self.path)
+
+    @contextmanager
+    def build_lock(self, run: str, leader: bool = True, timeout: float | None = None,
+                   say: Callable[[str], None] = print, poll: float = 0.5) -> Iterator[None]:
+        """Hold this cache's build lock for one run (an exclusive ``flock`` on ``<path>/lock``).
+
+        run: what identifies the run (the same string in every process of a multi-process run).
+        leader: the process that takes the lock (rank 0). The other processes of the run (``leader=False``)
+            take nothing: they wait until the lock file names their run as holder, so a run of N processes
+            holds the lock once, and no process starts before its run owns the cache.
+        timeout: seconds to wait (default: $PLUGVLM_CACHE_LOCK_TIMEOUT, else :data:`LOCK_TIMEOUT_S`); then
+            :class:`CacheBusyError`. While waiting, ``say`` tells who holds the lock (pid, host, since when),
+            again every LOCK_REMINDER_S.
+
+        The kernel releases an flock when its process dies (kill -9 included), so a crashed run never leaves
+        the cache locked. The holder description is cleared before a normal release.
+        """
+        if timeout is None:
+            raw = os.environ.get("PLUGVLM_CACHE_LOCK_TIMEOUT", LOCK_TIMEOUT_S)
+            try:
+                timeout = float(raw)
+            except ValueError:
+                raise CacheError(f"PLUGVLM_CACHE_LOCK_TIMEOUT={raw!r} is not a number of seconds") from None
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path / "lock"
+        with open(lock_path, "a+") as f:
+            if leader:
+                self._take_lock(f, lock_path, run, timeout, say, poll)
+                try:
+                    yield
+                finally:
+                    f.seek(0)
+                    f.truncate()
+                    f.flush()
+                    fcntl.flock(f, fcntl.LOCK_UN)
+            else:
+                self._wait_for_leader(f, lock_path, run, timeout, poll)
+                yield
+
+    def _take_lock(self, f, lock_path: Path, run: str, timeout: float, say, poll: float) -> None:
+        start = last_said = time.monotonic()
+        said = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            if now - start >= timeout:
+                raise CacheBusyError(
+                    f"{lock_path} is held by {_holder_text(_read_holder(lock_path))}: another run is building "
+                    f"this cache. Gave up waiting after {timeout:.0f} s (PLUGVLM_CACHE_LOCK_TIMEOUT); rerun the "
+                    "same command once it has finished and its cache is reused.")
+            if not said or now - last_said >= LOCK_REMINDER_S:
+                say(f"waiting for {lock_path}: held by {_holder_text(_read_holder(lock_path))}, another run building "
+                    f"this cache; it is reused when that run finishes (giving up after {timeout:.0f} s)")
+                said, last_said = True, now
+            time.sleep(poll)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %z"), "since_unix": time.time()}
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(holder))
+        f.flush()
+
+    def _wait_for_leader(self, f, lock_path: Path, run: str, timeout: float, poll: float) -> None:
+        # The leader may itself wait up to `timeout` for another run; allow it that, plus time to get there.
+        deadline = time.monotonic() + timeout + min(timeout, 120.0)
+        while True:
+            if (_read_holder(lock_path) or {}).get("run") == run:
+                try:  # the description could outlive a killed leader: the lock must also be held right now
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    return
+            if time.monotonic() >= deadline:
+                raise CacheBusyError(f"{lock_path}: the first process of this run never took the lock "
+                                     f"(holder: {_holder_text(_read_holder(lock_path))})")
+            time.sleep(poll)
 
     def clean_partial(self, indices: Iterable[int]) -> int:
         """Delete temporary folders left by a killed run for these shard indices; returns how many."""
@@ -113,20 +324,26 @@ class CacheDir:
         tmp.mkdir(parents=True)
         # Files are fsynced before the rename so a power cut cannot leave a renamed (= finished-looking)
         # shard with empty files; kill -9 alone could not, the page cache survives the process.
+        sizes = {}
         for key, value in arrays.items():
             with open(tmp / f"{key}.npy", "wb") as f:
                 np.save(f, np.ascontiguousarray(value), allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
-        meta = dict(meta, arrays={k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in arrays.items()})
+                sizes[key] = f.tell()
+        # byte sizes let readers find a cut file with one stat (shard_problem) instead of at the first gather
+        meta = dict(meta, arrays={k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in arrays.items()},
+                    bytes=sizes)
         with open(tmp / "meta.json", "w") as f:
             f.write(json.dumps(meta, sort_keys=True, default=str))
             f.flush()
             os.fsync(f.fileno())
         fsync_path(tmp)
-        if final.exists():  # another rank or an earlier run finished it meanwhile: theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-            return final
+        if final.exists():
+            if shard_problem(final) is None:  # an earlier run finished it meanwhile: theirs is identical
+                shutil.rmtree(tmp, ignore_errors=True)
+                return final
+            self.discard_shard(index)  # damaged: ours replaces it
         os.rename(tmp, final)
         fsync_path(self.path)
         return final
@@ -147,6 +364,23 @@ class CacheDir:
         return manifest
 
 
+def _read_holder(lock_path: Path) -> dict | None:
+    """The holder a lock file describes (written by its holder after taking it), or None."""
+    try:
+        holder = json.loads(lock_path.read_text() or "null")
+    except (OSError, ValueError):
+        return None  # being rewritten at this instant, or unreadable: described as unknown
+    return holder if isinstance(holder, dict) else None
+
+
+def _holder_text(holder: dict | None) -> str:
+    if not holder:
+        return "a process that has not described itself yet"
+    ago = time.time() - float(holder.get("since_unix", time.time()))
+    return (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')} "
+            f"({ago / 60:.0f} min ago)")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a part, even
     after kill -9 or a power cut: temporary file, flushed and fsynced, renamed over, folder entry fsynced."""
@@ -155,8 +389,32 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    apply_umask(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask. Read from /proc where Linux shows it: os.umask can only read it by setting it,
+    and a thread creating a file in between would get the wrong permissions."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give a file we wrote the permissions a plain ``open(path, "w")`` would have: 0o666 less the umask.
+    Every atomic writer calls it on its temporary file before the rename, because some writers create files
+    0600 whatever the umask (safetensors' save_file, tempfile.mkstemp), which hides checkpoints from the rest
+    of a group sharing a run folder."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def fsync_path(path: Path) -> None:
@@ -196,20 +454,50 @@ class FeatureCache:
         if not manifest_path.is_file():
             raise FileNotFoundError(f"{self.path} is not a finished cache (no manifest.json); rerun the extraction "
                                     "command that built it: it resumes where it stopped")
-        self.manifest = json.loads(manifest_path.read_text())
-        self.settings = json.loads((self.path / "settings.json").read_text())["settings"]
+        self.manifest = self._json(manifest_path)
+        self.settings = self._json(self.path / "settings.json")["settings"]
         self.fingerprint = self.manifest["fingerprint"]
         self._shards: list[_Shard] = []
         img = cap = 0
+        damaged = []
+        # Every array file is checked here (one stat each), so a cut file fails at open, naming itself, instead
+        # of as numpy's "mmap length is greater than file size" at the first gather, hours into a run.
         for s in self.manifest["shards"]:
-            meta = json.loads((self.path / s["name"] / "meta.json").read_text())
-            self._shards.append(_Shard(self.path / s["name"], meta, img, cap))
+            shard = self.path / s["name"]
+            meta = None
+            try:
+                meta = json.loads((shard / "meta.json").read_text())
+            except (OSError, ValueError):
+                pass  # shard_problem below says what is wrong with it
+            problem = shard_problem(shard, meta)
+            if problem is not None:
+                damaged.append(problem)
+                continue
+            self._shards.append(_Shard(shard, meta, img, cap))
             img += meta["images"]
             cap += meta["captions"]
+        if damaged:
+            advice = (f"rerun the same `python -m extract` command (or train.adapter) that built this cache to rebuild "
+                      f"{'that shard' if len(damaged) == 1 else 'those shards'} (nothing else is recomputed), or "
+                      f"delete {self.path}")
+            raise CacheError(f"{damaged[0]}: the shard is damaged; {advice}" if len(damaged) == 1 else
+                             f"{len(damaged)} shards of {self.path} are damaged:\n  " + "\n  ".join(damaged)
+                             + f"\n{advice}")
         self.num_images, self.num_captions = img, cap
         self._cap_starts = np.array([s.caption_offset for s in self._shards] + [cap])
         self._img_starts = np.array([s.image_offset for s in self._shards] + [img])
         self._mmaps: dict[tuple[int, str], np.ndarray] = {}
+
+    @staticmethod
+    def _json(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CacheError(f"{path} is missing: the cache {path.parent} is damaged; delete it and rerun the "
+                             "command that built it") from None
+        except (OSError, ValueError) as e:
+            raise CacheError(f"{path} is unreadable ({e}): the cache {path.parent} is damaged; delete it and rerun "
+                             "the command that built it") from None
 
     @classmethod
     def open(cls, root: str | os.PathLike, fingerprint: str | None = None, settings: dict | None = None) -> FeatureCache:

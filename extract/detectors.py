@@ -17,6 +17,12 @@ local file, so unless the user set ``YOLO_OFFLINE`` themselves we set it to 1 be
 ultralytics (``YOLO_OFFLINE=0`` opts back in), and we drop the analytics callback from our predictor in case
 ultralytics was imported online earlier in the process.
 
+Installs: ultralytics pip-installs packages it misses ("attempting AutoUpdate"), e.g. ``pi-heif`` from the
+``PIL.Image.open`` it patches on import, which would then run on every image our own decoder fails to identify
+(and put ultralytics' message in our skip report). Loading a detector turns that off for good
+(:func:`_no_autoinstall`: ``YOLO_AUTOINSTALL=False`` before the import, the flag itself after it, whatever the
+environment said: changing installed packages mid-run is never wanted) and gives ``PIL.Image.open`` back.
+
 Random weights (``.yaml`` detectors, SAM2 with ``weights="none"``) are drawn from a fixed seed
 (:data:`RANDOM_INIT_SEED`) without touching the global RNG, so every rank and every resumed run builds the
 same model and the cache fingerprint from ``settings()`` means something.
@@ -88,12 +94,35 @@ def _import_yolo():
     if "ultralytics" not in sys.modules:
         # Must precede the first import: ultralytics probes DNS at import time (see the module docstring).
         os.environ.setdefault("YOLO_OFFLINE", "1")
+    # ultralytics.utils reads this once, at its import; _no_autoinstall covers an earlier import
+    os.environ["YOLO_AUTOINSTALL"] = "False"
     try:
         from ultralytics import YOLO
     except ImportError as e:
         raise MissingDependencyError(
             "YOLO detection needs ultralytics, which is not installed: pip install 'plugvlm[detect]'") from e
+    _no_autoinstall()
     return YOLO
+
+
+def _no_autoinstall() -> None:
+    """Stop ultralytics from pip-installing anything in this process, and undo its ``PIL.Image.open`` patch.
+
+    ``AUTOINSTALL`` is copied into each ultralytics module that imports it by name (``checks`` among them), so
+    every loaded copy is set, besides the source in ``ultralytics.utils`` that later imports copy. The patched
+    ``Image.open`` calls ``check_requirements("pi-heif")`` on any file PIL cannot identify, and then fails
+    with ModuleNotFoundError instead of PIL's own error; we give images to ultralytics already decoded, so
+    its HEIF support is not needed and the original is restored.
+    """
+    for name, module in list(sys.modules.items()):
+        if (name == "ultralytics" or name.startswith("ultralytics.")) and hasattr(module, "AUTOINSTALL"):
+            module.AUTOINSTALL = False
+    patches = sys.modules.get("ultralytics.utils.patches")
+    original = getattr(patches, "_image_open", None)
+    from PIL import Image
+
+    if original is not None and Image.open is getattr(patches, "image_open", None):
+        Image.open = original
 
 
 def _drop_analytics(predictor) -> None:

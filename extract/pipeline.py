@@ -10,6 +10,11 @@ Work is split into shards of ``--shard-size`` images (one per input tar for webd
 shard is computed from its own records only, in fixed batches, so its content does not depend on which
 rank computed it or on what ran before: a killed run resumes shard by shard, and N processes under
 ``accelerate launch`` (shard k goes to rank k mod N) write the same cache as one.
+
+One run builds a given cache at a time (:meth:`extract.cache.CacheDir.build_lock`): a second run with the same
+settings and ``--out`` waits for the first (saying which pid / host holds it, and since when), then reuses the
+finished cache; it gives up after ``$PLUGVLM_CACHE_LOCK_TIMEOUT`` seconds (default 24 h). A shard whose files
+no longer match the sizes its meta.json recorded counts as not done: rerunning the command rebuilds just it.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -30,10 +36,11 @@ from tqdm import tqdm
 
 from extract.backbone import FrozenBackbone, load_backbone
 from extract.cache import CacheDir, FeatureCache, settings_diff
-from extract.config import parse_with_config, save_config
+from extract.config import fraction, nonnegative_int, parse_with_config, positive_int, save_config
 from extract.data import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
                           collate_skipping, expand_shards, open_source)
 from extract.report import Skip, SkipReport
+from extract.source_args import add_source_args, source_options
 from extract.text_components import SpacyModelNotFoundError
 from extract.weights import WeightsNotFoundError
 
@@ -64,31 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--annotations", default=None,
                    help="Visual-Genome-style objects.json with ground-truth boxes (for --boxes gt / --regions gt)")
     p.add_argument("--detector", default=None, help="YOLO weights (.pt) or model .yaml (random init)")
-    p.add_argument("--conf", type=float, default=0.25, help="detector confidence threshold")
+    p.add_argument("--conf", type=fraction, default=0.25, help="detector confidence threshold")
     p.add_argument("--regions", default="random", choices=["random", "gt", "sam2"],
                    help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or SAM2")
-    p.add_argument("--num-regions", type=int, default=10, help="region masks per image (M)")
-    p.add_argument("--region-seed", type=int, default=0)
+    p.add_argument("--num-regions", type=positive_int, default=10, help="region masks per image (M)")
+    p.add_argument("--region-seed", type=nonnegative_int, default=0)
     p.add_argument("--segmenter", default=None, help="SAM2 config (name shipped with sam2 or a YAML path)")
     p.add_argument("--segmenter-weights", default=None, help="SAM2 checkpoint, or 'none' for random init")
-    p.add_argument("--segmenter-image-size", type=int, default=None,
+    p.add_argument("--segmenter-image-size", type=positive_int, default=None,
                    help="override the SAM2 config's input size (px, multiple of 32; 128 for quick offline checks)")
-    p.add_argument("--sam-points", type=int, default=16, help="SAM2 prompt grid: points per side")
-    p.add_argument("--sam-iou-thresh", type=float, default=0.8, help="SAM2 predicted-IoU filter")
-    p.add_argument("--sam-stability-thresh", type=float, default=0.9, help="SAM2 stability-score filter")
-    p.add_argument("--max-entities", type=int, default=10)
-    p.add_argument("--max-relations", type=int, default=10)
-    p.add_argument("--max-leaves", type=int, default=16)
-    p.add_argument("--max-nodes", type=int, default=16)
-    p.add_argument("--shard-size", type=int, default=2048, help="images per shard (the unit of resumption)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--workers", type=int, default=DEFAULT_WORKERS,
+    p.add_argument("--sam-points", type=positive_int, default=16, help="SAM2 prompt grid: points per side")
+    p.add_argument("--sam-iou-thresh", type=fraction, default=0.8, help="SAM2 predicted-IoU filter")
+    p.add_argument("--sam-stability-thresh", type=fraction, default=0.9, help="SAM2 stability-score filter")
+    p.add_argument("--max-entities", type=positive_int, default=10)
+    p.add_argument("--max-relations", type=positive_int, default=10)
+    p.add_argument("--max-leaves", type=positive_int, default=16)
+    p.add_argument("--max-nodes", type=positive_int, default=16)
+    p.add_argument("--shard-size", type=positive_int, default=2048, help="images per shard (the unit of resumption)")
+    p.add_argument("--batch-size", type=positive_int, default=128)
+    p.add_argument("--workers", type=nonnegative_int, default=DEFAULT_WORKERS,
                    help="image decoding processes (default: half the CPU cores, so decoding does not starve the "
                         "forward pass on CPU-only machines)")
     p.add_argument("--device", default=None, help="default: the accelerate process's device, else cuda/cpu")
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
     p.add_argument("--unusual", default="convert", choices=["convert", "skip"],
                    help="CMYK / 16-bit / transparent images: convert (reported) or skip")
+    add_source_args(p)
     return p
 
 
@@ -134,20 +142,51 @@ def data_fingerprint(source: DataSource) -> dict:
 
     Content hashes of every image would cost a full read of the dataset; size + mtime is what make and
     rsync trust, and a changed caption or a re-encoded image changes it.
+
+    Paths enter resolved (absolute, symbolic links followed), and so does ``name``: ``--data toy``, ``--data
+    ../here/toy`` and the absolute path (``--image-root`` likewise) describe the same files and reuse one cache,
+    while the same spelling from another directory names other files and does not.
     """
     h = hashlib.sha256()
+    resolve = _path_resolver()
     if isinstance(source, IndexedSource):
         for r in source.records():
-            st = _stat(r.source)
-            h.update(json.dumps([r.image_id, r.source, st, [[c.id, c.text] for c in r.captions]]).encode())
+            path = resolve(r.source)
+            h.update(json.dumps([r.image_id, path, _stat(path), [[c.id, c.text] for c in r.captions]]).encode())
         kind, n = type(source).__name__, len(source)
     else:
         shards = source.shards
         for s in shards:
-            h.update(json.dumps([s, _stat(s)]).encode())
+            path = resolve(s)
+            h.update(json.dumps([path, _stat(path)]).encode())
         kind, n = type(source).__name__, len(shards)
-    return {"source": kind, "name": source.name, "items": n, "sha256": h.hexdigest(),
+    return {"source": kind, "name": _source_name(source), "items": n, "sha256": h.hexdigest(),
             "unusual": source.unusual, "max_pixels": source.max_pixels}
+
+
+def _path_resolver():
+    """``resolve(path)`` -> the absolute path with every folder's symbolic links followed (os.path.realpath of
+    the folder, once per folder: a million images in a few folders cost a few realpath calls, not a million)."""
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def folder(d: str) -> str:
+        return os.path.realpath(d or ".")
+
+    def resolve(path: str) -> str:
+        d, name = os.path.split(os.fspath(path))
+        return os.path.join(folder(d), name)
+
+    return resolve
+
+
+def _source_name(source: DataSource) -> str:
+    """``source.name`` without the spelling of ``--data`` (which is fingerprinted, through ``summary`` too)."""
+    if isinstance(source, ToyWorldSource):  # "<folder name>:<split>"; `--data .` would leave the name empty
+        return f"{Path(source.path).resolve().parent.name}:{source.split}"
+    if isinstance(source, WebDatasetSource):  # the spec as typed: a file, folder or brace pattern
+        return os.path.realpath(source.name)
+    return source.name  # CSV / COCO: the file's name alone
 
 
 def _stat(path: str) -> list:
@@ -442,7 +481,8 @@ def _pair_batches(samples, transform, batch_size: int):
 
     buf = []
     for s in samples:
-        buf.append(Item(s.image_id, transform(s.image), s.captions, s.image_id, s.note))
+        # the sample's own location (shard::key): the note the source recorded is then recorded once, not twice
+        buf.append(Item(s.image_id, transform(s.image), s.captions, s.location, s.note))
         if len(buf) == batch_size:
             yield collate_skipping(buf)
             buf = []
@@ -457,7 +497,7 @@ def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dic
     ``args.pretrained`` (the fingerprint describes whichever is used). See the module docstring."""
     ranks = _ranks(args.device)
     t0 = time.perf_counter()
-    options = {"unusual": args.unusual}
+    options = {"unusual": args.unusual, **source_options(args)}
     if args.split:
         options["split"] = args.split
     if args.image_root:
@@ -467,16 +507,50 @@ def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dic
     comps = _Components(args, source, ranks.device)
     if backbone is None:
         backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
-    settings = {"pipeline": PIPELINE_VERSION, "backbone": backbone.describe(hash_weights=True), "data": data_fingerprint(source),
+    data = data_fingerprint(source)
+    settings = {"pipeline": PIPELINE_VERSION, "backbone": backbone.describe(hash_weights=True), "data": data,
                 "shard_size": args.shard_size if isinstance(source, IndexedSource) else "per-input-shard",
                 **comps.settings()}
-    settings["summary"] = f"{args.base} on {source.name}: {','.join(args.components) or 'global only'}"
+    settings["summary"] = f"{args.base} on {data['name']}: {','.join(args.components) or 'global only'}"
     cache = CacheDir(args.out, settings)
     say = print if ranks.index == 0 else (lambda *a, **k: None)
-    if cache.is_complete():
+    # A finished cache is reused without the lock (a read-only copy works). Not by several ranks: each would
+    # decide alone, and a cache finished by another run between two ranks' checks would split them.
+    if ranks.count == 1 and cache.is_complete() and not cache.problems():
         say(f"cache up to date: {cache.path} (fingerprint {cache.fingerprint[:16]}); nothing to compute")
         return json.loads((cache.path / "manifest.json").read_text())
+    # One run builds a cache at a time: a second run into the same cache waits here, then reuses it. The lock
+    # is the run's, not the process's: rank 0 takes it, the other ranks wait until it holds it for their run.
+    with cache.build_lock(_run_id(ranks), leader=ranks.index == 0, say=say):
+        return _extract(args, ranks, source, comps, backbone, settings, cache, say, t0)
+
+
+def _run_id(ranks: _Ranks) -> str:
+    """The same string in every process of this run, and in no other live run: the address of the process
+    group's store (accelerate / torchrun) for a multi-process run, host + pid otherwise."""
+    if ranks.count > 1:
+        env = os.environ
+        return (f"torchrun:{env.get('MASTER_ADDR', socket.gethostname())}:{env.get('MASTER_PORT', os.getppid())}:"
+                f"{env.get('TORCHELASTIC_RUN_ID', '')}")
+    return f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+
+
+def _extract(args, ranks: _Ranks, source: DataSource, comps: _Components, backbone: FrozenBackbone, settings: dict,
+             cache: CacheDir, say, t0: float) -> dict:
+    """run()'s work once this run holds the cache's build lock."""
+    # All ranks decide before rank 0 changes anything (the barrier), so they all take the same branch.
+    complete = cache.is_complete()
+    damaged = cache.problems() if complete else {}
+    ranks.barrier()
+    if complete and not damaged:  # another run finished it while this one waited for the lock
+        say(f"cache up to date: {cache.path} (fingerprint {cache.fingerprint[:16]}, finished by the run this one "
+            "waited for); nothing to compute")
+        return json.loads((cache.path / "manifest.json").read_text())
     if ranks.index == 0:
+        if complete:  # damaged: no reader may open it until the shards are rebuilt
+            say(f"cache {cache.path} is damaged: {len(damaged)} shard(s) missing or cut short; rebuilding only "
+                f"{'that shard' if len(damaged) == 1 else 'those'}")
+            cache.retract_manifest()
         cache.prepare()
         for other, their in cache.other_caches():
             say(f"note: {other} was built with other settings; building a new cache. Differences:\n  "
@@ -494,6 +568,9 @@ def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dic
         n_shards, total = len(units), None
     mine = [k for k in range(n_shards) if k % ranks.count == ranks.index]
     cache.clean_partial(mine)
+    for k, problem in cache.damaged_shards(mine).items():  # a cut or missing file: that shard is redone
+        print(f"{problem}: shard {k} is damaged; rebuilding it")
+        cache.discard_shard(k)
     todo = [k for k in mine if not cache.shard_done(k)]
     builder = ShardBuilder(backbone, comps, args)
     transform = _KeepRaw(backbone.preprocess, builder.keep_raw)

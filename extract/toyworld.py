@@ -90,7 +90,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.config import parse_with_config
+from extract.config import nonnegative_int, parse_with_config, positive_int
 
 VERSION = 1
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "hexagon")
@@ -668,12 +668,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m extract.toyworld",
                                      description="Generate the toy world dataset.")
     parser.add_argument("--out", help="output directory")
-    parser.add_argument("--n", type=int, default=1000, help="number of scenes (default 1000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--size", type=int, default=64, help="image side in px (default 64)")
+    parser.add_argument("--n", type=positive_int, default=1000, help="number of scenes (default 1000)")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the same seed gives byte-identical files")
+    parser.add_argument("--size", type=positive_int, default=64, help="image side in px (default 64)")
     parser.add_argument("--holdout", default="", help='held out of train, e.g. "red circle,blue square"')
     parser.add_argument("--splits", default="0.8,0.1,0.1", help="train,val,test fractions")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    parser.add_argument("--workers", type=positive_int, default=None, help="processes (default: all cores)")
     args = parse_with_config(parser, argv)
     if not args.out:
         parser.error("--out is required (on the command line or as 'out' in --config)")

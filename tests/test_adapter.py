@@ -218,6 +218,44 @@ def test_nan_steps_are_skipped_logged_and_abort_keeping_the_last_good_checkpoint
     assert state.read_bytes() == before
 
 
+def test_divergence_before_any_good_state_does_not_claim_one(run, root, tmp_path, capsys):
+    """Issue 14, item 12: the warning named last.safetensors as "the last good state" when none existed."""
+    cache_path = Path(read_meta(run / "adapter.safetensors")["extraction"]["path"])
+    everything = _nan_cache(cache_path, tmp_path / "all-nan", None)
+    out = tmp_path / "fresh"
+    code = main(adapter_argv(root, "comalign", out, "--epochs", "1", "--no-final-eval", "--cache", str(everything),
+                             "--max-bad-steps", "3", "--save-every", "1"))
+    assert code == DIVERGED
+    captured = capsys.readouterr()
+    assert "no good state has been saved yet" in captured.out and "keeps the last good state" not in captured.out
+    assert "(none saved yet)" in captured.err
+    assert not (out / "checkpoints" / "last.safetensors").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--epochs", "-1", "argument --epochs: expected an integer >= 1, got -1"),
+    ("--epochs", "0", "argument --epochs: expected an integer >= 1, got 0"),
+    ("--lr", "0", "argument --lr: expected a number > 0, got 0"),
+    ("--val-fraction", "1.5", "argument --val-fraction: expected a number in [0, 1), got 1.5"),
+    ("--val-fraction", "0", "--val-fraction must be in (0, 1) without --val-data, got 0"),
+])
+def test_settings_that_would_train_nothing_are_refused(root, tmp_path, capsys, flag, value, message):
+    """Issue 14, item 5: --epochs -1 once exited 0 with an untrained model and a result table."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(adapter_argv(root, "comalign", tmp_path / "run", flag, value))
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_batch_larger_than_the_training_set_fails_before_extraction(root, tmp_path, capsys):
+    """Issue 14, item 11: the default batch of 256 on a small data set failed only after the whole extraction."""
+    argv = ["--method", "comalign", "--data", str(root / "world"), "--out", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache"), "--workers", "0", "--batch-size", "256"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the global batch (256) exceeds the 96 training images" in err and "before extraction" in err
+    assert not (tmp_path / "cache").exists()  # nothing was extracted
+
+
 def test_a_cache_of_another_backbone_or_without_the_components_is_refused(root, tmp_path, capsys):
     from extract.pipeline import build_cache
 
@@ -308,3 +346,21 @@ def test_two_processes_train_like_one_process_on_the_global_batch(root, tmp_path
     la = [float(r["loss"]) for r in _csv(tmp_path / "one" / "metrics.csv")]
     lb = [float(r["loss"]) for r in _csv(tmp_path / "two" / "metrics.csv")]
     assert lb == pytest.approx(la, rel=1e-5)  # the logged loss is the global batch's on both
+
+
+def test_per_rank_rng_files_are_verified(tmp_path):
+    from extract.tensorfile import DamagedFileError
+    from train.adapter import _save_rank_rng, load_rng_for_rank
+
+    state = tmp_path / "checkpoints" / "last.safetensors"
+    torch.manual_seed(7)
+    _save_rank_rng(state, 1)
+    expected = torch.get_rng_state()
+    assert torch.equal(load_rng_for_rank(state, 1), expected)
+    rng = state.with_name("rng-rank1.safetensors")
+    raw = bytearray(rng.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little") + 100  # in the tensor data, past the JSON header
+    raw[start:start + 64] = bytes(b ^ 0xFF for b in raw[start:start + 64])
+    rng.write_bytes(bytes(raw))
+    with pytest.raises(DamagedFileError, match=f"{rng} is damaged"):
+        load_rng_for_rank(state, 1)

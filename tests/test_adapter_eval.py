@@ -11,7 +11,7 @@ import torch
 from adapters.checkpoint import load_adapter, read_meta
 from extract.cache import FeatureCache
 from train import evaluate as ev
-from train.adapter_eval import CachedBase, evaluate_heldout, heldout_split
+from train.adapter_eval import CachedBase, HeldOut, evaluate_heldout, heldout_split
 
 from test_adapter import toy_root, trained_comalign
 from test_retrieval import brute_force
@@ -73,3 +73,52 @@ def test_a_held_out_subset_keeps_every_caption_of_its_images(run):
     assert set(owners.tolist()) == {1, 3, 5}
     assert (cache.caption_image_index() == 3).sum() == (owners == 3).sum()
     assert held.caption_image.tolist() == [{1: 0, 3: 1, 5: 2}[int(o)] for o in owners]
+
+
+class _ArrayCache:
+    """The two calls evaluate_heldout makes of a FeatureCache, over arrays in memory."""
+
+    def __init__(self, image_embed, text_embed, caption_image):
+        self.arrays = {"image_embed": image_embed, "text_embed": text_embed}
+        self._caption_image = np.asarray(caption_image)
+
+    def gather(self, key, rows):
+        return self.arrays[key][rows]
+
+    def caption_image_index(self):
+        return self._caption_image
+
+
+def _held(n_images, image_embed=None, name="val"):
+    g = np.random.default_rng(0)
+    img = g.standard_normal((n_images, 8)).astype(np.float32) if image_embed is None else image_embed
+    cap = np.repeat(np.arange(n_images), 2)
+    txt = img[cap] + 0.1 * g.standard_normal((len(cap), 8)).astype(np.float32)
+    return HeldOut(_ArrayCache(img, txt, cap), np.arange(n_images), np.arange(len(cap)), name)
+
+
+def test_a_one_image_split_warns_once_per_run_not_every_epoch(capsys):
+    held = _held(1)
+    first = evaluate_heldout(CachedBase(), held, "cpu")["retrieval"]
+    assert first["text_to_image"]["R@1"] == 100.0 and "only 1 image" in first["warning"]
+    for _ in range(3):  # the following epochs
+        evaluate_heldout(CachedBase(), held, "cpu")
+    printed = [line for line in capsys.readouterr().out.splitlines() if "only 1 image" in line]
+    assert len(printed) == 1 and printed[0].startswith("warning: retrieval:") and "held-out val" in printed[0]
+    # --unfreeze re-encodes the split every epoch: the new HeldOut keeps the warnings already printed
+    evaluate_heldout(CachedBase(), _held(1).keep_warnings_of(held), "cpu")
+    assert "only 1 image" not in capsys.readouterr().out
+    evaluate_heldout(CachedBase(), _held(1), "cpu")  # another run's split warns again
+    assert "only 1 image" in capsys.readouterr().out
+
+
+def test_a_normal_split_does_not_warn_and_nan_features_rank_last(capsys):
+    held = _held(120)
+    got = evaluate_heldout(CachedBase(), held, "cpu")["retrieval"]
+    assert "warning" not in got and got["nonfinite_scores"] == 0
+    assert capsys.readouterr().out == ""
+    nan = _held(120, np.full((120, 8), np.nan, dtype=np.float32))
+    got = evaluate_heldout(CachedBase(), nan, "cpu")["retrieval"]
+    assert got["text_to_image"]["R@1"] == 0.0 and got["image_to_text"]["R@1"] == 0.0
+    assert got["nonfinite_scores"] == 120 * 240
+    assert "warning: frozen base gave 28800 non-finite retrieval scores" in capsys.readouterr().out

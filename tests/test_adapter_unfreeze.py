@@ -148,6 +148,24 @@ def test_the_run_folder_alone_rebuilds_the_model_in_a_fresh_process(run, world, 
         load_scorer(str(moved / "adapter.safetensors"))
 
 
+def test_run_files_follow_the_umask_and_a_damaged_backbone_is_named(run, tmp_path):
+    from adapters.scoring import load_scorer
+    from extract.cache import current_umask
+    from extract.tensorfile import DamagedFileError
+
+    files = [run / "adapter.safetensors", run / "backbone.safetensors", run / "checkpoints" / "last.safetensors"]
+    mode = oct(0o666 & ~current_umask())
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: mode for p in files}
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved, ignore=shutil.ignore_patterns("checkpoints", "tb", "eval"))
+    raw = bytearray((moved / "backbone.safetensors").read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little") + 512  # in the tensor data, past the JSON header
+    raw[start:start + 64] = bytes(b ^ 0xFF for b in raw[start:start + 64])
+    (moved / "backbone.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(DamagedFileError, match=f"{moved / 'backbone.safetensors'} is damaged"):
+        load_scorer(str(moved / "adapter.safetensors"))
+
+
 def test_resume_reaches_the_weights_of_the_uninterrupted_run(run, world, tmp_path):
     out = tmp_path / "resumed"
     args = argv(world, out, "--unfreeze", "--context-length", "248", "--no-final-eval")

@@ -159,3 +159,16 @@ def test_random_init_is_seeded_and_hashed():
     torch.manual_seed(123)
     load_backbone("tiny")  # must not consume the caller's random stream
     assert torch.equal(torch.rand(1), ref) and before.shape == (1,)
+
+
+def test_a_weights_file_is_described_by_its_resolved_path(tiny, tmp_path, monkeypatch):
+    """Issue 14, item 15: how a checkpoint path is spelled must not change the fingerprint of what it builds."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "w").mkdir()
+    save_file({k: v.contiguous() for k, v in tiny.model.state_dict().items()}, str(tmp_path / "w" / "ckpt.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    spelled = ["w/ckpt.safetensors", "./w/../w/ckpt.safetensors", str(tmp_path / "w" / "ckpt.safetensors")]
+    described = [load_backbone("tiny", p).describe(hash_weights=True) for p in spelled]
+    assert described[0] == described[1] == described[2]
+    assert described[0]["pretrained"] == str((tmp_path / "w" / "ckpt.safetensors").resolve())

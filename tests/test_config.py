@@ -58,3 +58,67 @@ def test_training_example_configs_parse():
     assert (a.method, a.base, a.schedule) == ("comalign", "ViT-B-32", "step")
     p = pretrain_args(["--config", str(examples / "pretrain_powerclip_r.yaml")])
     assert (p.method, p.masks, p.num_masks, p.model, p.grad_checkpointing) == ("powerclip", "random", 10, "ViT-B-16", True)
+
+
+# --------------------------------------------------------------------------------------------- config values are checked
+def _training_parser():
+    from extract.config import nonnegative_float, positive_float, positive_int
+
+    p = argparse.ArgumentParser(prog="prog")
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--epochs", type=positive_int, default=10)
+    p.add_argument("--wd", type=nonnegative_float, default=0.1)
+    p.add_argument("--schedule", default="cosine", choices=["cosine", "step", "constant"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--benchmark", action="append", default=[])
+    p.add_argument("--pretrained", default=None)
+    return p
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("lr: true\n", "key 'lr': --lr expects a value as on the command line, got True"),
+    ("schedule: linear\n", "key 'schedule': invalid choice: 'linear'"),
+    ("epochs: -3\n", "key 'epochs': expected an integer >= 1, got -3"),
+    ("epochs: 0\n", "key 'epochs': expected an integer >= 1, got 0"),
+    ("epochs: 2.5\n", "key 'epochs': expected an integer >= 1, got '2.5'"),
+    ("precision: fp64\n", "key 'precision': invalid choice: 'fp64'"),
+    ("lr: .nan\n", "key 'lr': expected a number > 0, got 'nan'"),
+    ("wd: -0.1\n", "key 'wd': expected a number >= 0, got -0.1"),
+    ("quick: 1\n", "key 'quick': --quick is a switch: expected true or false, got 1"),
+    ("lr: [1, 2]\n", "key 'lr': --lr takes one value, got a list"),
+    ("epochs:\n", "key 'epochs': needs a value"),
+    ("lr: 1e-4\nepochs: [3\n", "not valid YAML: while parsing a flow sequence (line 2"),
+    ("- lr\n- 3\n", "expected a mapping of option: value, got list"),
+])
+def test_config_values_pass_the_command_line_checks(tmp_path, capsys, text, expected):
+    """Each bad value stops with the flag's own check, naming the file and the key: no training with lr 1.0,
+    no KeyError or YAML traceback (issue 14, item 4)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        parse_with_config(_training_parser(), ["--config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config {cfg}" in err and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_the_same_values_fail_on_the_command_line(capsys):
+    for argv in (["--epochs", "-3"], ["--schedule", "linear"], ["--lr", "0"], ["--precision", "fp64"]):
+        with pytest.raises(SystemExit):
+            _training_parser().parse_args(argv)
+        assert "error: argument" in capsys.readouterr().err
+
+
+def test_good_config_values_convert_as_on_the_command_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 1e-4\nepochs: 3\nwd: 0\nschedule: step\ntensorboard: false\nquick: true\n"
+                   "benchmark: [a=x, b=y]\npretrained: null\n")
+    a = parse_with_config(_training_parser(), ["--config", str(cfg)])
+    assert (a.lr, a.epochs, a.wd, a.schedule, a.tensorboard, a.quick) == (1e-4, 3, 0.0, "step", False, True)
+    assert isinstance(a.lr, float) and isinstance(a.epochs, int)
+    assert a.benchmark == ["a=x", "b=y"] and a.pretrained is None
+    b = parse_with_config(_training_parser(), ["--config", str(cfg), "--no-tensorboard", "--epochs", "7"])
+    assert (b.epochs, b.tensorboard) == (7, False)

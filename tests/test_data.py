@@ -24,6 +24,7 @@ from PIL import Image
 from extract.data import (
     COCOSource,
     CSVSource,
+    Item,
     SampleDataset,
     SkipReport,
     ToyWorldSource,
@@ -248,15 +249,94 @@ def test_csv_separator_can_be_overridden(tmp_path, images):
     assert [(s.image_id, s.captions[0].text) for s in samples] == [("good_a.jpg", "good_a: with, commas")]
 
 
-def test_csv_without_the_columns_says_what_to_pass(tmp_path):
-    (tmp_path / "c.csv").write_text("path\ttext\na.jpg\ta cat\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="img_key=.*sep="):
-        CSVSource(tmp_path / "c.csv").records()
-    (tmp_path / "e.csv").write_text("", encoding="utf-8")
-    with pytest.raises(ValueError, match="empty"):
-        CSVSource(tmp_path / "e.csv").records()
+UTF16_TABLE = "filepath,title\ngood_a.jpg,good_a: \u00e9t\u00e9\n"
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("c.csv", "path,text\na.jpg,a cat\n",
+     r"no column 'filepath' .*header: \['path', 'text'\].*--csv-img-key / --csv-caption-key.*--csv-separator"),
+    ("c.csv", "filepath,Title\na.jpg,a cat\n", r"no column 'title' \(did you mean 'Title'\?\).*--csv-caption-key"),
+    ("c.csv", "filepath\ttitle\na.jpg\ta cat\n", r"looks tab-separated: pass --csv-separator '\\t'"),
+    ("c.tsv", "filepath,title\na.jpg,a cat\n", r"looks comma-separated: pass --csv-separator ','"),
+    ("c.csv", "", r"is empty: .*--csv-img-key / --csv-caption-key"),
+    ("c.csv", UTF16_TABLE.encode("utf-16"), r"is UTF-16 text .*byte-order mark.*--csv-encoding utf-16"),
+    ("c.csv", UTF16_TABLE.encode("utf-16-le"), r"NUL bytes .*--csv-encoding utf-16-le"),
+    ("c.csv", "filepath,t\u00eetle\na.jpg,a cat\n".encode("latin-1"), r"header is not valid utf-8.*--csv-encoding"),
+])
+def test_a_table_that_cannot_be_read_says_which_flag_fixes_it(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(ValueError, match=message) as error:
+        CSVSource(path).records()
+    assert "\n" not in str(error.value)  # a CLI prints it as one line
+
+
+def test_csv_missing_file_and_bad_reading_options(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.csv"):
         CSVSource(tmp_path / "nope.csv")
+    (tmp_path / "c.csv").write_text("filepath,title\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="--csv-separator"):
+        CSVSource(tmp_path / "c.csv", sep="ab")
+    with pytest.raises(ValueError, match="--csv-encoding"):
+        CSVSource(tmp_path / "c.csv", encoding="no-such-codec")
+
+
+def test_csv_in_another_encoding_reads_with_its_encoding(tmp_path, images):
+    write_images(tmp_path, {"good_a.jpg": images["good_a.jpg"]})
+    (tmp_path / "c.csv").write_bytes(UTF16_TABLE.encode("utf-16"))
+    assert [s.captions[0].text for s in CSVSource(tmp_path / "c.csv", encoding="utf-16")] == ["good_a: \u00e9t\u00e9"]
+    (tmp_path / "l.csv").write_bytes(UTF16_TABLE.encode("latin-1"))
+    source = CSVSource(tmp_path / "l.csv")  # read as UTF-8: the caption is refused, with the flag to pass
+    assert list(source) == []
+    (skip,) = [s for s in source.report.skips if s.kind == "caption"]
+    assert (skip.location, skip.reason) == (f"{tmp_path / 'l.csv'}:2", "binary data in caption")
+    assert "--csv-encoding" in skip.detail
+    assert [s.captions[0].text for s in CSVSource(tmp_path / "l.csv", encoding="latin-1")] == ["good_a: \u00e9t\u00e9"]
+
+
+def write_pngs(folder: Path, names) -> None:
+    for name in names:
+        Image.new("RGB", (8, 8), (0, 90, 0)).save(folder / name)
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_unterminated_quote_is_reported_and_the_rows_after_it_are_kept(tmp_path, newline):
+    write_pngs(tmp_path, ["a.png", "b.png", "c.png", "d.png", "e.png"])
+    lines = ['filepath,title', 'a.png,a: fine', 'b.png,"b: the quote is never closed', 'c.png,c: fine',
+             'e.png,"e: one line,', 'two, three', 'and ""four"""',  # a multi-line caption none of whose lines is a row
+             'd.png,"d: quoted, fine"']
+    (tmp_path / "c.csv").write_bytes(newline.join(lines).encode() + newline.encode())
+    source = CSVSource(tmp_path / "c.csv")
+    assert run(source) == {"a.png": (("c.csv:2", "a: fine"),), "c.png": (("c.csv:4", "c: fine"),),
+                           "e.png": (("c.csv:5", newline.join(["e: one line,", "two, three", 'and "four"'])),),
+                           "d.png": (("c.csv:8", "d: quoted, fine"),)}
+    assert skip_set(source.report) == {("caption", "c.csv:3", f"{tmp_path / 'c.csv'}:3", "unterminated quote")}
+    assert "line 4" in source.report.skips[0].detail
+
+
+def test_unterminated_quote_closed_by_a_later_quote(tmp_path):
+    # the case that cached 3 of 4 images and reported nothing: the stray quote closes at d's opening one
+    write_pngs(tmp_path, ["a.png", "b.png", "c.png", "d.png"])
+    (tmp_path / "c.csv").write_text('filepath,title\na.png,"a: open\nb.png,b: fine\nc.png,c: fine\n'
+                                    'd.png,"d: the ""big"" one"\n', encoding="utf-8")
+    source = CSVSource(tmp_path / "c.csv")
+    assert [(s.image_id, s.captions[0].text) for s in source] == [
+        ("b.png", "b: fine"), ("c.png", "c: fine"), ("d.png", 'd: the "big" one')]
+    assert skip_set(source.report) == {("caption", "c.csv:2", f"{tmp_path / 'c.csv'}:2", "unterminated quote")}
+
+
+def test_quote_still_open_at_the_end_of_the_file(tmp_path):
+    write_pngs(tmp_path, ["a.png", "b.png"])
+    (tmp_path / "c.csv").write_text('filepath,title\na.png,a: fine\nb.png,"b: open\nno record here\n',
+                                    encoding="utf-8")
+    source = CSVSource(tmp_path / "c.csv")
+    assert [s.image_id for s in source] == ["a.png"]
+    assert skip_set(source.report) == {("caption", "c.csv:3", f"{tmp_path / 'c.csv'}:3", "unterminated quote")}
+    # no final newline
+    (tmp_path / "d.csv").write_text('filepath,title\na.png,a: fine\nb.png,"b: open', encoding="utf-8")
+    source = CSVSource(tmp_path / "d.csv")
+    assert [r.image_id for r in source.records()] == ["a.png"]
+    assert {(s.id, s.reason) for s in source.report.skips} == {("d.csv:3", "unterminated quote")}
 
 
 def test_csv_bytes_that_are_not_utf8_are_a_bad_caption(tmp_path, images):
@@ -478,6 +558,43 @@ def test_damaged_shards_are_reported_and_reading_goes_on(tmp_path, images):
     }
     assert {s.kind for s in source.report.skips} == {"shard", "image"}
     assert source.report.summary().startswith("skipped 6 shards (5 corrupt or truncated shard, 1 file not found), 4 images")
+
+
+def test_raw_samples_and_their_count_agree_even_on_damaged_shards(tmp_path, images):
+    good = lambda key: (key, {"png": images["good_b.png"], "txt": f"{key}: fine".encode()})  # noqa: E731
+    write_shard(tmp_path / "a.tar", [good("a1"), good("a2"), good("a3")])
+    data = (tmp_path / "a.tar").read_bytes()
+    member = 512 + len(images["good_b.png"]) + (-len(images["good_b.png"]) % 512) + 1024
+    cuts = {"whole": data, "in_data": data[: member + 700], "at_header": data[: member + 100], "no_end": data[:member],
+            "second": data[: 2 * member], "garbage": b"\x01" * 3000}
+    for name, content in cuts.items():
+        (tmp_path / f"{name}.tar").write_bytes(content)
+    for name in [*cuts, "absent"]:
+        shard = str(tmp_path / f"{name}.tar")
+        source = WebDatasetSource(shard)
+        keys = [key for key, _ in source.raw_samples(shard)]
+        assert WebDatasetSource.count_samples(shard) == len(keys), name
+        for skip in range(len(keys) + 1):
+            assert [key for key, _ in WebDatasetSource(shard).raw_samples(shard, skip=skip)] == keys[skip:], name
+    assert [k for k, _ in WebDatasetSource(str(tmp_path / "whole.tar")).raw_samples(str(tmp_path / "whole.tar"))] == [
+        "a1", "a2", "a3"]
+
+
+def test_samples_carry_their_location_so_a_note_is_recorded_once(tmp_path, images):
+    # A caller that records a batch's notes (SkipReport.add_batch, as python -m extract does) must record the
+    # note the source already has, not a second one under another location.
+    write_shard(tmp_path / "s.tar", [("cmyk", {"jpg": images["cmyk.jpg"], "txt": b"cmyk: a photo"}),
+                                     ("good", {"png": images["good_b.png"], "txt": b"good: fine"})])
+    write_images(tmp_path, images)
+    (tmp_path / "c.csv").write_text("filepath,title\ngood_a.jpg,good_a: x\ncmyk.jpg,cmyk: a photo\n", encoding="utf-8")
+    for source, location in ((open_source(tmp_path / "s.tar"), f"{tmp_path / 's.tar'}::cmyk"),
+                             (open_source(tmp_path / "c.csv"), f"{tmp_path / 'c.csv'}:3")):
+        for sample in source:
+            item = Item(sample.image_id, sample.image, sample.captions, sample.location, sample.note)
+            source.report.add_batch(*collate_skipping([item]))
+        assert [(n.image_id, n.location) for n in source.report.notes] == [("cmyk" if "::" in location else "cmyk.jpg",
+                                                                            location)]
+        assert source.report.summary().endswith("converted 1 image (1 CMYK converted to RGB)")
 
 
 def test_expand_shards(tmp_path):

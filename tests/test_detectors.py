@@ -138,6 +138,57 @@ def test_unknown_yolo_config_names_it():
         YoloDetector("no-such-model.yaml")
 
 
+@pytest.fixture
+def no_subprocess(monkeypatch):
+    """Records (and refuses) every subprocess start: pip / uv installs included. Returns the list of commands."""
+    import subprocess
+
+    started = []
+
+    def refuse(*args, **kwargs):
+        started.append(args[0] if args else kwargs.get("args"))
+        raise OSError("tests start no subprocess here")
+
+    for name in ("Popen", "run", "call", "check_call", "check_output"):
+        monkeypatch.setattr(subprocess, name, refuse)
+    return started
+
+
+def test_our_detector_leaves_ultralytics_auto_install_off(monkeypatch, no_subprocess):
+    """ultralytics pip-installs what it misses ("attempting AutoUpdate"), e.g. pi-heif from its patched
+    Image.open during extraction. After our detector loads, a requirement check for a missing package must not
+    start pip even where ultralytics believes it is online."""
+    pytest.importorskip("ultralytics")
+    monkeypatch.setenv("YOLO_AUTOINSTALL", "True")  # what the user's environment says changes nothing
+    det = load_detector("yolov8n.yaml", imgsz=320)
+    from ultralytics.utils import checks
+
+    assert checks.AUTOINSTALL is False and sys.modules["ultralytics.utils"].AUTOINSTALL is False
+    monkeypatch.setattr(checks, "ONLINE", True)
+    assert checks.check_requirements("plugvlm-surely-not-a-package>=1") is False
+    assert det.detect([_scene(64, 48)])[0].boxes.shape[1] == 4
+    assert no_subprocess == []
+
+
+def test_ultralytics_does_not_take_over_our_image_decoding(monkeypatch, no_subprocess):
+    """ultralytics patches PIL.Image.open on import to fetch pi-heif for any file PIL cannot identify; after our
+    detector loads, a file no format recognises is still our clear refusal, with no install attempt."""
+    pytest.importorskip("ultralytics")
+    from PIL import Image
+
+    from extract.images import BadImage, decode_image
+
+    YoloDetector("yolov8n.yaml", imgsz=320)
+    from ultralytics.utils import checks
+
+    monkeypatch.setattr(checks, "ONLINE", True)
+    assert getattr(Image.open, "__module__", "").startswith("PIL")
+    with pytest.raises(BadImage) as err:
+        decode_image(b"neither PNG nor JPEG nor HEIF")
+    assert err.value.detail == "no image format recognises it"
+    assert no_subprocess == []
+
+
 def test_missing_ultralytics_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ultralytics", None)
     with pytest.raises(MissingDependencyError, match=r"plugvlm\[detect\]"):

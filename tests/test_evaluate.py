@@ -147,3 +147,92 @@ def test_zeroshot_without_labelled_images_is_skipped_not_a_crash():
     out = run_zeroshot(object(), empty, ("a {}.",), batch_size=4)  # never touches the scorer
     assert "skipped" in out and "no labelled images" in out["skipped"]
     assert not any(k.startswith("zero-shot") for k in headline({"zeroshot": out}))
+
+
+# ------------------------------------------------------------------------------------- non-finite scores
+class NanScorer:
+    """A model whose every embedding is NaN (a diverged adapter): it must score 0, never 100."""
+
+    name = "nan-model"
+
+    def preprocess(self, image):
+        return torch.zeros(3, 2, 2)
+
+    def encode_images(self, batch):
+        return {"embed": torch.full((len(batch), 4), float("nan"))}
+
+    def encode_texts(self, texts):
+        return {"embed": torch.full((len(texts), 4), float("nan"))}
+
+    def score(self, image_reps, text_reps):
+        return image_reps["embed"] @ text_reps["embed"].T
+
+
+def test_item_correctness_with_non_finite_scores():
+    nan = float("nan")
+    assert not item_correct("text", torch.tensor([[nan, 1.]]))["acc"]  # a NaN true score is wrong
+    assert item_correct("text", torch.tensor([[1., nan, 0.]]))["acc"]  # a NaN negative does not beat 1.
+    assert not item_correct("text", torch.tensor([[float("inf"), 1.]]))["acc"]  # inf is not finite either
+    assert item_correct("image", torch.tensor([[1.], [nan]]))["acc"]
+    assert not item_correct("image", torch.tensor([[nan], [nan]]))["acc"]
+    assert item_correct("group", torch.full((2, 2), nan)) == {"text": False, "image": False, "group": False}
+    s = torch.tensor([[.9, nan], [.3, .8]])  # i0's NaN rival caption and c1's NaN rival image lose
+    assert item_correct("group", s) == {"text": True, "image": True, "group": True}
+
+
+def test_all_nan_scorer_gets_zero_retrieval_from_encoded_reps():
+    from train.evaluate import retrieval_from_reps
+
+    reps = {"embed": torch.full((3, 4), float("nan"))}
+    out = retrieval_from_reps(NanScorer(), reps, {"embed": torch.randn(6, 4)}, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert out["text_to_image"]["R@1"] == 0.0 and out["image_to_text"]["R@1"] == 0.0
+    assert out["nonfinite_scores"] == 18 == out["n_scores"]
+
+    class Directional(NanScorer):  # NaN only when texts rank images
+        directional = True
+
+        def score_directed(self, image_reps, text_reps, direction):
+            s = torch.eye(3)[:, [0, 0, 1, 1, 2, 2]]
+            return s * float("nan") if direction == "t2i" else s
+
+    out = retrieval_from_reps(Directional(), reps, reps, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert out["text_to_image"]["R@1"] == 0.0 and out["image_to_text"]["R@1"] == 100.0
+    assert out["nonfinite_scores"] == 18 and out["n_scores"] == 36
+    assert "only 3 images" in out["warning"]
+
+
+def test_nan_model_end_to_end_scores_zero_and_warns_once_per_task(world, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("train.evaluate.load_scorer", lambda *a, **k: NanScorer())
+    assert main(["--data", str(world), "--out", str(tmp_path), "--batch-size", "64"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    res = json.loads((tmp_path / "results.json").read_text())["results"]["nan-model"]
+    r = res["retrieval"]
+    assert r["text_to_image"]["R@1"] == 0.0 and r["image_to_text"]["R@1"] == 0.0
+    assert r["nonfinite_scores"] == r["n_scores"] == r["images"] * r["captions"] > 0
+    assert res["zeroshot"]["top1"] == 0.0 and res["zeroshot"]["nonfinite_scores"] > 0
+    assert res["compositional"]["toyworld"]["per_type"]["all"]["acc"] == 0.0
+    # the linear probe cannot fit NaN embeddings: a skipped entry naming the model, not a crash
+    probe = res["linear_probe"]
+    assert "nan-model" in probe["skipped"] and probe["nonfinite_embeddings"] == probe["train"] + probe["test"]
+    expected = {"retrieval": f"warning: nan-model gave {r['n_scores']} non-finite retrieval scores "
+                             f"(of {r['n_scores']}); they rank last",
+                "zero-shot": "non-finite zero-shot scores", "compositional": "non-finite compositional scores",
+                "probe": "warning: linear probe skipped: nan-model gave"}
+    for task, text in expected.items():
+        assert sum(text in line for line in printed) == 1, (task, printed)
+    assert sum("warning: retrieval: only" in line for line in printed) == 1  # the small test split
+    assert res["warnings"] and all(w in (tmp_path / "results.md").read_text() for w in res["warnings"])
+
+
+def test_linear_probe_with_non_finite_embeddings_is_a_named_skip(world):
+    from train.evaluate import _toy_counting, run_linear_probe
+
+    class Partly(NanScorer):  # finite embeddings except for the first image of each batch
+        def encode_images(self, batch):
+            x = torch.randn(len(batch), 4)
+            x[0, 1] = float("inf")
+            return {"embed": x}
+
+    train_set, test_set = _toy_counting(world, "train"), _toy_counting(world, "test")
+    out = run_linear_probe(Partly(), train_set, test_set, batch_size=1000, seed=0)
+    assert out["nonfinite_embeddings"] == 2 and "nan-model gave 2 non-finite image embedding" in out["skipped"]

@@ -1,5 +1,6 @@
-"""``python -m extract`` end to end: cache content against direct computation, reuse / rebuild, kill -9 and
-resume, two processes under accelerate, bad input, and failing fast on missing weights.
+"""``python -m extract`` end to end: cache content against direct computation, reuse / rebuild (whatever the
+spelling of --data), damaged shards rebuilt, one run at a time, kill -9 and resume, two processes under
+accelerate, bad input, and failing fast on missing weights.
 
 All on the tiny backbone and a 30-scene toy world (ViT-B-32 with random weights once, on two images).
 """
@@ -11,9 +12,11 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,9 +27,9 @@ from PIL import Image
 
 from extract import toyworld
 from extract.backbone import load_backbone
-from extract.cache import FeatureCache
-from extract.data import ToyWorldSource
-from extract.pipeline import _image_seed, build_cache, main
+from extract.cache import CacheDir, CacheError, FeatureCache
+from extract.data import ToyWorldSource, open_source
+from extract.pipeline import _image_seed, build_cache, data_fingerprint, main
 from extract.regions import crop_regions, gt_boxes, random_grid_boxes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,6 +158,91 @@ def test_rerun_reuses_and_a_changed_setting_rebuilds(world, reference, tmp_path,
     assert {p: p.stat().st_mtime_ns for p in reference.glob("shard-*/*")} == stamps  # the old one untouched
     with pytest.raises(FileNotFoundError, match="several"):
         FeatureCache.open(out)  # two caches, no choice: an error that lists them, never a silent pick
+
+
+def test_data_path_spelling_reuses_the_cache_and_changed_content_does_not(world, tmp_path, monkeypatch, capsys):
+    toy = tmp_path / "toy"
+    shutil.copytree(world, toy)  # a private copy: edited below
+    os.symlink(toy, tmp_path / "link")
+    out = tmp_path / "cache"
+    flags = ["--components", ""]  # global embeddings only: the fingerprint is what is tested
+    monkeypatch.chdir(tmp_path)
+    assert main(_argv("toy", out, *flags)) == 0
+    assert "extracting" in capsys.readouterr().out
+    for spelling in (f"../{tmp_path.name}/toy", str(toy), "./toy/", "link"):
+        assert main(_argv(spelling, out, *flags)) == 0
+        assert "cache up to date" in capsys.readouterr().out, spelling
+    assert len(list(out.iterdir())) == 1
+    # same spelling, other content (one caption edited): never the old cache
+    coco = toy / "train_coco.json"
+    data = json.loads(coco.read_text())
+    data["annotations"][0]["caption"] = "a purple hexagon far from everything"
+    coco.write_text(json.dumps(data))
+    assert main(_argv("toy", out, *flags)) == 0
+    said = capsys.readouterr().out
+    assert "extracting" in said and "cache up to date" not in said
+    assert len(list(out.glob("*/manifest.json"))) == 2
+
+
+def test_data_fingerprint_resolves_csv_image_root_and_shard_paths(world, tmp_path, monkeypatch):
+    src = sorted((world / "images").glob("*.png"))[:2]
+    (tmp_path / "pairs.csv").write_text("filepath,title\n" + "".join(f"{p.name},a shape\n" for p in src))
+    (tmp_path / "shards").mkdir()
+    with tarfile.open(tmp_path / "shards" / "000.tar", "w") as tar:
+        for p in src:
+            tar.add(p, arcname=p.name)
+    monkeypatch.chdir(tmp_path)
+    csv_here = data_fingerprint(open_source("pairs.csv", image_root=str(world / "images")))
+    tar_here = data_fingerprint(open_source("shards"))
+    monkeypatch.chdir(world)
+    assert data_fingerprint(open_source(str(tmp_path / "pairs.csv"), image_root="images")) == csv_here
+    assert data_fingerprint(open_source(f"../{tmp_path.name}/shards")) == tar_here
+    assert data_fingerprint(open_source(str(tmp_path / "shards"))) == tar_here
+
+
+# --------------------------------------------------------------------------------------------- damaged cache
+def test_a_damaged_shard_is_named_and_a_rerun_rebuilds_only_it(world, reference, tmp_path, capsys):
+    out = tmp_path / "copy"
+    path = out / reference.name
+    shutil.copytree(reference, path)
+    victim = path / "shard-00001" / "token_embed.npy"
+    full = victim.stat().st_size
+    victim.write_bytes(victim.read_bytes()[:1024])  # a copy cut short
+    with pytest.raises(CacheError) as err:
+        FeatureCache.open(out)
+    msg = str(err.value)
+    assert f"{victim} is 1,024 bytes" in msg and f"{full:,}" in msg and "python -m extract" in msg
+    stamps = {p: p.stat().st_mtime_ns for p in path.glob("shard-*/*") if p.parent.name != "shard-00001"}
+    assert main(_argv(world, out)) == 0
+    said = capsys.readouterr().out
+    assert str(victim) in said and "extracting 1 of" in said and "already done" in said
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # the intact shards were not rewritten
+    _assert_same_content(path, reference)
+    assert FeatureCache.open(out).num_images == FeatureCache(reference).num_images
+
+
+# --------------------------------------------------------------------------------------------- one run at a time
+def test_a_second_run_waits_for_the_first_and_reuses_its_cache(world, reference, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "shared"
+    first = CacheDir(out, json.loads((reference / "settings.json").read_text())["settings"])
+    assert first.path.name == reference.name  # the cache the second run wants
+    monkeypatch.setenv("PLUGVLM_CACHE_LOCK_TIMEOUT", "300")
+    result, said = [], ""
+    with first.build_lock("the first run"):
+        second = threading.Thread(target=lambda: result.append(main(_argv(world, out))), daemon=True)
+        second.start()
+        deadline = time.monotonic() + 300
+        while "waiting for" not in said and second.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+            said += capsys.readouterr().out
+        assert "waiting for" in said and f"pid {os.getpid()} on host {socket.gethostname()}" in said
+        # the first run finishes its cache (here: the reference's files) and releases the lock
+        shutil.copytree(reference, first.path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("lock"))
+    second.join(300)
+    said += capsys.readouterr().out
+    assert result == [0]
+    assert "cache up to date" in said and "extracting" not in said  # no shard computed twice
+    _assert_same_content(first.path, reference)
 
 
 # --------------------------------------------------------------------------------------------- kill -9

@@ -215,30 +215,59 @@ def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path):
 
 
 def test_nan_steps_are_skipped_then_the_run_stops_with_checkpoints_intact(toy, tmp_path, capsys):
+    """Skipped steps change nothing; no checkpoint is written right after one (issue 14, item 6: step_2 and step_4
+    once held blown-up weights and were called intact); console, log.csv and checkpoint names count steps alike."""
     from train.pretrain import main
 
     out = tmp_path / "nan"
-    base = _argv(toy, out, "--max-steps", "6", "--save-every-n-steps", "2", "--keep-checkpoints", "0",
+    base = _argv(toy, out, "--max-steps", "4", "--save-every-n-steps", "2", "--keep-checkpoints", "0",
                  "--log-every-n-steps", "100")
-    assert main(base + ["--debug-nan-steps", "2,3", "--max-bad-steps", "3"]) == 0
+    assert main(base + ["--debug-nan-steps", "3,4", "--max-bad-steps", "3"]) == 0
     rows = [r.split(",") for r in (out / "log.csv").read_text().splitlines()]
     col = rows[0].index("skipped_step")
     assert {int(r[0]): int(r[col]) for r in rows[1:]} == {1: 0, 3: 1, 4: 1}  # logged: first step and bad ones
     ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step_00000002"]  # step 4 came after a bad step
     before, after = load_file(str(ck / "step_00000002" / "model.safetensors")), \
-        load_file(str(ck / "step_00000004" / "model.safetensors"))
+        load_file(str(out / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)  # skipped steps changed nothing
-    assert "step 2: non-finite loss or gradient" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "step 3: non-finite loss or gradient" in printed and "step 4: non-finite" in printed
+    assert "not writing checkpoint step_00000004" in printed
 
     out2 = tmp_path / "nan2"
     code = main(_argv(toy, out2, "--max-steps", "8", "--save-every-n-steps", "2", "--keep-checkpoints", "0",
-                      "--debug-nan-steps", "3,4,5", "--max-bad-steps", "3"))
+                      "--debug-nan-steps", "3,4,5", "--max-bad-steps", "3", "--log-every-n-steps", "100"))
     err = capsys.readouterr().err
     assert code == 3 and "3 steps in a row had a NaN/inf loss" in err and "steps 3, 4, 5" in err
-    assert "--resume latest" in err and str(out2 / "checkpoints" / "step_00000004") in err
+    assert "--resume latest" in err and f"the last good checkpoint is {out2 / 'checkpoints' / 'step_00000002'}" in err
     names = sorted(p.name for p in (out2 / "checkpoints").iterdir() if p.is_dir())
-    assert names == ["step_00000002", "step_00000004"]
+    assert names == ["step_00000002"]
     for name in names:  # every checkpoint written before the abort is complete and loadable
         assert json.loads((out2 / "checkpoints" / name / "state.json").read_text())["step"] == int(name[5:])
         load_file(str(out2 / "checkpoints" / name / "model.safetensors"))
+    rows = [r.split(",") for r in (out2 / "log.csv").read_text().splitlines()]
+    assert [int(r[0]) for r in rows[1:]] == [1, 3, 4, 5]  # the last bad step reaches the log before the abort
     assert not (out2 / "model.safetensors").exists()
+
+
+def test_a_run_that_never_has_a_good_checkpoint_says_so(toy, tmp_path, capsys):
+    from train.pretrain import main
+
+    out = tmp_path / "none"
+    code = main(_argv(toy, out, "--max-steps", "6", "--save-every-n-steps", "2", "--debug-nan-steps", "2,3",
+                      "--max-bad-steps", "2"))
+    err = capsys.readouterr().err
+    assert code == 3 and "no checkpoint was written" in err and "--resume" not in err
+    assert not (out / "checkpoints").exists() or not any(p.is_dir() for p in (out / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("flag, value", [("--epochs", "-1"), ("--epochs", "0"), ("--lr", "-1e-3"), ("--batch-size", "0")])
+def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, flag, value):
+    """Issue 14, item 5: --epochs -1 once exited 0 and saved an untrained model."""
+    from train.pretrain import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(_argv(toy, tmp_path / "run", flag, value))
+    assert e.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

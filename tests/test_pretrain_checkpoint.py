@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
+import open_clip
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from extract import tensorfile
+from extract.backbone import _register_configs, load_backbone
 from extract.weights import SIDECAR_FORMAT, checkpoint_sidecar
 from train import pretrain_checkpoint as ck
+from bad_inputs import flip_tensor_bytes as _flip
 
 
 def _model_and_optimizer(seed: int):
@@ -85,3 +91,61 @@ def test_latest_pointer_partial_folders_and_pruning(tmp_path):
     (out / "checkpoints" / "latest").write_text("step_00000099\n")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         ck.find_resume(out, "latest")
+
+
+# --------------------------------------------------------------------------------------------- integrity
+
+
+DAMAGED = "is damaged: its tensor data do not match the digest written when it was saved"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.safetensors"])
+def test_a_damaged_checkpoint_file_is_refused_before_anything_is_restored(tmp_path, name):
+    model, opt, names = _model_and_optimizer(0)
+    _train(model, opt, 2, seed=1)
+    path = ck.save_checkpoint(tmp_path / "ck", "step_00000002", model, opt, names, None, {"step": 2}, {})
+    _flip(path / name, at=4)
+    fresh, fresh_opt, _ = _model_and_optimizer(99)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(tensorfile.DamagedFileError, match=f"{path / name} {DAMAGED}"):
+        ck.load_checkpoint(path, fresh, fresh_opt, names, None)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def _tiny(seed=0):
+    _register_configs()
+    torch.manual_seed(seed)
+    return open_clip.create_model("plugvlm-tiny").eval()
+
+
+def test_pretrained_weights_are_verified_where_the_backbone_loads_them(tmp_path):
+    model = _tiny()
+    path = ck.save_final(tmp_path, model, {"model": "plugvlm-tiny", "quick_gelu": False})
+    bb = load_backbone("tiny", str(path))  # a sound file loads, through open_clip
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in bb.model.state_dict().items())
+    _flip(path, at=1000)
+    with pytest.raises(tensorfile.DamagedFileError, match=f"{path} {DAMAGED}"):
+        load_backbone("tiny", str(path))
+    with torch.no_grad():
+        model.visual.proj[0, 0] = float("nan")
+    path = ck.save_final(tmp_path, model, {"model": "plugvlm-tiny", "quick_gelu": False})
+    with pytest.raises(tensorfile.NonFiniteError, match=f"{path} holds non-finite weights: tensor 'visual.proj'"):
+        load_backbone("tiny", str(path))
+    nan_ckpt = ck.save_checkpoint(tmp_path / "ck", "step_00000001", model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  [n for n, _ in model.named_parameters()], None, {"step": 1}, {})
+    with pytest.raises(tensorfile.NonFiniteError, match="tensor 'visual.proj'"):
+        ck.load_checkpoint(nan_ckpt, _tiny(1), None, [], None)
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
+def test_checkpoint_files_follow_the_umask(tmp_path, umask, mode):
+    model, opt, names = _model_and_optimizer(0)
+    _train(model, opt, 1, seed=0)
+    old = os.umask(umask)
+    try:
+        folder = ck.save_checkpoint(tmp_path / "ck", "step_00000001", model, opt, names, None, {"step": 1}, {})
+        final = ck.save_final(tmp_path, model, {})
+    finally:
+        os.umask(old)
+    files = [*folder.iterdir(), tmp_path / "ck" / ck.LATEST, final, final.with_suffix(".json")]
+    assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(mode) for p in files}

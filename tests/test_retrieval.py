@@ -85,3 +85,76 @@ def test_bad_inputs():
         ranks_from_scores(_fn(np.zeros((2, 2))), 2, torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="at least one"):
         ranks_from_scores(_fn(np.zeros((2, 0))), 2, torch.tensor([], dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------- non-finite scores
+def brute_force_nonfinite(scores: np.ndarray, caption_image) -> tuple[np.ndarray, np.ndarray]:
+    """Per query, from the rule: a non-finite score is the worst, so a non-finite positive ranks behind every
+    other candidate and a non-finite candidate never ranks ahead of a finite positive (ties against the model)."""
+    n_images, n_texts = scores.shape
+
+    def ahead(x, pos):
+        return not np.isfinite(pos) or (np.isfinite(x) and x >= pos)
+
+    t2i = np.array([1 + sum(ahead(scores[j, t], scores[caption_image[t], t]) for j in range(n_images)
+                            if j != caption_image[t]) for t in range(n_texts)])
+    i2t = np.zeros(n_images, dtype=np.int64)
+    for i in range(n_images):
+        mine = [t for t in range(n_texts) if caption_image[t] == i]
+        if mine:
+            finite = [scores[i, t] for t in mine if np.isfinite(scores[i, t])]
+            best = max(finite) if finite else np.nan
+            i2t[i] = 1 + sum(ahead(scores[i, t], best) for t in range(n_texts) if caption_image[t] != i)
+    return t2i, i2t
+
+
+def test_all_nan_scorer_gets_r1_zero_not_100_in_both_directions_chunked_or_whole():
+    cap = [0, 0, 1, 2, 2, 3]
+    nan = np.full((4, 6), np.nan)
+    for max_bytes in (1 << 30, 0):  # the stored matrix and the two streaming passes
+        m = retrieval_metrics(_fn(nan), 4, cap, chunk=4, max_bytes=max_bytes)
+        assert m["text_to_image"]["R@1"] == 0.0 and m["image_to_text"]["R@1"] == 0.0
+        assert m["text_to_image"]["mean_rank"] == 4.0  # last among 4 images
+        assert m["image_to_text"]["n"] == 4  # no image is dropped for having only NaN scores
+        assert m["nonfinite_scores"] == 24 and m["n_scores"] == 24
+
+
+@pytest.mark.parametrize("chunk, max_bytes", [(7, 1 << 30), (7, 0), (1000, 0), (1, 1 << 30)])
+def test_partly_non_finite_scores_rank_last_against_a_per_query_reference(chunk, max_bytes):
+    rng = np.random.default_rng(1)
+    n_img, n_txt = 11, 29
+    cap = rng.integers(0, n_img, n_txt)
+    cap[cap == 4] = 5
+    cap[:3] = 4  # image 4 has exactly three captions; all of them are NaN below
+    s = rng.integers(0, 4, (n_img, n_txt)).astype(np.float32)  # ties too
+    s[rng.random(s.shape) < 0.2] = np.nan
+    s[4, :3] = np.nan
+    s[rng.random(s.shape) < 0.03] = np.inf
+    s[rng.random(s.shape) < 0.03] = -np.inf
+    t2i, i2t = ranks_from_scores(_fn(s), n_img, torch.tensor(cap), chunk=chunk, max_bytes=max_bytes)
+    ref_t, ref_i = brute_force_nonfinite(s, cap)
+    np.testing.assert_array_equal(t2i.numpy(), ref_t)
+    np.testing.assert_array_equal(i2t.numpy(), ref_i)
+    assert i2t[4] == 1 + n_txt - 3  # every caption of another image ranks ahead of image 4's NaN ones
+    m = retrieval_metrics(_fn(s), n_img, cap, chunk=chunk, max_bytes=max_bytes)
+    assert m["nonfinite_scores"] == int((~np.isfinite(s)).sum()) and m["n_scores"] == n_img * n_txt
+    # the whole-matrix library ranks (ComAlign / PowerCLIP fitting) agree
+    from adapters.ranking import image_to_text_ranks, text_to_image_ranks
+
+    st = torch.from_numpy(s)
+    assert text_to_image_ranks(st, torch.tensor(cap)).tolist() == ref_t.tolist()
+    assert image_to_text_ranks(st, torch.tensor(cap)).tolist() == ref_i.tolist()
+
+
+def test_finite_scores_report_zero_non_finite():
+    m = retrieval_metrics(_fn(np.eye(3)), 3, [0, 1, 2])
+    assert m["nonfinite_scores"] == 0 and m["text_to_image"]["R@1"] == 100.0
+
+
+def test_small_split_warning_for_one_image_and_not_for_a_normal_split():
+    one = retrieval_metrics(_fn(np.ones((1, 5))), 1, [0] * 5)
+    assert one["text_to_image"]["R@1"] == 100.0  # true by construction: the warning says so
+    assert "only 1 image" in one["warning"] and "100%" in one["warning"]
+    n = 120
+    normal = retrieval_metrics(_fn(np.eye(n)), n, list(range(n)))
+    assert "warning" not in normal

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import extract.weights as weights
-from extract.backbone import _register_configs, load_backbone
+from extract.backbone import PickledObjectsError, _register_configs, load_backbone, main
 from extract.weights import WeightsNotFoundError, resolve_weights
 
 
@@ -93,8 +93,31 @@ class Evil:  # any non-tensor class: unpickling it would run arbitrary code in a
 def test_pickled_objects_are_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"state_dict": {}, "payload": Evil()}, path)
-    with pytest.raises(Exception, match="weights_only|Unsupported global|WeightsUnpickler"):
+    with pytest.raises(PickledObjectsError, match="Unsupported global: GLOBAL test_weights.Evil"):
         load_backbone("tiny", str(path))
+
+
+def test_a_foreign_pickle_is_explained_with_a_conversion_that_works(tmp_path, capsys):
+    import argparse
+
+    ref = _tiny_reference()
+    path = tmp_path / "run 1" / "epoch_32.pt"  # a training checkpoint with its arguments pickled alongside
+    path.parent.mkdir()
+    torch.save({"epoch": 32, "args": argparse.Namespace(lr=1e-3),
+                "state_dict": {"module." + k: v for k, v in ref.state_dict().items()}}, path)
+    assert main(["--base", "tiny", "--pretrained", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path} is a PyTorch file (torch.save) that holds Python objects besides tensors "
+                          "(torch's tensors-only loader refused it: Unsupported global: GLOBAL argparse.Namespace")
+    assert "will not unpickle it: unpickling can run arbitrary code" in err and "Traceback" not in err
+    snippet = err.split("pasted as they are):\n")[1].split("\nthen pass --pretrained ")[0]
+    assert len(snippet.splitlines()) == 3
+    exec(snippet, {})  # what the user runs where they trust the file
+    converted = path.with_suffix(".safetensors")
+    assert err.rstrip().endswith(f"then pass --pretrained {converted}")
+    bb = load_backbone("tiny", str(converted))
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(bb.encode_images(x).embedding, ref.encode_image(x, normalize=True))
 
 
 def test_wrong_architecture_is_named(tmp_path):

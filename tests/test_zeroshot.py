@@ -35,6 +35,24 @@ def test_topk_ties_count_against_the_model():
     assert acc["mean_per_class_top1"] == pytest.approx((0 + 100 + 0) / 3)
 
 
+def test_topk_non_finite_scores_rank_last_and_are_counted():
+    nan, inf = float("nan"), float("inf")
+    scores = torch.tensor([[nan, 0., 1.], [2., nan, 1.], [inf, 0., 1.], [nan, nan, nan]])
+    labels = torch.tensor([0, 0, 0, 1])
+    acc = topk_accuracy(scores, labels, ks=(1, 2))
+    # row 0: NaN true class -> last (3); row 1: a NaN rival does not beat 2. -> 1; row 2: +inf is not finite
+    # -> last; row 3: all NaN -> last. An all-NaN model would get top-1 = 100 if NaN compared as "not >= x".
+    assert acc["top1"] == 25.0 and acc["top2"] == 25.0
+    assert acc["nonfinite_scores"] == 6 and acc["n_scores"] == 12
+    assert topk_accuracy(torch.full((4, 3), nan), labels, ks=(1,))["top1"] == 0.0
+    assert topk_accuracy(torch.eye(3), torch.arange(3), ks=(1,))["nonfinite_scores"] == 0
+
+
+def test_topk_warns_when_k_covers_every_class():
+    assert "top2 is 100%" in topk_accuracy(torch.randn(4, 2), torch.tensor([0, 1, 0, 1]), ks=(1, 2))["warning"]
+    assert "warning" not in topk_accuracy(torch.randn(4, 3), torch.tensor([0, 1, 2, 1]), ks=(1, 2))
+
+
 def test_ensemble_is_clips_normalised_mean_and_fallback_averages_scores():
     class Bb:  # a backbone stand-in for BackboneScorer.ensemble
         preprocess = None

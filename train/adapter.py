@@ -72,7 +72,9 @@ from adapters.checkpoint import load_training_state, read_meta, save_adapter, sa
     save_training_state
 from adapters.registry import ADAPTERS
 from adapters.scoring import cat_reps
-from extract.config import parse_with_config, save_config
+from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,
+                            positive_int, save_config)
+from extract.tensorfile import first_nonfinite
 from train.adapter_data import (cache_config, caption_rows_of, check_cache, epoch_batches, extraction_argv,
                                 is_toyworld, obtain_cache, split_images)
 from train.adapter_eval import CachedBase, HeldOut, attach_toyworld_negatives, encode_heldout, evaluate_heldout, \
@@ -113,7 +115,7 @@ def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.Argument
     d.add_argument("--data", default=None, help="training data: toy-world folder, CSV/TSV, COCO JSON, .tar shards")
     d.add_argument("--val-data", default=None, help="held-out data (default: the toy world's val split, else "
                                                     "--val-fraction of the training images)")
-    d.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of training images without "
+    d.add_argument("--val-fraction", type=fraction, default=0.05, help="held-out share of training images without "
                                                                     "--val-data (their captions are held out too)")
     d.add_argument("--test-data", default=None, help="data for the final table (default: the toy world's test split, "
                                                      "else --val-data)")
@@ -124,30 +126,30 @@ def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.Argument
     d.add_argument("--cache", default=None, help="train from this finished cache (checked against --base and --method)")
     d.add_argument("--components", default="", help="extract these components too (comma list), so one cache serves "
                                                     "several methods")
-    d.add_argument("--workers", type=int, default=None, help="extraction: image decoding processes")
-    d.add_argument("--extract-batch-size", type=int, default=128, help="extraction: backbone batch size")
+    d.add_argument("--workers", type=nonnegative_int, default=None, help="extraction: image decoding processes")
+    d.add_argument("--extract-batch-size", type=positive_int, default=128, help="extraction: backbone batch size")
     d.add_argument("--extract-precision", default="fp32", choices=["fp32", "fp16", "bf16"],
                    help="extraction: backbone precision")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=int, default=10)
-    o.add_argument("--batch-size", type=int, default=None,
+    o.add_argument("--epochs", type=positive_int, default=10, help="passes over the training captions")
+    o.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"contrastive batch per process (the global batch is this x processes); default "
                         f"{DEFAULT_BATCH_SIZE}, with --unfreeze the head class's unfreeze_batch_size (a global batch) "
                         "divided by the number of processes")
-    o.add_argument("--accum-steps", type=int, default=1, help="split each batch into this many micro-batches "
+    o.add_argument("--accum-steps", type=positive_int, default=1, help="split each batch into this many micro-batches "
                                                               "(same gradient, less memory)")
-    o.add_argument("--lr", type=float, default=None,
+    o.add_argument("--lr", type=positive_float, default=None,
                    help=f"head learning rate (default: the head class's head_lr, else {DEFAULT_LR:g})")
-    o.add_argument("--weight-decay", type=float, default=0.1)
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.98)
-    o.add_argument("--eps", type=float, default=1e-6)
+    o.add_argument("--weight-decay", type=nonnegative_float, default=0.1)
+    o.add_argument("--beta1", type=fraction, default=0.9)
+    o.add_argument("--beta2", type=fraction, default=0.98)
+    o.add_argument("--eps", type=positive_float, default=1e-6)
     o.add_argument("--schedule", default="cosine", choices=["cosine", "step", "constant"],
                    help="cosine: linear warm-up then cosine to 0; step: StepLR (the ComAlign paper's)")
-    o.add_argument("--warmup", type=int, default=100, help="warm-up steps (cosine; at most a tenth of the run)")
-    o.add_argument("--step-epochs", type=int, default=5, help="StepLR: epochs between decays")
-    o.add_argument("--gamma", type=float, default=0.1, help="StepLR: decay factor")
-    o.add_argument("--grad-clip", type=float, default=0.0, help="clip the gradient norm (0: off)")
+    o.add_argument("--warmup", type=nonnegative_int, default=100, help="warm-up steps (cosine; at most a tenth of the run)")
+    o.add_argument("--step-epochs", type=positive_int, default=5, help="StepLR: epochs between decays")
+    o.add_argument("--gamma", type=positive_float, default=0.1, help="StepLR: decay factor")
+    o.add_argument("--grad-clip", type=nonnegative_float, default=0.0, help="clip the gradient norm (0: off)")
     o.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast for the head")
     o.add_argument("--seed", type=int, default=0)
     o.add_argument("--device", default=None, help="default: accelerate's device (cuda if present, else cpu)")
@@ -155,21 +157,21 @@ def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.Argument
     u.add_argument("--unfreeze", action="store_true",
                    help="train the backbone with the head, from raw images and captions (heads whose class sets "
                         "supports_unfreeze)")
-    u.add_argument("--backbone-lr", type=float, default=None,
+    u.add_argument("--backbone-lr", type=positive_float, default=None,
                    help="backbone learning rate (default: the head class's backbone_lr)")
-    u.add_argument("--context-length", type=int, default=None,
+    u.add_argument("--context-length", type=positive_int, default=None,
                    help="stretch the text context to this many tokens first (Long-CLIP; 248 in SmartCLIP; the "
                         "first 20 positions stay fixed)")
     r = p.add_argument_group("run")
     r.add_argument("--out", default=None, help="run folder: checkpoints, logs, evaluation")
     r.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from OUT/checkpoints/last.safetensors (or the given training-state file)")
-    r.add_argument("--save-every", type=int, default=0, help="also save the training state every N steps (0: epoch "
+    r.add_argument("--save-every", type=nonnegative_int, default=0, help="also save the training state every N steps (0: epoch "
                                                              "ends only)")
-    r.add_argument("--stop-after-steps", type=int, default=0,
+    r.add_argument("--stop-after-steps", type=nonnegative_int, default=0,
                    help="save and stop after this many steps in total (time-boxed jobs; continue with --resume)")
-    r.add_argument("--max-bad-steps", type=int, default=10, help="abort after this many non-finite steps in a row")
-    r.add_argument("--eval-batch-size", type=int, default=1024)
+    r.add_argument("--max-bad-steps", type=positive_int, default=10, help="abort after this many non-finite steps in a row")
+    r.add_argument("--eval-batch-size", type=positive_int, default=1024)
     r.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
                    help="write the frozen base vs base + adapter table on the test split")
     r.add_argument("--eval-tasks", default="retrieval,compositional", help="train.evaluate tasks of the final table")
@@ -212,8 +214,12 @@ def _method_name(argv: Sequence[str] | None) -> str | None:
     if known.method is None and known.config and Path(known.config).is_file():
         import yaml
 
-        values = yaml.safe_load(Path(known.config).read_text()) or {}
-        return values.get("method") if isinstance(values, dict) else None
+        try:
+            values = yaml.safe_load(Path(known.config).read_text()) or {}
+        except (yaml.YAMLError, OSError, UnicodeDecodeError):
+            return None  # parse_with_config reports what is wrong with the file
+        method = values.get("method") if isinstance(values, dict) else None
+        return method if isinstance(method, str) else None
     return known.method
 
 
@@ -240,6 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.batch_size = max(2, per_run // world) if per_run else DEFAULT_BATCH_SIZE
     if args.batch_size < 2 or args.batch_size % args.accum_steps:
         p.error("--batch-size must be >= 2 and a multiple of --accum-steps")
+    if not args.val_data and not 0 < args.val_fraction < 1:
+        p.error(f"--val-fraction must be in (0, 1) without --val-data, got {args.val_fraction:g}")
     args.head_config = {f: getattr(args, d) for f, d in p.head_dests.items() if getattr(args, d, None) is not None}
     args.extract_options = {**head_cls.extract_options,
                             **{a.dest: getattr(args, a.dest) for a in _extract_actions() if getattr(args, a.dest, None) is not None}}
@@ -344,6 +352,11 @@ def final_table_data(args) -> list[str]:
         test_argv += ["--benchmark", b]
     if test_argv and args.image_root:
         test_argv += ["--image-root", args.image_root]
+    if test_argv:
+        from extract.source_args import FLAGS, source_flags
+
+        for dest, value in source_flags(args).items():  # the test table is read like the training one
+            test_argv += [FLAGS[dest], str(value)]
     return test_argv
 
 
@@ -611,10 +624,6 @@ def _summary_line(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k.replace('retrieval ', '')} {metrics[k]:.2f}" for k in keys)
 
 
-def _params_finite(head) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in head.parameters())
-
-
 def train(args) -> dict:
     """The whole run (module docstring). Returns a summary: paths, final metrics, steps, skipped steps."""
     from accelerate import Accelerator
@@ -633,6 +642,7 @@ def train(args) -> dict:
 
     # 1. the backbone first: absent weights fail in about a second, before any data is read or extracted
     backbone = load_backbone(args.base, args.pretrained, device=device, precision=args.extract_precision)
+    check_batch_fits(args, world)  # from the data's index: minutes of extraction must not end in "lower --batch-size"
     base_info = _describe_base(args, backbone)  # the original weights, before any fine-tuning
     # 2. caches (built or reused) and splits; with --unfreeze the raw source's splits (train.adapter_live)
     live = base_val = None
@@ -729,9 +739,11 @@ def train(args) -> dict:
     def save_state(epoch: int, batch: int) -> bool:
         """Training state at (epoch, next batch); refused (False) during a run of skipped steps or when the weights
         are not finite, so the file on disk stays the last good state."""
-        if bad_in_a_row or not _params_finite(model):
-            say(f"warning: not saving at step {step}: {bad_in_a_row} step(s) in a row skipped as non-finite; "
-                f"{state_path} keeps the last good state")
+        if bad_in_a_row or first_nonfinite(dict(model.named_parameters())) is not None:
+            why = (f"{bad_in_a_row} step(s) in a row skipped as non-finite" if bad_in_a_row else "the weights are not finite")
+            kept = (f"{state_path} keeps the last good state" if state_path.is_file() else
+                    "no good state has been saved yet")
+            say(f"warning: not saving at step {step}: {why}; {kept}")
             return False
         if is_main:
             save_training_state(state_path, head, optimizer, scheduler, scaler, {
@@ -805,7 +817,7 @@ def train(args) -> dict:
         start_batch = 0
         if is_main:
             if live is not None:  # the held-out split through the backbone as it is now
-                val = live.heldout(args.extract_batch_size, _workers(args))
+                val = live.heldout(args.extract_batch_size, _workers(args)).keep_warnings_of(val)
             metrics = _flat_metrics(evaluate_heldout(head, val, device, args.eval_batch_size))
             history.append({"epoch": epoch + 1, "step": step, "model": args.method, **metrics})
             logs.scalars("val", metrics, step)
@@ -851,6 +863,31 @@ def train(args) -> dict:
     return summary
 
 
+def check_batch_fits(args, world: int) -> None:
+    """Raise ValueError when the global batch cannot be filled from the training images the data lists: a batch
+    holds each image once, so it needs at least as many training images. Counted from the source's index before
+    any extraction; the exact count after decoding (or of a given --cache) is checked again later."""
+    from extract.source_args import source_options
+    from train.adapter_data import listed_images
+
+    if args.cache:  # nothing expensive precedes the exact check a given cache gets in train()
+        return
+    options = {**source_options(args),
+               **({"image_root": args.image_root} if args.image_root and not is_toyworld(args.data) else {})}
+    n = listed_images(args.data, "train" if is_toyworld(args.data) else None, **options)
+    if n is None:
+        return
+    held_out = 0
+    if not args.val_data and not is_toyworld(args.data):  # --val-fraction of these images is held out
+        held_out = max(1, int(round(n * args.val_fraction)))
+    global_batch = args.batch_size * world
+    if global_batch > n - held_out:
+        raise ValueError(f"the global batch ({global_batch}) exceeds the {n - held_out} training images of "
+                         f"{args.data}" + (f" ({n} listed, {held_out} held out by --val-fraction)"
+                                                         if held_out else "")
+                         + ": a batch holds each image at most once; lower --batch-size (checked before extraction)")
+
+
 def _workers(args) -> int:
     return args.workers if args.workers is not None else _default_workers()
 
@@ -886,11 +923,11 @@ def _save_rank_rng(state_path: Path, rank: int) -> None:
 
 
 def load_rng_for_rank(state_path: Path, rank: int) -> torch.Tensor:
-    from safetensors.torch import load_file
+    from adapters.checkpoint import read_tensors  # verified against the digest save_atomic wrote
 
     path = Path(state_path).with_name(f"rng-rank{rank}.safetensors")
     if path.is_file():
-        return load_file(str(path))["torch"]
+        return read_tensors(path)["torch"]
     return torch.get_rng_state()
 
 

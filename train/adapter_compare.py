@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from adapters.registry import ADAPTERS
-from extract.config import parse_with_config, save_config
+from extract.config import nonnegative_int, parse_with_config, positive_int, save_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -39,16 +39,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="all", help=f"comma list from {', '.join(ADAPTERS.names())}, or all")
     p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
     p.add_argument("--pretrained", default=None, help="tag, checkpoint path or 'none'")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--epochs", type=positive_int, default=10, help="training epochs of every adapter")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="contrastive batch of every adapter")
     p.add_argument("--val-data", default=None, help="held-out data (see python -m train.adapter)")
     p.add_argument("--test-data", default=None, help="data of the table (default: the toy world's test split)")
     p.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH", help="benchmarks of the table")
     p.add_argument("--cache-dir", default=None, help="shared feature caches (default: OUT/cache)")
     p.add_argument("--eval-tasks", default="retrieval,compositional", help="train.evaluate tasks of the table")
     p.add_argument("--device", default=None)
-    p.add_argument("--workers", type=int, default=None, help="extraction: image decoding processes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=nonnegative_int, default=None, help="extraction: image decoding processes")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="training seed")
     args = parse_with_config(p, argv)
     if not args.data:
         p.error("--data is required")

@@ -33,6 +33,17 @@ def is_toyworld(spec) -> bool:
     return path.is_dir() and (path / "meta.json").is_file() and (path / "annotations.json").is_file()
 
 
+def listed_images(spec, split: str | None = None, **options) -> int | None:
+    """How many images a data source lists, read from its index without decoding or encoding anything
+    (toy world, CSV/TSV, COCO JSON); None for a streaming source (webdataset), which only extraction counts.
+    Lets a run refuse settings the data cannot satisfy (a batch larger than the training set) before the
+    extraction, not after it. Images that fail to decode later only lower the count."""
+    from extract.data import IndexedSource, open_source
+
+    source = open_source(spec, **({"split": split} if split else {}), **options)
+    return len(source.records()) if isinstance(source, IndexedSource) else None
+
+
 # --------------------------------------------------------------------------------------------- caches
 def extraction_argv(data, out, *, base: str, pretrained: str | None, components: Sequence[str], split: str | None,
                     options: dict, device: str | None, batch_size: int, workers: int, precision: str) -> list[str]:

@@ -38,6 +38,15 @@ class HeldOut:
     name: str = "val"
     negatives: list[tuple[int, int, int, str]] = field(default_factory=list)
     text_arrays: dict[str, np.ndarray] | None = None
+    # warning lines already printed for this split: :func:`evaluate_heldout` runs every epoch, a warning once
+    warned: set[str] = field(default_factory=set)
+
+    def keep_warnings_of(self, previous: HeldOut | None) -> HeldOut:
+        """Share the printed warnings of ``previous``, an earlier encoding of the same split (``--unfreeze``
+        re-encodes the held-out images every epoch), so they are not printed again. Returns self."""
+        if previous is not None:
+            self.warned = previous.warned
+        return self
 
     @property
     def caption_image(self) -> torch.Tensor:
@@ -93,6 +102,7 @@ def _concat_padded(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 class CachedBase:
     """The frozen backbone as a 'head' over cached arrays: cosine of the global embeddings (CLIP)."""
 
+    name = "frozen base"
     image_keys = ("image_embed",)
     text_keys = ("text_embed",)
     directional = False
@@ -129,8 +139,13 @@ def encode_heldout(head, heldout: HeldOut, device, batch_size: int = 1024):
 @torch.no_grad()
 def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, reps=None) -> dict:
     """Retrieval (+ hard negatives when attached) of ``head`` on ``heldout``, in train.evaluate's layout.
-    ``reps``: already computed (image reps, caption reps)."""
-    from train.evaluate import item_correct, retrieval_from_reps
+    ``reps``: already computed (image reps, caption reps).
+
+    Prints train.evaluate's warning lines (non-finite scores naming the head, a split too small for its
+    metrics) that ``heldout.warned`` does not hold yet, and adds them there: the training loop evaluates the
+    same split every epoch and sees each warning once."""
+    from adapters.ranking import rank_safe
+    from train.evaluate import item_correct, result_warnings, retrieval_from_reps
 
     was_training = getattr(head, "training", False)
     if hasattr(head, "eval"):
@@ -145,18 +160,25 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
             for item in heldout.negatives:
                 by_image[item[0]].append(item)
             per_type: dict[str, list[bool]] = defaultdict(list)
+            n_bad = n_scores = 0
             for image_pos, items in by_image.items():
                 cols = sorted({c for it in items for c in it[1:3]})
                 col = {c: k for k, c in enumerate(cols)}
                 img, txt = take_reps(image_reps, [image_pos]), take_reps(neg_reps, cols)
                 s = head.score_directed(img, txt, "i2t") if head.directional else head.score(img, txt)
+                n_bad, n_scores = n_bad + rank_safe(s)[1], n_scores + s.numel()
                 for _, pos, neg, subtype in items:
                     ok = item_correct("text", s[:, [col[pos], col[neg]]])["acc"]
                     per_type[subtype].append(ok)
                     per_type["all"].append(ok)
             table = {sub: {"acc": 100 * float(np.mean(v)), "n": len(v)}
                      for sub, v in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
-            out["compositional"] = {"toyworld": {"kind": "text", "per_type": table, "excluded": 0}}
+            out["compositional"] = {"toyworld": {"kind": "text", "per_type": table, "excluded": 0,
+                                                 "nonfinite_scores": n_bad, "n_scores": n_scores}}
+        for line in result_warnings(getattr(head, "name", type(head).__name__), out):
+            if line not in heldout.warned:
+                print(f"{line} (held-out {heldout.name})")
+                heldout.warned.add(line)
         return out
     finally:
         if was_training:

@@ -22,27 +22,27 @@ from typing import Sequence
 
 from adapters.registry import ADAPTERS
 from extract import toyworld
-from extract.config import parse_with_config, save_config
+from extract.config import nonnegative_int, parse_with_config, positive_int, save_config
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output directory")
-    p.add_argument("--n", type=int, default=2000, help="toy-world scenes to generate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=positive_int, default=2000, help="toy-world scenes to generate")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the toy world, pre-training and adapters")
     p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
     p.add_argument("--pretrained", default=None,
                    help="weights of --base (tag, file or 'none'); default for the tiny base: pre-train it on the "
                         "toy world first; for other bases: the alias's default weights")
-    p.add_argument("--pretrain-epochs", type=int, default=10, help="epochs of CLIP pre-training of the tiny base")
-    p.add_argument("--pretrain-batch-size", type=int, default=64)
+    p.add_argument("--pretrain-epochs", type=positive_int, default=10, help="epochs of CLIP pre-training of the tiny base")
+    p.add_argument("--pretrain-batch-size", type=positive_int, default=64, help="pre-training batch")
     p.add_argument("--methods", default="all", help=f"adapters to train: comma list from "
                                                     f"{', '.join(ADAPTERS.names())}, or all")
-    p.add_argument("--epochs", type=int, default=5, help="adapter training epochs")
-    p.add_argument("--batch-size", type=int, default=128, help="adapter training batch")
+    p.add_argument("--epochs", type=positive_int, default=5, help="adapter training epochs")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="adapter training batch")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    p.add_argument("--workers", type=int, default=2, help="data-loading worker processes")
+    p.add_argument("--workers", type=nonnegative_int, default=2, help="data-loading worker processes")
     return parse_with_config(p, argv)
 
 

@@ -24,14 +24,16 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from adapters.ranking import positive_ranks, rank_safe
 from adapters.scoring import cat_reps, load_scorer, num_items, take_reps
-from extract.config import parse_with_config, save_config
+from extract.config import fraction, nonnegative_int, parse_with_config, positive_int, save_config
+from extract.source_args import add_source_args
 from extract.images import BadImage, decode_image
 from train.retrieval import retrieval_metrics
 from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
@@ -61,17 +63,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="prompt templates for real data (the toy world uses its own caption style)")
     p.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH",
                    help="a compositional benchmark file / folder (repeatable)")
-    p.add_argument("--image-root", default=None, help="images of the --benchmark files")
+    p.add_argument("--image-root", default=None,
+                   help="folder relative image paths start from (--retrieval-data CSV/COCO and --benchmark files)")
     p.add_argument("--probe-data", default=None, help="classification set for the linear probe")
-    p.add_argument("--probe-test", type=float, default=0.3, help="held-out fraction of --probe-data")
+    p.add_argument("--probe-test", type=fraction, default=0.3, help="held-out fraction of --probe-data")
     p.add_argument("--annotations", default=None,
                    help="boxes for adapters trained on ground-truth boxes: objects.json or a toy-world folder "
                         "(default: --data when it is a toy world)")
     p.add_argument("--detector", default=None, help="YOLO weights: detect boxes for adapters instead of annotations")
     p.add_argument("--out", default="runs/eval", help="report folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=128, help="images / captions encoded at once")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the --probe-data split and the probe")
+    add_source_args(p)
     args = parse_with_config(p, argv)
     args.model = args.model or ["tiny"]
     args.pretrained = list(args.pretrained or [])
@@ -118,6 +122,7 @@ def load_tasks(args) -> dict:
                                 "with python -m extract.toyworld --out DIR")
     if "retrieval" in args.tasks:
         from extract.data import open_source
+        from extract.source_args import source_options
 
         spec = args.retrieval_data or (world if world else None)
         if args.cache:
@@ -125,8 +130,9 @@ def load_tasks(args) -> dict:
 
             tasks["retrieval"] = FeatureCache.open(args.cache)
         elif spec is not None:
-            opts = {"split": args.split} if (world and spec == world) else {}
-            tasks["retrieval"] = open_source(spec, **opts)
+            opts = {"split": args.split} if (world and spec == world) else (
+                {"image_root": args.image_root} if args.image_root else {})
+            tasks["retrieval"] = open_source(spec, **opts, **source_options(args))
     if "zeroshot" in args.tasks:
         if args.zeroshot_data:
             tasks["zeroshot"] = (read_classification(args.zeroshot_data, args.labels),
@@ -182,6 +188,15 @@ def encode_image_files(scorer, items: Sequence[tuple[str, object]], batch_size: 
     Scorers with ``encode_pil`` (adapters whose components are cropped or detected on the original image) get
     the decoded images and their ids (the path; a cropped item's id names the crop, so annotated boxes of the
     whole image are not applied to it)."""
+    loaders = ((path if crop is None else f"{path}#crop={','.join(map(str, crop))}",
+                lambda path=path, crop=crop: _load(path, crop)) for path, crop in items)
+    return encode_loaded(scorer, loaders, batch_size, desc, total=len(items))
+
+
+@torch.no_grad()
+def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int, desc: str, total: int | None = None):
+    """:func:`encode_image_files` over ``(id, load)`` pairs, ``load()`` giving a PIL image or raising BadImage /
+    OSError (skipped, with the reason): files, records of a data source, or samples a stream already decoded."""
     pil = hasattr(scorer, "encode_pil")
     parts, kept, skipped, batch = [], [], [], []
 
@@ -192,11 +207,10 @@ def encode_image_files(scorer, items: Sequence[tuple[str, object]], batch_size: 
             parts.append(scorer.encode_images(torch.stack(batch)))
         batch.clear()
 
-    for k, (path, crop) in enumerate(tqdm(items, desc=desc, unit="img", leave=False)):
+    for k, (item_id, load) in enumerate(tqdm(items, desc=desc, unit="img", leave=False, total=total)):
         try:
-            image = _load(path, crop)
-            batch.append((image, path if crop is None else f"{path}#crop={','.join(map(str, crop))}") if pil
-                         else scorer.preprocess(image))
+            image = load()
+            batch.append((image, item_id) if pil else scorer.preprocess(image))
             kept.append(k)
         except (BadImage, OSError) as e:
             skipped.append((k, f"{type(e).__name__}: {e}"))
@@ -242,25 +256,44 @@ def run_retrieval_cached(scorer, cache) -> dict:
 
 
 def run_retrieval(scorer, source, batch_size: int) -> dict:
+    """Retrieval over a data source: an indexed one (CSV/COCO/toy world) is decoded record by record with the
+    source's own decoding options; a stream (webdataset) is encoded as it is read, never held in memory. Images
+    the source cannot decode are skipped and counted (``skipped_images``), their captions with them."""
     if hasattr(source, "gather"):  # a FeatureCache
         return run_retrieval_cached(scorer, source)
-    records = source.records()
-    image_reps, kept, skipped = encode_image_files(scorer, [(r.source, None) for r in records], batch_size,
-                                                   "retrieval images")
+    captions_of: list = []
+    if hasattr(source, "records"):
+        records = source.records()
+        captions_of = [r.captions for r in records]
+        items = [(r.source, lambda r=r: source.load(r).image) for r in records]
+        total = len(items)
+    else:
+        def stream():  # the source decodes and reports its own skips; what it yields is good
+            for sample in source:
+                captions_of.append(sample.captions)
+                yield sample.image_id, (lambda image=sample.image: image)
+
+        items, total = stream(), None
+    image_reps, kept, skipped = encode_loaded(scorer, items, batch_size, "retrieval images", total=total)
+    if not kept:
+        raise ValueError(f"retrieval data {getattr(source, 'name', source)}: no readable image "
+                         f"({len(skipped) + len(source.report.skips)} skipped); check it with python -m extract.check_data")
     texts, caption_image = [], []
     for row, k in enumerate(kept):
-        for c in records[k].captions:
+        for c in captions_of[k]:
             texts.append(c.text)
             caption_image.append(row)
     text_reps = encode_texts(scorer, texts, batch_size)
     out = retrieval_from_reps(scorer, image_reps, text_reps, torch.tensor(caption_image))
-    out.update(images=len(kept), captions=len(texts), skipped_images=len(skipped))
+    out.update(images=len(kept), captions=len(texts),
+               skipped_images=len(skipped) + sum(1 for x in source.report.skips if x.kind == "image"))
     return out
 
 
 def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tensor) -> dict:
     """retrieval_metrics on encoded images and captions; a directional scorer ranks each direction with its own
-    score matrix (text->image ranks from "t2i" scores, image->text ranks from "i2t")."""
+    score matrix (text->image ranks from "t2i" scores, image->text ranks from "i2t"; ``nonfinite_scores`` and
+    ``n_scores`` then add up both matrices)."""
     n_images = num_items(image_reps)
 
     def metrics(score):
@@ -269,8 +302,13 @@ def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tens
     if not getattr(scorer, "directional", False):
         return metrics(scorer.score)
     t2i, i2t = metrics(directed_scorer(scorer, "t2i")), metrics(directed_scorer(scorer, "i2t"))
-    return {"text_to_image": t2i["text_to_image"], "image_to_text": i2t["image_to_text"],
-            "images_without_captions": t2i["images_without_captions"]}
+    out = {"text_to_image": t2i["text_to_image"], "image_to_text": i2t["image_to_text"],
+           "images_without_captions": t2i["images_without_captions"],
+           "nonfinite_scores": t2i["nonfinite_scores"] + i2t["nonfinite_scores"],
+           "n_scores": t2i["n_scores"] + i2t["n_scores"]}
+    if "warning" in t2i:  # the split's, the same for both directions
+        out["warning"] = t2i["warning"]
+    return out
 
 
 def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) -> dict:
@@ -287,18 +325,24 @@ def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) ->
 
 
 def item_correct(kind: str, s: torch.Tensor, s_t2i: torch.Tensor | None = None) -> dict[str, bool]:
-    """Correctness of one item from its score matrix s [n_images, n_texts]; ties count as wrong.
+    """Correctness of one item from its score matrix s [n_images, n_texts]: the true candidate must rank first
+    (``adapters.ranking.positive_ranks``), so a tie is wrong and a non-finite true score is wrong; a
+    non-finite wrong candidate never beats a finite true one.
 
     ``s_t2i`` (directional scorers): the text->image matrix, used where texts choose between images ("image"
     items, Winoground's image score); ``s`` is then the image->text matrix."""
     s_t2i = s if s_t2i is None else s_t2i
+
+    def first(scores, positive, dim) -> bool:
+        return bool((positive_ranks(scores, torch.as_tensor(positive), dim)[0] == 1).all())
+
     if kind == "text":  # one image, text 0 true
-        return {"acc": bool(s[0, 0] > s[0, 1:].max())}
+        return {"acc": first(s[:1], [0], 1)}
     if kind == "image":  # one text, image 0 true
-        return {"acc": bool(s_t2i[0, 0] > s_t2i[1:, 0].max())}
+        return {"acc": first(s_t2i[:, :1], [0], 0)}
     if kind == "group":  # Winoground (Thrush et al. 2022, sec. 3.3): c_k matches i_k
-        text = bool(s[0, 0] > s[0, 1] and s[1, 1] > s[1, 0])
-        image = bool(s_t2i[0, 0] > s_t2i[1, 0] and s_t2i[1, 1] > s_t2i[0, 1])
+        text = first(s[:2, :2], [0, 1], 1)  # each image prefers its caption
+        image = first(s_t2i[:2, :2], [0, 1], 0)  # each caption prefers its image
         return {"text": text, "image": image, "group": text and image}
     raise ValueError(f"unknown benchmark kind {kind!r}")
 
@@ -314,7 +358,7 @@ def run_compositional(scorer, bench, batch_size: int) -> dict:
     text_index = {t: k for k, t in enumerate(texts)}
     text_reps = encode_texts(scorer, texts, batch_size)
     per_type: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
-    unreadable = 0
+    unreadable = n_bad = n_scores = 0
     for item in bench.items:
         rows = [row_of.get(ref_index[(p, item.crop)]) for p in item.images]
         cols = [text_index[t] for t in item.texts]
@@ -323,20 +367,29 @@ def run_compositional(scorer, bench, batch_size: int) -> dict:
             continue
         img, txt = take_reps(image_reps, rows), take_reps(text_reps, cols)
         if getattr(scorer, "directional", False):
-            ok_by = item_correct(bench.kind, scorer.score_directed(img, txt, "i2t"), scorer.score_directed(img, txt, "t2i"))
+            matrices = (scorer.score_directed(img, txt, "i2t"), scorer.score_directed(img, txt, "t2i"))
         else:
-            ok_by = item_correct(bench.kind, scorer.score(img, txt))
+            matrices = (scorer.score(img, txt),)
+        ok_by = item_correct(bench.kind, *matrices)
+        n_bad += sum(rank_safe(m)[1] for m in matrices)  # item_correct ranks them last; counted for the report
+        n_scores += sum(m.numel() for m in matrices)
         for metric, ok in ok_by.items():
             per_type[item.subtype][metric].append(ok)
             per_type["all"][metric].append(ok)
     table = {sub: {m: 100 * float(np.mean(v)) for m, v in ms.items()} | {"n": len(next(iter(ms.values())))}
              for sub, ms in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
     return {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
-            "excluded_items": bench.skipped[:50]}
+            "excluded_items": bench.skipped[:50], "nonfinite_scores": n_bad, "n_scores": n_scores}
 
 
 def run_linear_probe(scorer, train_set: ClassificationSet, test_set: ClassificationSet, batch_size: int,
                      seed: int) -> dict:
+    """The linear probe of the scorer's global image embeddings (train set -> test set).
+
+    Non-finite embeddings (NaN / inf in any train or test row) cannot be fitted on, and dropping them would
+    probe a different set of images: the probe is then *skipped* for this model, an entry naming the model and
+    counting the rows (``nonfinite_embeddings``), which :func:`evaluate` prints as a warning; the other tasks
+    and models still run."""
     from train.linear_probe import linear_probe
 
     if not getattr(scorer, "has_global_embedding", True):  # e.g. adapters: sets of components, not one vector
@@ -349,6 +402,11 @@ def run_linear_probe(scorer, train_set: ClassificationSet, test_set: Classificat
             raise ValueError(f"{scorer.name}: the linear probe needs a global image embedding ('embed')")
         feats.append((x.cpu(), [data.classes[data.labels[k]] for k in kept]))
     (tx, ty), (vx, vy) = feats
+    bad = int((~torch.isfinite(tx)).any(1).sum() + (~torch.isfinite(vx)).any(1).sum())
+    if bad:
+        return {"skipped": f"{scorer.name} gave {bad} non-finite image embedding(s) (of {len(tx) + len(vx)}); "
+                           "a linear probe cannot be fitted on them", "nonfinite_embeddings": bad,
+                "train": len(ty), "test": len(vy)}
     known = set(ty)
     keep = [k for k, y in enumerate(vy) if y in known]  # a class absent from train cannot be predicted
     if not keep or len(set(ty)) < 2:
@@ -360,6 +418,29 @@ def run_linear_probe(scorer, train_set: ClassificationSet, test_set: Classificat
 
 
 # --------------------------------------------------------------------------------------------- reports
+def result_warnings(model: str, results: dict) -> list[str]:
+    """One "warning: ..." line per task of one model's results whose numbers need a caveat: non-finite scores
+    (counted and ranked last, naming the model), a linear probe skipped for non-finite embeddings, and a split
+    too small for its metrics (the split's warning, the same for every model)."""
+    lines = []
+    for task, label in (("retrieval", "retrieval"), ("zeroshot", "zero-shot")):
+        r = results.get(task) or {}
+        if r.get("nonfinite_scores"):
+            lines.append(f"warning: {model} gave {r['nonfinite_scores']} non-finite {label} scores "
+                         f"(of {r['n_scores']}); they rank last")
+        if r.get("warning"):
+            lines.append(f"warning: {label}: {r['warning']}")
+    comp = {name: c for name, c in (results.get("compositional") or {}).items() if c.get("nonfinite_scores")}
+    if comp:
+        lines.append(f"warning: {model} gave {sum(c['nonfinite_scores'] for c in comp.values())} non-finite "
+                     f"compositional scores (of {sum(c['n_scores'] for c in comp.values())} in "
+                     f"{', '.join(comp)}); they rank last")
+    probe = results.get("linear_probe") or {}
+    if probe.get("nonfinite_embeddings"):
+        lines.append(f"warning: linear probe skipped: {probe['skipped']}")
+    return lines
+
+
 def headline(results: dict) -> dict[str, float]:
     """The numbers a table shows for one model: flat {metric: value}."""
     flat = {}
@@ -434,6 +515,7 @@ def evaluate(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     all_results: dict[str, dict] = {}
+    printed: set[str] = set()
     for model, pretrained in zip(args.model, args.pretrained):
         started = time.perf_counter()
         scorer = load_scorer(model, pretrained, device=args.device, detector=args.detector,
@@ -449,6 +531,11 @@ def evaluate(args) -> dict:
         if "linear_probe" in tasks:
             res["linear_probe"] = run_linear_probe(scorer, *tasks["linear_probe"], args.batch_size, args.seed)
         res["seconds"] = time.perf_counter() - started
+        res["warnings"] = result_warnings(scorer.name, res)
+        for line in res["warnings"]:
+            if line not in printed:  # a split's warning once, not once per model
+                print(line)
+                printed.add(line)
         label = scorer.name
         while label in all_results:
             label += "'"
@@ -456,7 +543,9 @@ def evaluate(args) -> dict:
     config = {k: v for k, v in vars(args).items()}
     report = {"config": config, "results": all_results}
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "results.md").write_text(markdown(all_results))
+    notes = list(dict.fromkeys(line for r in all_results.values() for line in r["warnings"]))
+    (out / "results.md").write_text(markdown(all_results) + "".join(f"\n- {line}" for line in notes)
+                                    + ("\n" if notes else ""))
     save_config(args, out / "config.json")
     png = bar_plot(all_results, out / "results.png")
     print(markdown(all_results))

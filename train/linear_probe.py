@@ -40,7 +40,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from extract.config import parse_with_config
+from adapters.ranking import positive_ranks
+from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,
+                            positive_int)
 
 # CLIP sweeps C = 1/l2 over 1e-6..1e6; 9 log-spaced values (1.5 decades apart) plus a refinement around
 # the best one cost far less than CLIP's 96 points and land within ~0.4 decade of the same optimum.
@@ -77,8 +79,9 @@ def _features(x, name: str, dtype: torch.dtype) -> torch.Tensor:
     if t.ndim != 2:
         raise ValueError(f"{name} must be [N, D], got shape {tuple(t.shape)}")
     t = t.to(dtype)
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{name} holds NaN or infinite values")
+    bad_rows = int((~torch.isfinite(t)).any(1).sum())
+    if bad_rows:
+        raise ValueError(f"{name} holds NaN or infinite values in {bad_rows} of {t.shape[0]} rows")
     return t
 
 
@@ -106,10 +109,9 @@ def stratified_split(y: np.ndarray, val_fraction: float, seed: int) -> tuple[np.
 
 # --------------------------------------------------------------------------------------------- metrics
 def _ranks(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # ties count against the model (as train.zeroshot): rank = 1 + #{other classes scoring >= the true one},
-    # so a constant predictor gets no credit
-    true = scores.gather(1, labels[:, None])
-    return (scores >= true).sum(1)
+    # adapters.ranking's rules, as every metric: ties count against the model (rank = 1 + #{other classes
+    # scoring >= the true one}, so a constant predictor gets no credit) and a non-finite score ranks last
+    return positive_ranks(scores, labels, dim=1)[0]
 
 
 def accuracies(scores: torch.Tensor, labels: torch.Tensor, classes: Sequence) -> dict:
@@ -399,19 +401,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--test", required=True, help=".npz with arrays x [M, D] and y [M]")
     p.add_argument("--method", default="lbfgs", choices=METHODS)
     p.add_argument("--out", default=None, help="write the result as JSON here")
-    p.add_argument("--val-fraction", type=float, default=0.2)
-    p.add_argument("--l2", type=float, nargs="+", default=None,
+    p.add_argument("--val-fraction", type=fraction, default=0.2)
+    p.add_argument("--l2", type=nonnegative_float, nargs="+", default=None,
                    help="l2 grid (default: the method's); one value skips validation")
-    p.add_argument("--max-iter", type=int, default=1000, help="L-BFGS iterations per fit")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-iter", type=positive_int, default=1000, help="L-BFGS iterations per fit")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-normalize", dest="normalize", action="store_false",
                    help="use the features as they are (default: L2-normalise rows)")
     p.add_argument("--no-refine", dest="refine", action="store_const", const=False, default=None,
                    help="skip the fine search around the best grid value")
-    p.add_argument("--epochs", type=int, default=30, help="sgd only")
-    p.add_argument("--batch-size", type=int, default=256, help="sgd only")
-    p.add_argument("--lr", type=float, default=1e-2, help="sgd only")
+    p.add_argument("--epochs", type=positive_int, default=30, help="sgd only")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="sgd only")
+    p.add_argument("--lr", type=positive_float, default=1e-2, help="sgd only")
     return parse_with_config(p, argv)
 
 

@@ -50,7 +50,10 @@ from tqdm import tqdm  # noqa: E402
 
 from adapters.pretrain._base import StepContext, split_features  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
-from extract.config import parse_with_config, save_config  # noqa: E402
+from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,  # noqa: E402
+                            positive_int, save_config)
+from extract.source_args import add_source_args, source_options  # noqa: E402
+from extract.tensorfile import first_nonfinite  # noqa: E402
 from train import pretrain_checkpoint as ckpt  # noqa: E402
 from train.pretrain_data import SeededTransform, build_train_data, to_device  # noqa: E402
 
@@ -80,55 +83,54 @@ def build_parser() -> argparse.ArgumentParser:
                         "('shards/{00000..00099}.tar', a folder of .tar)")
     d.add_argument("--split", default="train", help="toy world: the split to train on")
     d.add_argument("--image-root", default=None, help="CSV / COCO: folder of relative image paths")
-    d.add_argument("--csv-img-key", default="filepath")
-    d.add_argument("--csv-caption-key", default="title")
-    d.add_argument("--train-num-samples", type=int, default=None, help="webdataset: samples per epoch")
+    d.add_argument("--train-num-samples", type=positive_int, default=None, help="webdataset: samples per epoch")
     d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction, default=True,
                    help="webdataset: draw shards with replacement (open_clip's --dataset-resampled)")
-    d.add_argument("--shuffle-buffer", type=int, default=1000, help="webdataset: samples in the shuffle buffer")
-    d.add_argument("--workers", type=int, default=min(4, max(1, (os.cpu_count() or 2) // 2)),
+    d.add_argument("--shuffle-buffer", type=positive_int, default=1000, help="webdataset: samples in the shuffle buffer")
+    d.add_argument("--workers", type=nonnegative_int, default=min(4, max(1, (os.cpu_count() or 2) // 2)),
                    help="data-loader processes per rank (0: load in the training process)")
     d.add_argument("--augment", default="rrc", choices=["rrc", "none"],
                    help="rrc: open_clip's random resized crop (scale 0.9-1); none: the evaluation transform")
+    add_source_args(p)  # --csv-img-key, --csv-caption-key, --csv-separator, --csv-encoding
     o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=int, default=32)
-    o.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
-    o.add_argument("--batch-size", type=int, default=64, help="images per rank and micro-batch")
-    o.add_argument("--accum-freq", type=int, default=1, help="micro-batches per optimizer step (exact, see above)")
-    o.add_argument("--lr", type=float, default=1e-3)
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.98)
-    o.add_argument("--eps", type=float, default=1e-6)
-    o.add_argument("--wd", type=float, default=0.2)
-    o.add_argument("--warmup", type=int, default=10000, help="linear warm-up steps (capped at 10%% of the run)")
-    o.add_argument("--grad-clip-norm", type=float, default=None)
+    o.add_argument("--epochs", type=positive_int, default=32, help="passes over the training data")
+    o.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps in total")
+    o.add_argument("--batch-size", type=positive_int, default=64, help="images per rank and micro-batch")
+    o.add_argument("--accum-freq", type=positive_int, default=1, help="micro-batches per optimizer step (exact, see above)")
+    o.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
+    o.add_argument("--beta1", type=fraction, default=0.9, help="AdamW beta1")
+    o.add_argument("--beta2", type=fraction, default=0.98, help="AdamW beta2")
+    o.add_argument("--eps", type=positive_float, default=1e-6, help="AdamW epsilon")
+    o.add_argument("--wd", type=nonnegative_float, default=0.2, help="AdamW weight decay (none on biases, gains, 1-d tensors and the logit scale)")
+    o.add_argument("--warmup", type=nonnegative_int, default=10000, help="linear warm-up steps (capped at 10%% of the run)")
+    o.add_argument("--grad-clip-norm", type=positive_float, default=None, help="clip the gradient norm (default: off)")
     o.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
                    help="fp32, or autocast: amp (fp16 + loss scaling), amp_bf16")
     o.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
     o.add_argument("--local-loss", action=argparse.BooleanOptionalAction, default=True,
                    help="each rank scores its rows against the gathered batch (with --gather-with-grad: exact)")
     o.add_argument("--gather-with-grad", action=argparse.BooleanOptionalAction, default=True)
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--max-bad-steps", type=int, default=5,
+    o.add_argument("--seed", type=nonnegative_int, default=0, help="seeds weights, data order and augmentation")
+    o.add_argument("--max-bad-steps", type=positive_int, default=5,
                    help="non-finite loss/gradient steps in a row before the run stops")
     r = p.add_argument_group("output")
     r.add_argument("--out", default="runs/pretrain", help="run folder: checkpoints, logs, final model")
-    r.add_argument("--save-every-n-steps", type=int, default=1000, help="step checkpoints (0: off)")
-    r.add_argument("--save-frequency", type=int, default=1, help="epoch checkpoints every N epochs (0: off)")
-    r.add_argument("--keep-checkpoints", type=int, default=2, help="step checkpoints kept (0: all)")
+    r.add_argument("--save-every-n-steps", type=nonnegative_int, default=1000, help="step checkpoints (0: off)")
+    r.add_argument("--save-frequency", type=nonnegative_int, default=1, help="epoch checkpoints every N epochs (0: off)")
+    r.add_argument("--keep-checkpoints", type=nonnegative_int, default=2, help="step checkpoints kept (0: all)")
     r.add_argument("--resume", default=None, help="'latest' (this --out's newest checkpoint) or a checkpoint folder")
-    r.add_argument("--log-every-n-steps", type=int, default=10)
+    r.add_argument("--log-every-n-steps", type=positive_int, default=10)
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
     r.add_argument("--val-data", default=None,
                    help="toy world for the evaluation hook (default: --data when it is a toy world)")
     r.add_argument("--val-split", default="val")
-    r.add_argument("--eval-every-n-epochs", type=int, default=1, help="0: no evaluation")
+    r.add_argument("--eval-every-n-epochs", type=nonnegative_int, default=1, help="0: no evaluation")
     r.add_argument("--eval-tasks", default="retrieval,zeroshot,compositional",
                    help=f"comma list from {', '.join(EVAL_TASKS)}")
     r.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when available, else cpu")
     r.add_argument("--dist-url", default="env://", help="torch.distributed init (torchrun / accelerate set env://)")
     r.add_argument("--debug-nan-steps", default="",
-                   help="testing aid: comma list of steps whose loss is replaced by NaN")
+                   help="testing aid: comma list of step numbers (1-based, as in log.csv) whose loss is replaced by NaN")
     for name in PRETRAIN.names():
         PRETRAIN.get(name).add_args(p)
     return p
@@ -235,8 +237,10 @@ def create_model(arch: str, quick_gelu: bool, seed: int, pretrained: str | None 
         from extract.weights import resolve_weights
 
         weights = resolve_weights(arch, pretrained)
-        if weights.path is not None:
-            open_clip.load_checkpoint(model, str(weights.path), strict=True, weights_only=True)
+        if weights.path is not None:  # verified if plugvlm wrote it; a foreign pickle is explained, not unpickled
+            from extract.backbone import load_weights_file
+
+            load_weights_file(model, weights.path)
     pp = PreprocessCfg(**model.visual.preprocess_cfg)
     return (model, image_transform_v2(pp, is_train=True), image_transform_v2(pp, is_train=False),
             open_clip.get_tokenizer(arch))
@@ -312,7 +316,7 @@ class Trainer:
         w, r, a = self.dist.world_size, self.dist.rank, len(micro)
         b = len(micro[0]["image"])
         ctxs = [ctx.with_batch((j * w + r) * b, a * w * b) for j in range(a)]
-        poison = ctx.step in self.nan_steps
+        poison = ctx.step + 1 in self.nan_steps  # step numbers are 1-based, as in the log
         if a == 1:
             with self.autocast():
                 losses = self.objective.loss(self.forward(micro[0], ctxs[0]), ctxs[0])
@@ -473,10 +477,10 @@ def train(args: argparse.Namespace) -> dict:
     data = build_train_data(args.data, batch_size=args.batch_size, rank=dist.rank, world_size=dist.world_size,
                             accum_freq=args.accum_freq, seed=args.seed, tokenizer=tokenizer, objective=objective,
                             transform=transform, workers=args.workers, split=args.split, image_root=args.image_root,
-                            csv_img_key=args.csv_img_key, csv_caption_key=args.csv_caption_key,
+                            source_options=source_options(args),
                             train_num_samples=args.train_num_samples, resampled=args.dataset_resampled,
                             shuffle_buffer=args.shuffle_buffer,
-                            resume_count=(resume_state or {}).get("resume_count", -1) + 1 if resume_state else 0)
+                            resume_state=resume_state)
     objective.setup(model, {"source": args.data, "data": args.data, "model": args.model, "image_ids": data.image_ids,
                             "grid": tuple(model.visual.grid_size)})
     trainer = Trainer(args, dist, model, objective)
@@ -516,10 +520,17 @@ def train(args: argparse.Namespace) -> dict:
     def state_for(step_, epoch_, in_epoch):
         return {"step": step_, "epoch": epoch_, "step_in_epoch": in_epoch, "samples_seen": samples,
                 "bad_in_row": bad_in_row, "global_batch": global_batch, "world_size": dist.world_size,
-                "resume_count": data.description.get("resume_count", 0), "method": args.method, "model": arch,
+                "data_state": data.resume_state(step_), "method": args.method, "model": arch,
                 "data_skipped": data.report.counts()}
 
     def save(name, step_, epoch_, in_epoch, metrics=None) -> Path | None:
+        """Checkpoint ``name``, only from a good state: after a step that was not skipped, with finite weights
+        (a run of skipped steps, or weights blown up to inf, must never overwrite what --resume would use)."""
+        if bad_in_row or first_nonfinite(trainer.model.state_dict()) is not None:
+            say(f"\nwarning: not writing checkpoint {name}: "
+                + (f"the last {bad_in_row} step(s) were skipped as non-finite" if bad_in_row else "the weights are not finite")
+                + (f"; the last good one is {last_ckpt}" if last_ckpt else "; no good checkpoint exists yet"))
+            return None
         if not dist.is_main:
             return None
         path = ckpt.save_checkpoint(ckpt_dir, name, trainer.model, trainer.optimizer, trainer.param_names,
@@ -550,22 +561,10 @@ def train(args: argparse.Namespace) -> dict:
                 step += 1
                 in_epoch += 1
                 samples += global_batch
-                if ok:
-                    bad_in_row = 0
-                else:
-                    bad_in_row += 1
-                    bad_steps.append(step - 1)
-                    say(f"\nwarning: step {step - 1}: non-finite loss or gradient ({metrics.get('loss')}); step skipped "
-                        f"({bad_in_row} in a row, --max-bad-steps {args.max_bad_steps})")
-                    if bad_in_row >= args.max_bad_steps:
-                        kept = f"the last checkpoint, {last_ckpt}, is intact" if last_ckpt else "no checkpoint had been written yet"
-                        raise TrainingAborted(
-                            f"stopped: {bad_in_row} steps in a row had a NaN/inf loss or gradient (steps "
-                            f"{', '.join(map(str, bad_steps[-bad_in_row:]))}); {kept}. Resume with --resume latest after "
-                            "lowering --lr, setting --grad-clip-norm 1.0, or switching --precision to amp_bf16 / fp32; "
-                            "check the data with python -m extract.check_data.")
                 now = time.perf_counter()
                 batch_time, t_last = now - t_last, now
+                # Steps are numbered from 1 everywhere (console, log.csv, checkpoint names): step k is the k-th update.
+                # The row is written before a possible abort, so the last bad step is in the log too.
                 if dist.is_main and (step % args.log_every_n_steps == 0 or step == 1 or not ok):
                     row = {"step": step, "epoch": epoch + in_epoch / data.steps_per_epoch, "lr": lr, **metrics,
                            "skipped_step": int(not ok), "samples_per_second": global_batch / max(batch_time, 1e-9),
@@ -574,6 +573,22 @@ def train(args: argparse.Namespace) -> dict:
                     log.write(step, row)
                     pbar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}")
                 pbar.update(1)
+                if ok:
+                    bad_in_row = 0
+                else:
+                    bad_in_row += 1
+                    bad_steps.append(step)
+                    say(f"\nwarning: step {step}: non-finite loss or gradient ({metrics.get('loss')}); step skipped "
+                        f"({bad_in_row} in a row, --max-bad-steps {args.max_bad_steps})")
+                    if bad_in_row >= args.max_bad_steps:
+                        kept = (f"the last good checkpoint is {last_ckpt}" if last_ckpt else
+                                "no checkpoint was written (one is written only after a good step with finite weights)")
+                        raise TrainingAborted(
+                            f"stopped: {bad_in_row} steps in a row had a NaN/inf loss or gradient (steps "
+                            f"{', '.join(map(str, bad_steps[-bad_in_row:]))}); {kept}. "
+                            + ("Resume with --resume latest after " if last_ckpt else "Start again after ")
+                            + "lowering --lr, setting --grad-clip-norm 1.0, or switching --precision to amp_bf16 / fp32; "
+                            "check the data with python -m extract.check_data.")
                 if args.save_every_n_steps and step % args.save_every_n_steps == 0 and in_epoch < data.steps_per_epoch:
                     last_ckpt = save(f"step_{step:08d}", step, epoch, in_epoch) or last_ckpt
                     dist.barrier()
@@ -600,6 +615,10 @@ def train(args: argparse.Namespace) -> dict:
         pbar.close()
         log.close()
     final_metrics = evals[max(evals)] if evals else {}
+    if first_nonfinite(trainer.model.state_dict()) is not None:  # a "good" last step can still overflow a weight to inf
+        raise TrainingAborted("stopped: the final weights are not finite, so they were not saved; "
+                              + (f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no good checkpoint exists")
+                              + ". Lower --lr or set --grad-clip-norm 1.0.")
     if dist.is_main:
         path = ckpt.save_final(out, trainer.model, _describe(args, arch, objective, data, step,
                                                              epoch + start_in_epoch / data.steps_per_epoch,

@@ -18,6 +18,9 @@ Folders are written under a temporary name, fsynced and renamed (atomic on POSIX
 names the newest and is replaced atomically after the rename. A kill -9 at any moment therefore leaves the
 previous checkpoints intact and ``--resume latest`` never sees half a checkpoint; leftovers are removed by the
 next run. The final weights are also written as ``OUT/model.safetensors`` + ``OUT/model.json``.
+
+Both safetensors files carry the digest of their tensors (``extract.tensorfile``); :func:`load_checkpoint` and
+``extract.backbone.load_backbone`` check it, so a damaged copy or NaN weights are refused naming the file.
 """
 from __future__ import annotations
 
@@ -29,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from extract.cache import atomic_write_text, fsync_path
+from extract.tensorfile import load_tensors, save_tensors
 from extract.weights import SIDECAR_FORMAT
 
 FORMAT_VERSION = 1
@@ -55,8 +58,7 @@ def write_model(folder: Path, model: torch.nn.Module, description: dict) -> Path
     """``folder/model.safetensors`` + ``folder/model.json`` (fsynced; the caller makes the folder visible)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.safetensors"
-    save_file(model_tensors(model), str(path), metadata={"format": "pt", "plugvlm": SIDECAR_FORMAT})
-    fsync_path(path)
+    save_tensors(path, model_tensors(model), metadata={"format": "pt", "plugvlm": SIDECAR_FORMAT})
     _write_json(folder / "model.json", {"format": SIDECAR_FORMAT, "format_version": FORMAT_VERSION, **description})
     return path
 
@@ -131,8 +133,7 @@ def save_checkpoint(ckpt_dir: Path, name: str, model: torch.nn.Module, optimizer
     write_model(tmp, model, description)
     opt_tensors, opt_meta = optimizer_state(optimizer, param_names)
     tensors = {**opt_tensors, **rng_tensors()}
-    save_file(tensors, str(tmp / "state.safetensors"))
-    fsync_path(tmp / "state.safetensors")
+    save_tensors(tmp / "state.safetensors", tensors)
     _write_json(tmp / "state.json", {"format_version": FORMAT_VERSION, **state, "optimizer": opt_meta,
                                      "scaler": scaler.state_dict() if scaler is not None else None})
     fsync_path(tmp)
@@ -146,14 +147,16 @@ def save_checkpoint(ckpt_dir: Path, name: str, model: torch.nn.Module, optimizer
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     param_names: list[str], scaler) -> dict:
-    """Restore weights (strict), optimizer, scaler and RNG from a checkpoint folder; returns state.json."""
-    weights = load_file(str(path / "model.safetensors"))
+    """Restore weights (strict), optimizer, scaler and RNG from a checkpoint folder; returns state.json. Both
+    safetensors files are checked against their digests first (a damaged or NaN-holding file raises
+    :class:`extract.tensorfile.TensorFileError` naming it, before anything is restored)."""
+    weights, _ = load_tensors(path / "model.safetensors")
+    tensors, _ = load_tensors(path / "state.safetensors")
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not fit this model (missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}); resume with the --model it was trained with")
     state = json.loads((path / "state.json").read_text())
-    tensors = load_file(str(path / "state.safetensors"))
     if optimizer is not None:
         load_optimizer_state(optimizer, param_names, tensors, state["optimizer"])
     if scaler is not None and state.get("scaler"):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from extract.config import parse_with_config, save_config
+from extract.config import nonnegative_int, parse_with_config, positive_float, positive_int, save_config
 
 DEFAULT_METHODS = ("clip", "flip", "clip-pgs", "filip", "powerclip")
 
@@ -32,14 +32,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/compare")
     p.add_argument("--data", default=None, help="a toy-world folder (default: generate one in OUT/toyworld)")
-    p.add_argument("--n", type=int, default=2000, help="toy-world scenes to generate when --data is not given")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=positive_int, default=2000, help="toy-world scenes to generate when --data is not given")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the toy world and every run")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
-    p.add_argument("--minutes-per-method", type=float, default=3.0, help="training wall-clock per method")
+    p.add_argument("--minutes-per-method", type=positive_float, default=3.0, help="training wall-clock per method")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--calibration-steps", type=int, default=12)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="batch of every run")
+    p.add_argument("--workers", type=nonnegative_int, default=1, help="data-loader processes")
+    p.add_argument("--calibration-steps", type=positive_int, default=12)
     p.add_argument("--extra", default="", help="more train.pretrain flags for every run, e.g. '--lr 5e-4'")
     args = parse_with_config(p, argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

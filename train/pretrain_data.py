@@ -11,14 +11,24 @@ Two kinds of source (any :func:`extract.data.open_source` spec):
   resume is the data the uninterrupted run would have seen (the kill -9 test). Incomplete last micro-batches
   are dropped (open_clip's ``drop_last``).
 - **webdataset shards** (``.tar``, folder, brace pattern): streamed. Every data-loader worker of every rank
-  reads its own shards -- with replacement (``--dataset-resampled``, open_clip's default for large data) or
-  a per-pass shuffled partition -- through a shuffle buffer of ``--shuffle-buffer`` samples. An epoch is
-  ``--train-num-samples`` samples. After a resume the stream restarts with a new seed (at a shard boundary):
-  the same distribution, not the same samples (open_clip does the same).
+  is a *reader* with its own endless sequence of shards, drawn from ``(seed, reader, pass)`` -- with
+  replacement (``--dataset-resampled``, open_clip's default for large data) or a per-pass shuffled partition.
+  A reader cuts its sequence of samples into blocks of ``--shuffle-buffer`` samples (across shard ends) and
+  gives each block in an order drawn from ``(seed, reader, block)``; only the undecoded bytes of one block are
+  held. An epoch is ``--train-num-samples`` samples, and the stream runs on across epochs. A resumed run
+  continues the stream exactly: reader position k holds the same sample in every run (see the next
+  paragraph), the DataLoader takes batches from its workers in turn, so the micro-batches a rank has
+  consumed say how far each reader got; the resumed readers count the samples of the shards they pass
+  (headers only, no decoding), read one block and start at the position where the run stopped. The
+  checkpoint stores that count and the layout it was counted in (:meth:`TrainData.resume_state`); with
+  another layout (world size, workers, batch size, seed, shuffle buffer, shards) the resumed stream skips as
+  much data but is not the same samples.
 
 Bad input never stops training and never changes batch shapes (ranks must gather equal shapes): an
-unreadable image of an indexed source is replaced by another image drawn from the same seed; a stream simply
-skips it. Every refusal is recorded with :class:`extract.report.Skip` (the same reasons and locations as
+unreadable image of an indexed source is replaced by another image drawn from the same seed; in a stream, a
+sample that is refused takes the place of the next good sample in its reader's order, which also appears in
+its own place (so position k is the same sample in every run, whatever decoding refuses). Every refusal is
+recorded with :class:`extract.report.Skip` (the same reasons and locations as
 ``python -m extract.check_data``), travels with its batch to the main process, and is counted in the log, the
 checkpoints and ``data_report.json``.
 
@@ -29,7 +39,10 @@ sample from ``(seed, epoch, image)``, or the evaluation transform when the objec
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -139,54 +152,103 @@ class GlobalBatchSampler:
 class StreamPairs(IterableDataset):
     """Endless stream of items from webdataset shards for one rank (see the module docstring).
 
-    Each worker w of rank r reads shards chosen by ``(seed, resume, r, w, pass)``: drawn with replacement when
-    ``resampled``, else a shuffled partition of all shards over the ``world_size x workers`` readers (a reader
-    with no shard of its own in a pass reads a random one, so no worker starves). Items go through a shuffle
-    buffer. Bad samples are skipped; their Skip records ride along with the next good item.
+    Worker w of ``W`` (one when loading in the main process) is reader ``rank x W + (w + start) mod W`` and
+    starts at position ``((start + w) // W) x batch_size`` of that reader's order: after ``start`` micro-batches
+    of this rank, that is where the uninterrupted DataLoader, which takes batches from workers 0, 1, ... in
+    turn, would continue. Reader shard orders depend on ``(seed, reader, pass)`` only.
     """
 
     def __init__(self, shards: Sequence[str], transform: SeededTransform, seed: int, rank: int, world_size: int,
-                 resampled: bool = True, shuffle_buffer: int = 1000, resume: int = 0, max_pixels: int | None = None):
+                 resampled: bool = True, shuffle_buffer: int = 1000, batch_size: int = 1, start: int = 0,
+                 max_pixels: int | None = None):
         self.shards = list(shards)
         self.transform, self.seed, self.rank, self.world_size = transform, seed, rank, world_size
-        self.resampled, self.shuffle_buffer, self.resume, self.max_pixels = resampled, shuffle_buffer, resume, max_pixels
+        self.resampled, self.shuffle_buffer, self.max_pixels = resampled, max(1, shuffle_buffer), max_pixels
+        self.batch_size, self.start = batch_size, start
 
-    def _shard_order(self, worker: int, workers: int) -> Iterator[str]:
-        reader, readers = self.rank * workers + worker, self.world_size * workers
+    def _shard_order(self, reader: int, readers: int) -> Iterator[str]:
         for pas in range(1 << 62):
-            rng = _rng(self.seed, self.resume, reader, pas, "shards")
+            rng = _rng(self.seed, reader, pas, "shards")
             if self.resampled:
                 yield from (self.shards[int(i)] for i in rng.integers(len(self.shards), size=len(self.shards)))
                 continue
-            order = _rng(self.seed, self.resume, pas, "partition").permutation(len(self.shards))
+            order = _rng(self.seed, pas, "partition").permutation(len(self.shards))
             mine = order[reader::readers]
             yield from (self.shards[int(i)] for i in (mine if len(mine) else rng.integers(len(self.shards), size=1)))
+
+    def _raw(self, source: WebDatasetSource, reader: int, readers: int, skip: int) -> Iterator[tuple]:
+        """``(shard, key, files)`` of the reader's samples in shard order, from sample number ``skip`` on (the
+        shards before it are counted from their headers, not read)."""
+        counts: dict[str, int] = {}
+        empty, limit = 0, max(50, 2 * len(self.shards))
+        for shard in self._shard_order(reader, readers):
+            if skip:
+                n = counts[shard] if shard in counts else counts.setdefault(shard, source.count_samples(shard))
+                if n <= skip:
+                    skip -= n
+                    empty = 0 if n else empty + 1
+                    if empty >= limit:
+                        break
+                    continue
+            got = 0
+            for key, files in source.raw_samples(shard, skip=skip):
+                got += 1
+                yield shard, key, files
+            skip = 0
+            empty = 0 if got else empty + 1
+            if empty >= limit:
+                break
+        raise RuntimeError(f"no sample in {limit} shards in a row of {source.name} ({source.report.summary()}); "
+                           "check them with python -m extract.check_data")
+
+    def _order(self, source: WebDatasetSource, reader: int, readers: int, position: int) -> Iterator[tuple]:
+        """The reader's samples in shuffled order (blocks of ``shuffle_buffer``, see the module docstring), from
+        ``position`` on."""
+        size = self.shuffle_buffer
+        block, offset = divmod(position, size)
+        raw = self._raw(source, reader, readers, block * size)
+        while True:
+            chunk = list(islice(raw, size))
+            order = _rng(self.seed, reader, block, "block").permutation(len(chunk)) if size > 1 else [0]
+            for i in order[offset:]:
+                yield chunk[int(i)]
+            block, offset = block + 1, 0
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rng = _rng(self.seed, self.resume, self.rank, worker, "stream")
-        buffer: list[dict[str, Any]] = []
-        pending: list[Skip] = []
-        for shard in self._shard_order(worker, workers):
-            source = WebDatasetSource([shard], max_pixels=self.max_pixels)
-            seen = 0
-            for sample in source:
-                skips = source.report.skips
-                pending.extend(skips[seen:])
-                seen = len(skips)
-                caption = sample.captions[int(rng.integers(len(sample.captions)))].text
-                item = {"image": self.transform(sample.image, int(rng.integers(2 ** 63 - 1))), "caption": caption,
-                        "image_id": sample.image_id, "skips": []}
-                if self.shuffle_buffer > 1:
-                    if len(buffer) < self.shuffle_buffer:
-                        buffer.append(item)
-                        continue
-                    k = int(rng.integers(len(buffer)))
-                    buffer[k], item = item, buffer[k]
-                item["skips"], pending = pending, []
-                yield item
-            pending.extend(source.report.skips[seen:])
+        reader = self.rank * workers + (worker + self.start) % workers
+        position = (self.start + worker) // workers * self.batch_size
+        source = WebDatasetSource(self.shards, max_pixels=self.max_pixels)
+        order = self._order(source, reader, self.world_size * workers, position)
+        ahead: deque[list] = deque()  # [shard, key, files, Sample | None, decoded?] from the current position on
+        seen = 0
+        while True:
+            sample = self._good(source, order, ahead)
+            ahead.popleft()
+            rng = _rng(self.seed, reader, position, "item")
+            caption = sample.captions[int(rng.integers(len(sample.captions)))].text
+            skips = source.report.skips
+            item = {"image": self.transform(sample.image, int(rng.integers(2 ** 63 - 1))), "caption": caption,
+                    "image_id": sample.image_id, "skips": skips[seen:]}
+            seen = len(skips)
+            position += 1
+            yield item
+
+    @staticmethod
+    def _good(source: WebDatasetSource, order: Iterator[tuple], ahead: deque) -> Any:
+        """The sample at the current position (``ahead[0]``) if it is good, else the next good one after it."""
+        for k in range(MAX_REPLACEMENTS + 1):
+            if k == len(ahead):
+                ahead.append([*next(order), None, False])
+            entry = ahead[k]
+            if not entry[4]:
+                entry[3], entry[4] = source.to_sample(entry[0], entry[1], entry[2]), True
+                entry[2] = None  # the bytes are decoded (or refused): free them
+            if entry[3] is not None:
+                return entry[3]
+        raise RuntimeError(f"{MAX_REPLACEMENTS + 1} refused samples in a row in {source.name} (last: "
+                           f"{ahead[-1][0]}::{ahead[-1][1]}); check it with python -m extract.check_data")
 
 
 # --------------------------------------------------------------------------------------------- batches
@@ -238,6 +300,20 @@ class TrainData:
     sampler: GlobalBatchSampler | None = None
     image_ids: set[str] | None = None
     _stream: Iterator | None = None
+    # streams: the micro-batches this rank had consumed at optimizer step `start_step`, and what they count in
+    start_micro: int = 0
+    start_step: int = 0
+    layout: dict[str, Any] | None = None
+
+    def resume_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint written after optimizer step ``step`` stores for the data to continue exactly (pass
+        the checkpoint's state, with it under ``"data_state"``, to :func:`build_train_data`): for a stream, the
+        micro-batches each rank had consumed (the same on every rank) and the layout they were counted in; for an
+        indexed source nothing (the step positions it)."""
+        if self.layout is None:
+            return {}
+        return {"micro_batches": self.start_micro + (step - self.start_step) * self.accum_freq,
+                "layout": self.layout}
 
     def epoch_batches(self, epoch: int, start_step: int) -> Iterator[list[dict[str, Any]]]:
         """The optimizer steps ``start_step .. steps_per_epoch - 1`` of ``epoch``, each as its list of
@@ -258,10 +334,14 @@ class TrainData:
 
 def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, accum_freq: int, seed: int,
                      tokenizer, objective, transform: SeededTransform, workers: int, split: str = "train",
-                     image_root: str | None = None, csv_img_key: str = "filepath", csv_caption_key: str = "title",
+                     image_root: str | None = None, source_options: dict[str, Any] | None = None,
                      train_num_samples: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000,
-                     resume_count: int = 0) -> TrainData:
-    """Open ``data`` and build its loader (see the module docstring)."""
+                     resume_state: dict[str, Any] | None = None) -> TrainData:
+    """Open ``data`` and build its loader (see the module docstring).
+
+    ``source_options``: CSV/TSV reading options (:func:`extract.source_args.source_options`). ``resume_state``: the
+    state of the checkpoint being resumed (its ``"step"`` and the ``"data_state"`` that
+    :meth:`TrainData.resume_state` gave); a stream then continues where that run stopped."""
     spec_is_stream = _is_stream(data)
     if not spec_is_stream:
         options: dict[str, Any] = {}
@@ -269,9 +349,7 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
             options["split"] = split
         elif image_root:
             options["image_root"] = image_root
-        if str(data).lower().endswith((".csv", ".tsv")):
-            options.update(img_key=csv_img_key, caption_key=csv_caption_key)
-        source = open_source(data, **options)
+        source = open_source(data, **options, **(source_options or {}))
         if not isinstance(source, IndexedSource):
             raise ValueError(f"{data}: not an indexed source")
     collate = Collate(tokenizer, objective)
@@ -282,16 +360,21 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
             raise ValueError(f"no webdataset shards found for {data!r}")
         if not train_num_samples:
             raise ValueError("webdataset training needs --train-num-samples (samples per epoch), as open_clip does")
-        stream = StreamPairs(shards, transform, seed, rank, world_size, resampled=resampled,
-                             shuffle_buffer=shuffle_buffer, resume=resume_count)
-        loader = DataLoader(stream, batch_size=batch_size, **loader_kw)
         steps = train_num_samples // (batch_size * world_size * accum_freq)
         if steps < 1:
             raise ValueError(f"--train-num-samples {train_num_samples} makes no full step of {accum_freq} x "
                              f"{world_size} x {batch_size}")
+        layout = {"seed": seed, "world_size": world_size, "readers_per_rank": max(1, workers), "batch_size": batch_size,
+                  "shuffle_buffer": max(1, shuffle_buffer), "resampled": bool(resampled),
+                  "shards": hashlib.sha256("\n".join(Path(s).name for s in shards).encode()).hexdigest()[:16]}
+        start_micro, start_step, resume = _stream_start(resume_state, layout, accum_freq)
+        stream = StreamPairs(shards, transform, seed, rank, world_size, resampled=resampled,
+                             shuffle_buffer=shuffle_buffer, batch_size=batch_size, start=start_micro)
+        loader = DataLoader(stream, batch_size=batch_size, **loader_kw)
         desc = {"kind": "webdataset", "spec": str(data), "shards": len(shards), "resampled": resampled,
-                "shuffle_buffer": shuffle_buffer, "samples_per_epoch": train_num_samples, "resume_count": resume_count}
-        return TrainData(loader, steps, accum_freq, "stream", desc)
+                "shuffle_buffer": shuffle_buffer, "samples_per_epoch": train_num_samples, "resume": resume}
+        return TrainData(loader, steps, accum_freq, "stream", desc, start_micro=start_micro, start_step=start_step,
+                         layout=layout)
     dataset = IndexedPairs(source, transform, seed)
     sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, accum_freq, seed)
     loader = DataLoader(dataset, batch_sampler=sampler, **loader_kw)
@@ -301,6 +384,21 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
     report = SkipReport().merge(source.report)
     return TrainData(loader, sampler.steps_per_epoch, accum_freq, "indexed", desc, report, sampler,
                      {r.image_id for r in dataset.records})
+
+
+def _stream_start(resume_state: dict[str, Any] | None, layout: dict[str, Any], accum_freq: int) -> tuple[int, int, str]:
+    """(micro-batches consumed, optimizer step, how exact) at which a stream starts for this checkpoint state."""
+    if not resume_state:
+        return 0, 0, "new stream"
+    step = int(resume_state.get("step", 0))
+    saved = resume_state.get("data_state") or {}
+    if "micro_batches" not in saved:  # a checkpoint from before the stream stored its position
+        return step * accum_freq, step, f"approximate: the checkpoint has no stream position; skipped {step} steps"
+    micro = int(saved["micro_batches"])
+    changed = sorted(k for k in layout if saved.get("layout", {}).get(k) != layout[k])
+    if changed:
+        return micro, step, f"approximate: {', '.join(changed)} changed; skipped {micro} micro-batches per rank"
+    return micro, step, f"exact: continues after {micro} micro-batches per rank"
 
 
 def _is_toyworld(data: str) -> bool:

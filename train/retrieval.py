@@ -3,7 +3,9 @@
 Text -> image: each caption has exactly one correct image. Image -> text: an image is retrieved correctly
 at rank r when its best-scoring own caption is at rank r (any of its captions counts, as in CLIP and
 CLIP_benchmark). Ties count against the model: an incorrect item scoring *equal* to the correct one ranks
-ahead of it, so a constant scorer gets R@1 = 0, not 100.
+ahead of it, so a constant scorer gets R@1 = 0, not 100. Non-finite scores are the worst score (they rank
+last; an all-NaN model gets R@1 = 0) and are counted: both rules are ``adapters.ranking``'s, shared by every
+metric and the serving engine.
 
 rank(t)  = 1 + #{images j != img(t) : S[j, t] >= S[img(t), t]}
 rank(i)  = 1 + #{captions t not of i : S[i, t] >= max_{t' of i} S[i, t']}
@@ -17,10 +19,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
-KS = (1, 5, 10)
+from adapters.ranking import KS, best_own_caption, positive_ranks, rank_safe, small_split_warning
 
 
 def _summary(ranks: torch.Tensor, ks: Sequence[int]) -> dict:
@@ -31,9 +32,13 @@ def _summary(ranks: torch.Tensor, ks: Sequence[int]) -> dict:
 
 
 def ranks_from_scores(score_fn: Callable[[slice], torch.Tensor], n_images: int, caption_image: torch.Tensor,
-                      chunk: int = 256, max_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int = 256, max_bytes: int = 1 << 30,
+                      counts: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(text->image ranks [T], image->text ranks [I]; images without captions get rank 0 and are dropped
-    by :func:`retrieval_metrics`). caption_image [T] long: the image row of every caption."""
+    by :func:`retrieval_metrics`). caption_image [T] long: the image row of every caption.
+
+    Non-finite scores rank last (``adapters.ranking.rank_safe``); when ``counts`` is given,
+    ``counts["nonfinite_scores"]`` receives how many of the I x T scores were non-finite."""
     caption_image = torch.as_tensor(caption_image, dtype=torch.long)
     n_texts = len(caption_image)
     if n_texts == 0 or n_images == 0:
@@ -49,26 +54,26 @@ def ranks_from_scores(score_fn: Callable[[slice], torch.Tensor], n_images: int, 
     # pass 1: text->image ranks and each caption's own score (the positive), read from the same matrix
     t2i = torch.empty(n_texts, dtype=torch.long)
     positive = torch.empty(n_texts, dtype=torch.float32)
+    n_bad = 0
     for sl in chunks:
         s = score_fn(sl).float().cpu()  # [I, c]
         own = caption_image[sl]
-        pos = s[own, torch.arange(s.shape[1])]
-        positive[sl] = pos
-        t2i[sl] = (s >= pos[None, :]).sum(0)  # counts the positive itself once: rank = 1 + others >= it
+        t2i[sl], bad = positive_ranks(s, own, dim=0)
+        n_bad += bad
+        positive[sl] = s[own, torch.arange(s.shape[1])]
         if stored is not None:
             stored.append(s)
+    if counts is not None:
+        counts["nonfinite_scores"] = n_bad
+    positive, _ = rank_safe(positive)
 
     # best own-caption score per image, and how many own captions reach it (they are not "others")
-    best = torch.full((n_images,), -torch.inf).scatter_reduce(0, caption_image, positive, reduce="amax")
-    own_at_best = torch.zeros(n_images, dtype=torch.long).index_add_(
-        0, caption_image, (positive >= best[caption_image]).long())
-    has_caption = torch.zeros(n_images, dtype=torch.bool)
-    has_caption[caption_image] = True
+    best, own_at_best, has_caption = best_own_caption(positive, caption_image, n_images)
 
     # pass 2 (or a read of the stored matrix): how many captions of any image reach each image's best
     reach = torch.zeros(n_images, dtype=torch.long)
     for k, sl in enumerate(chunks):
-        s = stored[k] if stored is not None else score_fn(sl).float().cpu()
+        s, _ = rank_safe(stored[k] if stored is not None else score_fn(sl).float().cpu())
         reach += (s >= best[:, None]).sum(1)
     i2t = torch.where(has_caption, reach - own_at_best + 1, torch.zeros_like(reach))
     return t2i, i2t
@@ -78,12 +83,21 @@ def retrieval_metrics(score_fn: Callable[[slice], torch.Tensor], n_images: int, 
                       ks: Sequence[int] = KS, chunk: int = 256, max_bytes: int = 1 << 30) -> dict:
     """R@k (percent), mean and median rank in both directions. See the module docstring for the protocol.
 
-    Returns {"text_to_image": {...}, "image_to_text": {...}, "images_without_captions": n}.
+    Returns {"text_to_image": {...}, "image_to_text": {...}, "images_without_captions": n,
+    "nonfinite_scores": how many of the I x T scores were NaN / inf (ranked last), "n_scores": I x T}, and
+    "warning" (a one-line message) when the split has too few images for R@k to mean anything
+    (``adapters.ranking.small_split_warning``).
     """
-    t2i, i2t = ranks_from_scores(score_fn, n_images, caption_image, chunk, max_bytes)
+    counts: dict = {}
+    t2i, i2t = ranks_from_scores(score_fn, n_images, caption_image, chunk, max_bytes, counts)
     kept = i2t > 0
-    return {"text_to_image": _summary(t2i, ks), "image_to_text": _summary(i2t[kept], ks),
-            "images_without_captions": int((~kept).sum())}
+    out = {"text_to_image": _summary(t2i, ks), "image_to_text": _summary(i2t[kept], ks),
+           "images_without_captions": int((~kept).sum()), "nonfinite_scores": counts["nonfinite_scores"],
+           "n_scores": n_images * len(t2i)}
+    warning = small_split_warning(n_images, ks, what="images", metric="text->image R@")
+    if warning:
+        out["warning"] = warning
+    return out
 
 
 def feature_score_fn(image_emb: torch.Tensor, text_emb: torch.Tensor) -> Callable[[slice], torch.Tensor]:

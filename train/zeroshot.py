@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from adapters.ranking import positive_ranks, small_split_warning
+
 # CLIP's 80 ImageNet templates (github.com/openai/CLIP, notebooks/Prompt_Engineering_for_ImageNet.ipynb)
 IMAGENET_TEMPLATES = tuple(t + "." for t in (
     "a bad photo of a {}", "a photo of many {}", "a sculpture of a {}", "a photo of the hard to see {}",
@@ -143,13 +145,20 @@ def class_scores(scorer, image_reps, class_reps, groups) -> torch.Tensor:
 
 
 def topk_accuracy(scores: torch.Tensor, labels: torch.Tensor, ks: Sequence[int] = (1, 5)) -> dict:
-    """Top-k accuracy (percent). Ties count against the model: the true class must beat every class tied
-    with it that sits in the top k, i.e. rank = 1 + #{other classes scoring >= the true one}."""
+    """Top-k accuracy (percent) of scores [N, C] against labels [N]. Ties count against the model: the true
+    class must beat every class tied with it that sits in the top k, i.e. rank = 1 + #{other classes scoring
+    >= the true one}; a non-finite score is the worst score, so a NaN true-class score ranks last
+    (``adapters.ranking``). ``nonfinite_scores`` counts them (of ``n_scores`` = N x C); ``warning`` is set
+    when a reported top-k is 100 by construction (k >= C)."""
     labels = labels.to(scores.device)
-    true = scores.gather(1, labels[:, None])
-    rank = (scores >= true).sum(1)  # includes the true class itself
-    out = {f"top{k}": float((rank <= k).double().mean() * 100) for k in ks if k <= scores.shape[1]}
+    rank, n_bad = positive_ranks(scores, labels, dim=1)  # rank includes the true class itself
+    kept = [k for k in ks if k <= scores.shape[1]]
+    out = {f"top{k}": float((rank <= k).double().mean() * 100) for k in kept}
     per_class = [float((rank[labels == c] <= 1).double().mean() * 100) for c in labels.unique()]
     out["mean_per_class_top1"] = sum(per_class) / len(per_class)
     out["n"] = int(len(labels))
+    out.update(nonfinite_scores=n_bad, n_scores=int(scores.numel()))
+    warning = small_split_warning(int(scores.shape[1]), kept, what="classes", metric="top", min_per_k=0)
+    if warning:
+        out["warning"] = warning
     return out

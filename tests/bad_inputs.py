@@ -1,0 +1,228 @@
+"""The bad-input corpus: every kind of broken input a user can hand plugvlm, in one folder.
+
+:func:`build` writes it once per session (``conftest.bad_inputs``); ``tests/test_bad_inputs.py`` runs every
+entry point that reads data, configs, checkpoints or caches against it. Each entry says what must happen: a
+report line (the run goes on and the good rows are kept, unchanged) or a one-line error naming the file and
+what to do (exit status 2), never a traceback and never a silently wrong result.
+
+Layout under the corpus root::
+
+    images/             good, converted (CMYK, 16-bit, palette + transparency) and broken image files
+    mixed.csv           good rows among bad images, bad captions and an unterminated quote (issue 14, item 3)
+    tables/*.csv        tables no command can read: wrong columns, tab-separated .csv, empty, UTF-16 (item 8)
+    coco.json           COCO captions with an annotation of an unknown image and a bad caption
+    shards/             a webdataset shard cut in the middle
+    configs/*.yaml      values that must fail the command line's checks (item 4)
+    checkpoints/        an adapter with flipped bytes, one with NaN weights, a damaged pre-training checkpoint,
+                        a foreign pickle (items 2 and 9)
+    caches/truncated    a feature cache with a cut .npy (item 10)
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+# --------------------------------------------------------------------------------------------- images
+GOOD_IMAGES = {  # name -> colour; decoded as they are
+    "good_a.png": (200, 0, 0),
+    "good_b.png": (0, 0, 200),
+    "good_c.png": (0, 160, 0),
+}
+
+
+def _encode(image: Image.Image, fmt: str, **params) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **params)
+    return buffer.getvalue()
+
+
+def _images() -> dict[str, bytes]:
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
+    png = _encode(noise, "PNG")
+    palette = Image.new("P", (16, 16), 0)
+    palette.putpalette([255, 0, 0, 0, 0, 255] + [0] * 762)
+    palette.putpixel((8, 8), 1)
+    return {
+        **{name: _encode(Image.new("RGB", (32, 24), colour), "PNG") for name, colour in GOOD_IMAGES.items()},
+        "cmyk.jpg": _encode(Image.new("CMYK", (16, 16), (0, 255, 255, 0)), "JPEG"),
+        "gray16.png": _encode(Image.fromarray(np.full((16, 16), 40000, dtype=np.uint16)), "PNG"),
+        "palette.png": _encode(palette, "PNG", transparency=0),
+        "corrupt.jpg": b"\xff\xd8 this is not really a JPEG " * 8,
+        "cut.png": png[: len(png) // 2],
+        "empty.jpg": b"",
+        "not_an_image.png": b"filepath,title\nthis is a CSV file with an image's name\n",
+        "bomb.png": _encode(Image.new("1", (12000, 12000)), "PNG"),  # 144 Mpx from a few kB
+    }
+
+
+# images that are skipped (with the reason's start) and images converted with a note
+BAD_IMAGES = {"corrupt.jpg": "corrupt or unrecognised image data", "cut.png": "truncated image data",
+              "empty.jpg": "empty file", "not_an_image.png": "corrupt or unrecognised image data",
+              "bomb.png": "decompression bomb", "missing.jpg": "file not found"}
+CONVERTED = ("cmyk.jpg", "gray16.png", "palette.png")
+
+# --------------------------------------------------------------------------------------------- mixed.csv
+# (line, image, caption as written in the CSV, expected outcome: None = kept, else the reported reason)
+MIXED_ROWS = [
+    (2, "good_a.png", "a red square", None),
+    (3, "good_b.png", "a blue square", None),
+    (4, "good_b.png", "", "empty caption"),
+    (5, "good_b.png", '"   "', "empty caption"),
+    (6, "good_b.png", "12 34", "caption has no letters"),
+    (7, "corrupt.jpg", "corrupt: never seen", "image"),
+    (8, "cut.png", "cut: never seen", "image"),
+    (9, "empty.jpg", "empty: never seen", "image"),
+    (10, "not_an_image.png", "a CSV file: never seen", "image"),
+    (11, "bomb.png", "a bomb: never seen", "image"),
+    (12, "missing.jpg", "missing: never seen", "image"),
+    (13, "cmyk.jpg", "a cyan photo", None),
+    (14, "gray16.png", "a grey ramp", None),
+    (15, "palette.png", "a blue dot on white", None),
+    (16, "good_a.png", '"an unterminated quote', "unterminated quote"),
+    (17, "good_c.png", "a green square", None),
+    (18, "good_c.png", "a square of green", None),
+]
+MIXED_GOOD = {(image, caption.strip('"')) for _, image, caption, outcome in MIXED_ROWS if outcome is None}
+
+# tables that stop every command reading them, with what the one-line error must say
+UNREADABLE_TABLES = {
+    "wrong_columns.csv": ("image,caption\ngood_a.png,a red square\n", "--csv-img-key"),
+    "tab_separated.csv": ("filepath\ttitle\ngood_a.png\ta red square\n", "--csv-separator"),
+    "empty.csv": ("", "empty"),
+    "utf16.csv": ("filepath,title\ngood_a.png,a red square\n".encode("utf-16"), "--csv-encoding"),
+}
+
+# --------------------------------------------------------------------------------------------- configs
+# file -> (YAML text, what the error says after "key 'K': "); each holds a valid method so the value is the problem
+BAD_CONFIGS = {
+    "lr_true.yaml": ("lr: true\n", "key 'lr': --lr expects a value as on the command line"),
+    "schedule_linear.yaml": ("schedule: linear\n", "key 'schedule': invalid choice: 'linear'"),
+    "epochs_negative.yaml": ("epochs: -3\n", "key 'epochs': expected an integer >= 1, got -3"),
+    "precision_fp64.yaml": ("precision: fp64\n", "key 'precision': invalid choice: 'fp64'"),
+    "syntax_error.yaml": ("epochs: [3\n", "not valid YAML"),
+}
+
+
+@dataclass
+class Corpus:
+    root: Path
+    images: Path
+    mixed_csv: Path
+    tables: dict[str, tuple[Path, str]]          # name -> (path, message)
+    coco: Path
+    cut_shard: Path
+    configs: dict[str, tuple[Path, str]]         # name -> (path, message)
+    checkpoints: dict[str, Path] = field(default_factory=dict)
+    caches: dict[str, Path] = field(default_factory=dict)
+
+
+def _write_mixed(path: Path) -> None:
+    lines = ["filepath,title"] + [f"{image},{caption}" for _, image, caption, _ in MIXED_ROWS]
+    assert [line for line, *_ in MIXED_ROWS] == list(range(2, 2 + len(MIXED_ROWS)))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _write_coco(path: Path) -> None:
+    doc = {"images": [{"id": 1, "file_name": "good_a.png"}, {"id": 2, "file_name": "good_b.png"}],
+           "annotations": [{"id": 10, "image_id": 1, "caption": "a red square"},
+                           {"id": 11, "image_id": 2, "caption": "a blue square"},
+                           {"id": 12, "image_id": 99, "caption": "an image that is not listed"},
+                           {"id": 13, "image_id": 2, "caption": None}]}
+    path.write_text(json.dumps(doc))
+
+
+def _write_cut_shard(path: Path, images: dict[str, bytes]) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tf:
+        for k, name in enumerate(["good_a.png", "good_b.png", "good_c.png"]):
+            for suffix, data in ((".png", images[name]), (".txt", f"square number {k}".encode())):
+                info = tarfile.TarInfo(f"sample{k:03d}{suffix}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    data = buffer.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        last_png = [m for m in tf.getmembers() if m.name.endswith(".png")][-1]
+    path.write_bytes(data[: last_png.offset_data + last_png.size // 2])  # the last sample is cut off mid-image
+
+
+def build(root: Path) -> Corpus:
+    """Write the data part of the corpus (images, tables, COCO, shards, configs) under ``root``."""
+    images = root / "images"
+    images.mkdir(parents=True)
+    encoded = _images()
+    for name, data in encoded.items():
+        (images / name).write_bytes(data)
+    mixed = images / "mixed.csv"  # next to its images: relative paths resolve against the table's folder
+    _write_mixed(mixed)
+    tables = {}
+    for name, (content, message) in UNREADABLE_TABLES.items():
+        path = images / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        tables[name] = (path, message)
+    coco = images / "coco.json"
+    _write_coco(coco)
+    (root / "shards").mkdir()
+    cut = root / "shards" / "cut-00000.tar"
+    _write_cut_shard(cut, encoded)
+    (root / "configs").mkdir()
+    configs = {}
+    for name, (text, message) in BAD_CONFIGS.items():
+        path = root / "configs" / name
+        path.write_text(text)
+        configs[name] = (path, message)
+    return Corpus(root, images, mixed, tables, coco, cut, configs)
+
+
+# --------------------------------------------------------------------------------------------- checkpoints, caches
+def flip_tensor_bytes(path: Path, at: int | None = None, count: int = 64) -> None:
+    """Invert ``count`` bytes of a safetensors file's tensor data (past the 8-byte length and the JSON header),
+    starting ``at`` bytes into it (default: the middle)."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    begin = start + (at if at is not None else (len(data) - start) // 2)
+    assert begin + count <= len(data), "not that many bytes of tensor data"
+    data[begin:begin + count] = bytes(b ^ 0xFF for b in data[begin:begin + count])
+    path.write_bytes(bytes(data))
+
+
+def add_checkpoints(corpus: Corpus, adapter: Path) -> None:
+    """Tampered copies of a trained adapter checkpoint, a damaged pre-training checkpoint and a foreign pickle."""
+    from adapters.checkpoint import read, write
+    from extract.backbone import load_backbone
+    from train import pretrain_checkpoint as ck
+
+    folder = corpus.root / "checkpoints"
+    folder.mkdir()
+    flipped = folder / "adapter_flipped.safetensors"
+    shutil.copy(adapter, flipped)
+    flip_tensor_bytes(flipped)
+    tensors, meta = read(adapter)
+    nan = {k: (torch.full_like(v, float("nan")) if v.is_floating_point() else v) for k, v in tensors.items()}
+    nan_path = write(folder / "adapter_nan.safetensors", nan, meta)  # a valid digest over NaN weights
+    model = load_backbone("tiny").model
+    (folder / "pretrain_flipped").mkdir()
+    pretrain = ck.save_final(folder / "pretrain_flipped", model, {"model": "plugvlm-tiny", "quick_gelu": False})
+    flip_tensor_bytes(pretrain)
+    foreign = folder / "foreign.pt"
+    torch.save({"state_dict": model.state_dict(), "args": argparse.Namespace(lr=1e-3)}, foreign)
+    corpus.checkpoints.update(adapter_flipped=flipped, adapter_nan=nan_path, pretrain_flipped=pretrain,
+                              foreign_pickle=foreign)
+
+
+def add_truncated_cache(corpus: Corpus, cache_path: Path) -> None:
+    """A copy of a finished cache with one .npy cut short."""
+    dst = corpus.root / "caches" / "truncated" / cache_path.name
+    shutil.copytree(cache_path, dst)
+    victim = sorted(dst.glob("shard-*/text_embed.npy"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 100])
+    corpus.caches.update(truncated=dst.parent, truncated_file=victim)

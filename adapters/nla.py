@@ -1,6 +1,6 @@
 """PowerCLIP's powerset alignment: exact T2R / R2T, the non-linear aggregators (NLAs) and the loss.
 
-Notation (../shared/design.md §3, PowerCLIP supplement App. A.1): an image has M region embeddings r_m, a
+Notation (PowerCLIP supplement App. A.1): an image has M region embeddings r_m, a
 text has K tree nodes B with embeddings p_B (the sum of the node's leaf-phrase embeddings), and
 ``q[..., m, B] = Q_{m,B} = <r_m, p_B>``. A region subset A scores ``Q_{A,B} = sum_{m in A} Q_{m,B}``.
 
@@ -18,7 +18,8 @@ valid node scores 0 for every similarity here (there is nothing to align).
 
 Everything is computed in at least fp32 with autocast off: ``Q / tau`` reaches 10^5 for tau = 1e-3, which
 fp16 cannot hold, and the literal layer form ``tau log(K^(a-1) sum_B exp(...))`` overflows even in fp32,
-so NLA-T2 is evaluated in this log-space form (design.md §3).
+so NLA-T2 is evaluated in this log-space form, which stays finite for tau = 0.01 (it is the same function:
+``tau log(K^(a-1) sum_B exp(x_B)) = tau [logsumexp_B x_B - (1 - a) log K]``).
 """
 from __future__ import annotations
 
@@ -211,7 +212,7 @@ def _pooled(x: Tensor, weights: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 
 def region_embeddings(patches: Tensor, region_masks: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """r_m = normalise(mean of the patch tokens inside region m) (design.md §3).
+    """r_m = normalise(mean of the patch tokens inside region m) (PowerCLIP §3.2, eq. 2).
 
     patches [B, N, d]; region_masks [B, M, N] (bool or 0/1, flattened patch grid). Returns
     (regions [B, M, d] unit length, valid [B, M]); an empty mask gives a zero row and valid False.
@@ -220,7 +221,7 @@ def region_embeddings(patches: Tensor, region_masks: Tensor, eps: float = 1e-6) 
 
 
 def leaf_embeddings(tokens: Tensor, leaf_tokens: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    """Leaf phrase embedding = normalise(mean of its token embeddings) (design.md §3).
+    """Leaf phrase embedding = normalise(mean of its token embeddings) (PowerCLIP §3.3).
 
     tokens [B, L, d]; leaf_tokens [B, P, L] (bool / 0/1: token t belongs to leaf p). Returns
     (leaves [B, P, d] unit length, valid [B, P]).
@@ -229,7 +230,7 @@ def leaf_embeddings(tokens: Tensor, leaf_tokens: Tensor, eps: float = 1e-6) -> t
 
 
 def node_embeddings(leaves: Tensor, node_leaves: Tensor) -> Tensor:
-    """p_B = sum of the node's leaf embeddings (design.md §3), so Q_{m,B} sums leaf similarities (eq. 18).
+    """p_B = sum of the node's leaf embeddings (PowerCLIP §3.3), so Q_{m,B} sums leaf similarities (eq. 18).
 
     leaves [B, P, d]; node_leaves [B, K, P] (bool / 0/1). Returns [B, K, d] (not normalised, by design).
     """
@@ -405,7 +406,7 @@ class PowerCLIPLossConfig:
     """PowerCLIP's objective: ``clip + lam * (triplet(S) + triplet(S^T))`` (paper §3.3 eq. 8, §4.4 eq. 16).
 
     ``S = w_t2r * T2R + w_r2t * R2T`` (the paper's combining formula was lost in conversion; the mean, the
-    default, keeps each term's scale — design.md §3). T2R and R2T grow with the number of regions M and with
+    default, keeps each term's scale). T2R and R2T grow with the number of regions M and with
     the node sizes (T2R <= M * mean node size), so with ``normalize`` the triplet sees
     ``S_ij / (M_i * mean node size_j)`` and ``margin`` is on that unit scale; without it the margin is on S's
     raw scale. lam = 0.1, M = 10, softplus / tanh, alpha = 0.75 are the paper's (§5.1, App. F).

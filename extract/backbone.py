@@ -25,7 +25,6 @@ import json
 import logging
 import pickle
 import re
-import sys
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -36,12 +35,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from extract.cli import Parser, run_job
 from extract.tensorfile import verify_file
 from extract.tokens import TokenizedText, tokenize_with_spans
 from extract.weights import (ResolvedWeights, WeightsNotFoundError, checkpoint_sidecar, file_sha256,
                              resolve_weights)
 
 log = logging.getLogger(__name__)
+
+
+class _NoRandomInitWarning(logging.Filter):
+    """open_clip warns "No pretrained weights loaded for model ..." on the root logger every time a model is built
+    with pretrained=None, which is how plugvlm always builds one: it loads the weights itself afterwards, so the
+    warning is wrong for every file or tag and was printed 9 times by the demo. What is loaded is said once, by
+    the job (``FrozenBackbone.describe``); this filter drops that one message and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No pretrained weights loaded for model")
+
+
+def quiet_open_clip() -> None:
+    """Install :class:`_NoRandomInitWarning` on the root logger (idempotent)."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _NoRandomInitWarning) for f in root.filters):
+        root.addFilter(_NoRandomInitWarning())
+
+
+quiet_open_clip()
 
 _HERE = Path(__file__).resolve().parent
 MODEL_CONFIG_DIR = _HERE / "model_configs"
@@ -493,34 +513,34 @@ def _stretch(model: nn.Module, tokenizer, context_length: int):
 
 
 # --------------------------------------------------------------------------------------------- CLI
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m extract.backbone",
-        description="Check that a frozen backbone loads and show what it returns (shapes, timings).")
-    p.add_argument("--base", default="tiny", help="alias (%(default)s, ViT-B-32, coca_ViT-B-32, NegCLIP, ...) "
-                   "or any open_clip model name")
+def build_parser() -> Parser:
+    p = Parser(prog="python -m extract.backbone",
+               description="Check that a frozen backbone loads and show what it returns (shapes, timings).")
+    p.add_argument("--base", default="tiny", help="alias (%(default)s, ViT-B-32, coca_ViT-B-32, NegCLIP, ...; --list "
+                   "shows them) or any open_clip model name")
     p.add_argument("--pretrained", default=None,
                    help="open_clip tag, checkpoint path, or 'none' for random weights (default: the alias's tag)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--cache-dir", default=None, help="hub / download cache directory")
+    p.add_argument("--device", default="cpu", help="torch device to load it on")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="weights' precision")
+    p.add_argument("--cache-dir", default=None, help="hub / download cache directory (default: open_clip's)")
     p.add_argument("--list", action="store_true", help="list the aliases and their default weights, then exit")
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def check_backbone(args: argparse.Namespace) -> None:
+    """``python -m extract.backbone``'s job: list the aliases, or load ``args.base`` and print what it returns.
+    Raises WeightsNotFoundError / ValueError (one ``error:`` line from :func:`main`)."""
     if args.list:
         for name, a in backbone_aliases().items():
             print(f"{name:16s} model={a['model']:20s} pretrained={a.get('pretrained') or '(file / random)'}")
-        return 0
+        return
     t0 = time.perf_counter()
-    try:
-        bb = load_backbone(args.base, args.pretrained, device=args.device, precision=args.precision,
-                           cache_dir=args.cache_dir)
-    except (WeightsNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    bb = load_backbone(args.base, args.pretrained, device=args.device, precision=args.precision,
+                       cache_dir=args.cache_dir)
     t_load = time.perf_counter() - t0
     images = torch.zeros(2, 3, *bb.image_size)
     img = bb.encode_images(images)
@@ -529,7 +549,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"loaded in {t_load:.1f} s; image embedding {tuple(img.embedding.shape)}, patches {tuple(img.patches.shape)} "
           f"on a {img.grid[0]}x{img.grid[1]} grid; text embedding {tuple(txt.embedding.shape)}, tokens "
           f"{tuple(txt.tokens.shape)}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(check_backbone, parse_args(argv))
 
 
 if __name__ == "__main__":

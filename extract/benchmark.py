@@ -21,45 +21,66 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
+
+# torch loads in the figures' functions: --help and argument errors stay cheap
+from extract.cli import Parser, help_description
+from extract.config import nonnegative_int, positive_int
 
 TARGETS = {"overhead": 1.10, "spacy": 500.0, "read": 20_000.0}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m extract.benchmark", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base", default="ViT-B-32", help="backbone for the caching-overhead figure")
-    p.add_argument("--pretrained", default="none", help="weights for it (random weights time the same)")
-    p.add_argument("--images", type=int, default=128, help="toy-world images for the overhead figure")
-    p.add_argument("--image-size", type=int, default=224, help="toy-world image side (px)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=None, help="decoding processes for the extraction run "
-                   "(default: python -m extract's)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating bare / extraction rounds (best of each)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--captions", type=int, default=5000, help="captions for the spaCy figure")
-    p.add_argument("--read-samples", type=int, default=50_000, help="caption rows in the read-throughput cache")
-    p.add_argument("--read-batch", type=int, default=256, help="batch size when reading")
-    p.add_argument("--only", default="overhead,spacy,read", help="comma list of figures to measure")
+def build_parser() -> Parser:
+    p = Parser(prog="python -m extract.benchmark", description=help_description(__doc__))
+    p.add_argument("--only", default=",".join(TARGETS), help=f"comma list of figures to measure, from "
+                                                             f"{', '.join(TARGETS)}")
     p.add_argument("--workdir", default=None, help="scratch folder (default: a temporary one)")
-    return p.parse_args(argv)
+    g = p.add_argument_group("1. caching overhead")
+    g.add_argument("--base", default="ViT-B-32", help="backbone for the caching-overhead figure")
+    g.add_argument("--pretrained", default="none", help="weights for it (random weights time the same)")
+    g.add_argument("--images", type=positive_int, default=128, help="toy-world images for the overhead figure")
+    g.add_argument("--image-size", type=positive_int, default=224, help="toy-world image side (px, >= 32)")
+    g.add_argument("--batch-size", type=positive_int, default=64, help="images / captions per forward, both sides")
+    g.add_argument("--workers", type=nonnegative_int, default=None, help="decoding processes for the extraction run "
+                   "(default: python -m extract's)")
+    g.add_argument("--rounds", type=positive_int, default=2,
+                   help="alternating bare / extraction rounds (best of each)")
+    g.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    g = p.add_argument_group("2. spaCy components")
+    g.add_argument("--captions", type=positive_int, default=5000, help="captions for the spaCy figure")
+    g = p.add_argument_group("3. cache read")
+    g.add_argument("--read-samples", type=positive_int, default=50_000,
+                   help="caption rows in the read-throughput cache")
+    g.add_argument("--read-batch", type=positive_int, default=256, help="batch size when reading")
+    return p
 
 
-def _sync(device: torch.device) -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - set(TARGETS)
+    if unknown or not args.only:
+        p.error(f"--only: unknown figure(s) {', '.join(sorted(unknown)) or '(none given)'}; choose from "
+                f"{', '.join(TARGETS)}")
+    return args
+
+
+def _sync(device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 # --------------------------------------------------------------------------------------------- 1. overhead
 def caching_overhead(args, work: Path) -> dict:
+    import torch
     from PIL import Image
 
     from extract import toyworld
     from extract.backbone import load_backbone
     from extract.data import ToyWorldSource
-    from extract.pipeline import parse_args as extract_args
-    from extract.pipeline import run
+    from extract.pipeline import ExtractOptions, run
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     world = work / "world"
@@ -90,18 +111,17 @@ def caching_overhead(args, work: Path) -> dict:
         rows = csv.writer(f)
         rows.writerow(["filepath", "title"])
         rows.writerows([r.source, c.text] for r in records for c in r.captions)
-    argv = ["--data", str(table), "--base", args.base, "--pretrained", args.pretrained,
-            "--components", "patches,tokens", "--batch-size", str(bs), "--shard-size", str(len(records))]
+    options = dict(data=str(table), base=args.base, pretrained=args.pretrained, components="patches,tokens",
+                   batch_size=bs, shard_size=len(records), device=args.device)
     if args.workers is not None:
-        argv += ["--workers", str(args.workers)]
-    if args.device:
-        argv += ["--device", args.device]
+        options["workers"] = args.workers
     # Alternate the two so drift on a shared machine hits both alike; the best round of each is compared.
     t_bare, t_cache = [], []
     for k in range(args.rounds):
         t_bare.append(bare())
         # the same model instance as the bare loop: two loads of one model can differ in speed on CPU
-        t_cache.append(run(extract_args(argv + ["--out", str(work / f"cache-{k}")]), backbone=bb)["seconds"]["shards"])
+        opts = ExtractOptions(**options, out=str(work / f"cache-{k}"))
+        t_cache.append(run(opts, backbone=bb)["seconds"]["shards"])
     t_bare, t_cache = min(t_bare), min(t_cache)
     return {"device": str(device), "images": len(records), "captions": len(texts), "bare_s": t_bare,
             "cache_s": t_cache, "ratio": t_cache / t_bare}
@@ -188,11 +208,10 @@ def read_throughput(args, work: Path) -> dict:
 
 # --------------------------------------------------------------------------------------------- driver
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
-    unknown = only - set(TARGETS)
-    if unknown:
-        raise SystemExit(f"--only: unknown figure(s) {', '.join(sorted(unknown))}; choose from {', '.join(TARGETS)}")
+    args = parse_args(argv)  # before importing torch: --help and argument errors stay cheap
+    import torch
+
+    only = set(args.only)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPU cores, "
           f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
     held = {}

@@ -7,79 +7,89 @@ every skipped or converted item with its file:line or shard::key). Takes the sam
 (``--csv-img-key``, ``--csv-caption-key``, ``--csv-separator``, ``--csv-encoding``, see
 :mod:`extract.source_args`). Exit status 0 when the source was read (whatever it holds), 2 with a one-line
 ``error: ...`` when it cannot be read at all (a missing file, wrong columns, another separator or encoding).
+
+From Python: ``check_data(CheckDataOptions(source="pairs.csv"))`` returns the counts instead of printing them.
 """
 from __future__ import annotations
 
-import argparse
-import re
-import sys
+from dataclasses import dataclass
 from typing import Sequence
 
-from torch.utils.data import DataLoader
-from tqdm import tqdm
-
-from extract.config import nonnegative_int, parse_with_config
-from extract.data import IndexedSource, SampleDataset, collate_skipping, open_source
-from extract.source_args import add_source_args, source_options
-
-# the docstring's first paragraph without its leading ``command``: label
-_FIRST = re.sub(r"^``[^`]*``:\s*", "", " ".join(__doc__.split("\n\n")[0].split()))
-DESCRIPTION = _FIRST[:1].upper() + _FIRST[1:]
+# torch (DataLoader) and the data sources load in check_data(): --help and argument errors stay cheap
+from extract.cli import Parser, check_options, option, parse_options, progress, run_job
+from extract.cli import build_parser as build_cli
+from extract.config import nonnegative_int
+from extract.source_args import SourceOptions, open_options
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m extract.check_data", description=DESCRIPTION)
-    p.add_argument("source", help="CSV/TSV file, COCO captions JSON, toy-world folder, .tar shard(s) or brace pattern")
-    p.add_argument("--split", default=None, help="toy world only: train, val or test (default train)")
-    p.add_argument("--image-root", default=None, help="CSV/COCO: folder relative image paths start from "
-                   "(default: the file's folder)")
-    p.add_argument("--unusual", choices=["convert", "skip"], default="convert",
-                   help="CMYK / 16-bit / transparent images: convert them (reported) or skip them")
-    p.add_argument("--workers", type=nonnegative_int, default=2, help="decoding processes (indexed sources)")
-    p.add_argument("--report", default=None, help="write the JSON report here")
-    add_source_args(p)
-    return p
+@dataclass
+class CheckDataOptions(SourceOptions):
+    """What ``python -m extract.check_data`` does, as data: ``check_data(CheckDataOptions(source="pairs.csv"))``
+    reads the same source as the command line with that argument."""
+
+    source: str | None = option(None, positional=True, nargs="?", metavar="SOURCE",
+                                help="CSV/TSV file, COCO captions JSON, toy-world folder, .tar shard(s) or brace "
+                                     "pattern")
+    split: str | None = option(None, help="toy world only: train, val or test (default: train)")
+    image_root: str | None = option(None, help="CSV/COCO: folder relative image paths start from (default: the "
+                                               "file's folder)")
+    unusual: str = option("convert", choices=["convert", "skip"],
+                          help="CMYK / 16-bit / transparent images: convert them (reported) or skip them")
+    workers: int = option(2, type=nonnegative_int, help="decoding processes (indexed sources; 0: in this process)")
+    report: str | None = option(None, metavar="PATH", help="write the JSON report here (default: none written)")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    return parse_with_config(build_parser(), argv)
+def build_parser() -> Parser:
+    return build_cli(CheckDataOptions, "python -m extract.check_data", __doc__)
 
 
-def check(args: argparse.Namespace) -> None:
-    """Read the whole source described by ``args``, print the summary, write the report if asked. Raises
-    FileNotFoundError / ValueError / ImportError when the source cannot be read at all."""
-    options = {"unusual": args.unusual, **source_options(args)}
-    if args.split:
-        options["split"] = args.split
-    if args.image_root:
-        options["image_root"] = args.image_root
-    source = open_source(args.source, **options)
+def parse_args(argv: Sequence[str] | None = None) -> CheckDataOptions:
+    def required(ns):  # optional in the parser, checked here: a mistyped flag is then named as such
+        if not ns.source:
+            raise ValueError("the data source is required, e.g. python -m extract.check_data pairs.csv")
+
+    return parse_options(CheckDataOptions, build_parser(), argv, required)
+
+
+def check_data(opts: CheckDataOptions) -> dict:
+    """Read the whole source ``opts`` describes once; write ``opts.report`` if set. Returns ``{"source": name,
+    "images": good images, "captions": their captions, "summary": the report's one line, "counts": skipped /
+    converted by reason, "report": the JSON path or None}``. Raises FileNotFoundError / ValueError / ImportError
+    when the source cannot be read at all."""
+    from torch.utils.data import DataLoader
+
+    from extract.data import IndexedSource, SampleDataset, collate_skipping, open_source
+
+    check_options(opts, build_parser())
+    if not opts.source:
+        raise ValueError("no data source given (CheckDataOptions.source)")
+    options = open_options(opts)
+    source = open_source(opts.source, **options)
     images = captions = 0
     if isinstance(source, IndexedSource):  # decode in worker processes; skips come back with each batch
-        loader = DataLoader(SampleDataset(source), batch_size=64, num_workers=args.workers,
+        loader = DataLoader(SampleDataset(source), batch_size=64, num_workers=opts.workers,
                             collate_fn=collate_skipping)
-        for good, skips in tqdm(loader, desc=source.name, unit="batch"):
+        for good, skips in progress(loader, desc=f"checking {source.name}", unit="batch"):
             source.report.add_batch(good, skips)
             images += len(good["image_ids"])
             captions += sum(len(c) for c in good["captions"])
     else:  # a stream records its refusals and conversions itself
-        for sample in tqdm(source, desc=source.name, unit="image"):
+        for sample in progress(source, desc=f"checking {source.name}", unit="image"):
             images += 1
             captions += len(sample.captions)
-    print(f"checked {source.name}: {images} good images with {captions} captions\n  {source.report.summary()}")
-    if args.report:
-        source.report.to_json(args.report)
-        print(f"  report: {args.report}")
+    if opts.report:
+        source.report.to_json(opts.report)
+    return {"source": source.name, "images": images, "captions": captions, "summary": source.report.summary(),
+            "counts": source.report.counts(), "report": opts.report}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        check(args)
-    except (FileNotFoundError, ValueError, ImportError) as e:  # as python -m extract: one line, status 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def job(opts: CheckDataOptions) -> None:
+        result = check_data(opts)
+        print(f"checked {result['source']}: {result['images']} good images with {result['captions']} captions\n"
+              f"  {result['summary']}" + (f"\n  report: {result['report']}" if result["report"] else ""))
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

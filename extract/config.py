@@ -94,7 +94,7 @@ def _config_value(parser: argparse.ArgumentParser, action: argparse.Action, valu
             return None
         raise ValueError(f"needs a value (the default is {action.default!r}); remove the key to keep the default")
     many = isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+") or isinstance(action.nargs, int)
-    if not many and action.type is None and isinstance(value, list) and value and all(
+    if not many and action.type is None and isinstance(value, list) and all(
             isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
         value = ",".join(map(str, value))  # a YAML list for a comma-list option (--components, --holdout, ...)
     items = value if isinstance(value, list) else [value]

@@ -1,7 +1,7 @@
 """Longer text context for open_clip models: Long-CLIP's knowledge-preserving position stretching.
 
 CLIP's text tower has 77 learnt absolute position embeddings, so captions are cut at 77 tokens. Long-CLIP
-(Zhang et al. 2024, §3.1 "knowledge-preserved stretching"; used by SmartCLIP, smartclip.txt §6.1
+(Zhang et al. 2024, §3.1 "knowledge-preserved stretching"; used by SmartCLIP, SmartCLIP paper §6.1
 "Implementation details", to fine-tune on 248-token captions) extends them without retraining from scratch:
 
 - the first ``keep = 20`` positions are kept as they are: they are well trained (most captions are short)

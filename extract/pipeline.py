@@ -18,31 +18,30 @@ no longer match the sizes its meta.json recorded counts as not done: rerunning t
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import json
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from extract.backbone import FrozenBackbone, load_backbone
 from extract.cache import CacheDir, FeatureCache, settings_diff
-from extract.config import fraction, nonnegative_int, parse_with_config, positive_int, save_config
+from extract.cli import Parser, check_options, option, parse_options, progress, run_job
+from extract.cli import say as status
+from extract.cli import build_parser as build_cli
+from extract.config import fraction, nonnegative_int, positive_int, save_config
 from extract.data import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
                           collate_skipping, expand_shards, open_source)
 from extract.report import Skip, SkipReport
-from extract.source_args import add_source_args, source_options
-from extract.text_components import SpacyModelNotFoundError
-from extract.weights import WeightsNotFoundError
+from extract.source_args import SourceOptions, open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
@@ -51,65 +50,79 @@ DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 COMPONENTS = ("patches", "tokens", "entities", "relations", "tree", "regions")
 
 
-# --------------------------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m extract",
-        description="Cache frozen-backbone features and compositional components for a data source.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
-    p.add_argument("--pretrained", default=None, help="tag, checkpoint path or 'none' (default: the alias's)")
-    p.add_argument("--data", required=False, help="CSV/TSV, COCO JSON, toy-world folder, .tar shards / brace pattern")
-    p.add_argument("--split", default=None, help="toy world: train, val or test (default train)")
-    p.add_argument("--image-root", default=None, help="CSV/COCO: folder relative image paths start from")
-    p.add_argument("--out", required=False, help="cache folder (a sub-folder per settings fingerprint)")
-    p.add_argument("--components", default=",".join(COMPONENTS),
-                   help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
-    p.add_argument("--boxes", default="auto", choices=["auto", "gt", "yolo"],
-                   help="entity boxes: ground truth (toy world or --annotations), or YOLO (--detector); auto = gt "
-                        "when annotations exist")
-    p.add_argument("--annotations", default=None,
-                   help="Visual-Genome-style objects.json with ground-truth boxes (for --boxes gt / --regions gt)")
-    p.add_argument("--detector", default=None, help="YOLO weights (.pt) or model .yaml (random init)")
-    p.add_argument("--conf", type=fraction, default=0.25, help="detector confidence threshold")
-    p.add_argument("--regions", default="random", choices=["random", "gt", "sam2"],
-                   help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or SAM2")
-    p.add_argument("--num-regions", type=positive_int, default=10, help="region masks per image (M)")
-    p.add_argument("--region-seed", type=nonnegative_int, default=0)
-    p.add_argument("--segmenter", default=None, help="SAM2 config (name shipped with sam2 or a YAML path)")
-    p.add_argument("--segmenter-weights", default=None, help="SAM2 checkpoint, or 'none' for random init")
-    p.add_argument("--segmenter-image-size", type=positive_int, default=None,
-                   help="override the SAM2 config's input size (px, multiple of 32; 128 for quick offline checks)")
-    p.add_argument("--sam-points", type=positive_int, default=16, help="SAM2 prompt grid: points per side")
-    p.add_argument("--sam-iou-thresh", type=fraction, default=0.8, help="SAM2 predicted-IoU filter")
-    p.add_argument("--sam-stability-thresh", type=fraction, default=0.9, help="SAM2 stability-score filter")
-    p.add_argument("--max-entities", type=positive_int, default=10)
-    p.add_argument("--max-relations", type=positive_int, default=10)
-    p.add_argument("--max-leaves", type=positive_int, default=16)
-    p.add_argument("--max-nodes", type=positive_int, default=16)
-    p.add_argument("--shard-size", type=positive_int, default=2048, help="images per shard (the unit of resumption)")
-    p.add_argument("--batch-size", type=positive_int, default=128)
-    p.add_argument("--workers", type=nonnegative_int, default=DEFAULT_WORKERS,
-                   help="image decoding processes (default: half the CPU cores, so decoding does not starve the "
-                        "forward pass on CPU-only machines)")
-    p.add_argument("--device", default=None, help="default: the accelerate process's device, else cuda/cpu")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"])
-    p.add_argument("--unusual", default="convert", choices=["convert", "skip"],
-                   help="CMYK / 16-bit / transparent images: convert (reported) or skip")
-    add_source_args(p)
-    return p
+# --------------------------------------------------------------------------------------------- options
+@dataclass
+class ExtractOptions(SourceOptions):
+    """What ``python -m extract`` does, as data: ``run(ExtractOptions(data="toy", out="cache"))`` builds the same
+    cache as the command line with those flags. ``components`` may be a comma string or a list."""
+
+    data: str | None = option(None, help="CSV/TSV, COCO JSON, toy-world folder, .tar shards / brace pattern")
+    out: str | None = option(None, help="cache folder (a sub-folder per settings fingerprint)")
+    base: str = option("tiny", help="backbone alias or open_clip model name")
+    pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
+    split: str | None = option(None, help="toy world: train, val or test (default: train)")
+    image_root: str | None = option(None, help="CSV/COCO: folder relative image paths start from (default: the "
+                                               "file's folder)")
+    components: Any = option(",".join(COMPONENTS), group="components",
+                             help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
+    boxes: str = option("auto", choices=["auto", "gt", "yolo"], group="components",
+                        help="entity boxes: ground truth (toy world or --annotations), or YOLO (--detector); auto = gt "
+                             "when annotations exist")
+    annotations: str | None = option(None, group="components", help="Visual-Genome-style objects.json with "
+                                     "ground-truth boxes (for --boxes gt / --regions gt)")
+    detector: str | None = option(None, group="components", help="YOLO weights (.pt) or model .yaml (random init)")
+    conf: float = option(0.25, type=fraction, group="components", help="detector confidence threshold")
+    regions: str = option("random", choices=["random", "gt", "sam2"], group="components",
+                          help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or "
+                               "SAM2")
+    num_regions: int = option(10, type=positive_int, group="components", help="region masks per image (M)")
+    region_seed: int = option(0, type=nonnegative_int, group="components", help="seed of the random region boxes")
+    segmenter: str | None = option(None, group="components", help="SAM2 config (name shipped with sam2 or a YAML "
+                                                                  "path)")
+    segmenter_weights: str | None = option(None, group="components",
+                                           help="SAM2 checkpoint, or 'none' for random init")
+    segmenter_image_size: int | None = option(None, type=positive_int, group="components",
+                                              help="override the SAM2 config's input size (px, multiple of 32; 128 "
+                                                   "for quick offline checks)")
+    sam_points: int = option(16, type=positive_int, group="components", help="SAM2 prompt grid: points per side")
+    sam_iou_thresh: float = option(0.8, type=fraction, group="components", help="SAM2 predicted-IoU filter")
+    sam_stability_thresh: float = option(0.9, type=fraction, group="components", help="SAM2 stability-score filter")
+    max_entities: int = option(10, type=positive_int, group="components",
+                               help="entity components per image and per caption (ComAlign: 10)")
+    max_relations: int = option(10, type=positive_int, group="components",
+                                help="relation components per image and per caption (ComAlign: 10)")
+    max_leaves: int = option(16, type=positive_int, group="components", help="phrase-tree leaves per caption")
+    max_nodes: int = option(16, type=positive_int, group="components", help="phrase-tree nodes per caption")
+    shard_size: int = option(2048, type=positive_int, group="run", help="images per shard (the unit of resumption)")
+    batch_size: int = option(128, type=positive_int, group="run", help="images / captions per backbone batch")
+    workers: int = option(DEFAULT_WORKERS, type=nonnegative_int, group="run",
+                          help="image decoding processes (default: half the CPU cores, so decoding does not starve the "
+                               "forward pass on CPU-only machines)")
+    device: str | None = option(None, group="run", help="default: the accelerate process's device, else cuda/cpu")
+    precision: str = option("fp32", choices=["fp32", "fp16", "bf16"], group="run", help="backbone precision")
+    unusual: str = option("convert", choices=["convert", "skip"], group="run",
+                          help="CMYK / 16-bit / transparent images: convert (reported) or skip")
+
+    def __post_init__(self):
+        if isinstance(self.components, str):
+            self.components = [c.strip() for c in self.components.split(",")]
+        self.components = sorted({str(c).strip() for c in self.components if str(c).strip()})
+        unknown = set(self.components) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"unknown component(s) {', '.join(sorted(unknown))}; choose from {', '.join(COMPONENTS)}")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = parse_with_config(p, argv)
-    if not args.data or not args.out:
-        p.error("--data and --out are required (on the command line or in --config)")
-    args.components = sorted({c.strip() for c in args.components.split(",") if c.strip()})
-    unknown = set(args.components) - set(COMPONENTS)
-    if unknown:
-        p.error(f"unknown component(s) {', '.join(sorted(unknown))}; choose from {', '.join(COMPONENTS)}")
-    return args
+def build_parser() -> Parser:
+    return build_cli(ExtractOptions, "python -m extract",
+                     "Cache frozen-backbone features and compositional components for a data source.")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ExtractOptions:
+    def required(ns):
+        if not ns.data or not ns.out:
+            raise ValueError("--data and --out are required, e.g. python -m extract --data runs/toy --out runs/cache")
+
+    return parse_options(ExtractOptions, build_parser(), argv, required)
 
 
 # --------------------------------------------------------------------------------------------- setup
@@ -491,17 +504,14 @@ def _pair_batches(samples, transform, batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------- driver
-def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dict:
+def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
     """Build (or reuse) the cache described by ``args``; returns the manifest (plus ``seconds``, this process's
     timings, which are not written). ``backbone``: an already loaded one to use instead of ``args.base`` /
     ``args.pretrained`` (the fingerprint describes whichever is used). See the module docstring."""
+    check_options(args, build_parser())
     ranks = _ranks(args.device)
     t0 = time.perf_counter()
-    options = {"unusual": args.unusual, **source_options(args)}
-    if args.split:
-        options["split"] = args.split
-    if args.image_root:
-        options["image_root"] = args.image_root
+    options = open_options(args)
     source = open_source(args.data, **options)
     # detector / segmenter / spaCy checked before the backbone loads: a missing file fails in seconds
     comps = _Components(args, source, ranks.device)
@@ -513,7 +523,7 @@ def run(args: argparse.Namespace, backbone: FrozenBackbone | None = None) -> dic
                 **comps.settings()}
     settings["summary"] = f"{args.base} on {data['name']}: {','.join(args.components) or 'global only'}"
     cache = CacheDir(args.out, settings)
-    say = print if ranks.index == 0 else (lambda *a, **k: None)
+    say = status if ranks.index == 0 else (lambda *a, **k: None)  # status lines: rank 0, silenced by --quiet
     # A finished cache is reused without the lock (a read-only copy works). Not by several ranks: each would
     # decide alone, and a cache finished by another run between two ranks' checks would split them.
     if ranks.count == 1 and cache.is_complete() and not cache.problems():
@@ -552,11 +562,15 @@ def _extract(args, ranks: _Ranks, source: DataSource, comps: _Components, backbo
                 f"{'that shard' if len(damaged) == 1 else 'those'}")
             cache.retract_manifest()
         cache.prepare()
+        # Worth a note only where reuse was possible: a cache of the same data by the same backbone that differs in
+        # extraction settings, which the user may have meant to reuse. Caches of other data / splits / backbones
+        # in the same folder are simply other caches.
         for other, their in cache.other_caches():
-            say(f"note: {other} was built with other settings; building a new cache. Differences:\n  "
-                + "\n  ".join(settings_diff(their, settings)[:12]))
+            if their.get("data") == settings["data"] and their.get("backbone") == settings["backbone"]:
+                say(f"note: {other} holds these data by this backbone, extracted with other settings; building a "
+                    "new cache. Differences:\n  " + "\n  ".join(settings_diff(their, settings)[:12]))
     ranks.barrier()
-    save_config(args, cache.path / "config.json") if ranks.index == 0 else None
+    save_config(dataclasses.asdict(args), cache.path / "config.json") if ranks.index == 0 else None
 
     if isinstance(source, IndexedSource):
         records = source.records()
@@ -579,8 +593,11 @@ def _extract(args, ranks: _Ranks, source: DataSource, comps: _Components, backbo
         + (f" ({done_before} already done)" if done_before else "") + f" on {ranks.count} process(es)")
     pbar_total = sum(len(units[k]) for k in todo) if total is not None else None
     t_shards = time.perf_counter()
-    with tqdm(total=pbar_total, desc=f"rank {ranks.index}", unit="img", position=ranks.index,
-              disable=not todo, dynamic_ncols=True) as pbar:
+    # One bar per rank (its own line on a terminal); in a log, one plain line per rank every 30 s:
+    # "rank 1: 512/2048 img (25%) in 30 s (17.07 img/s, about 90 s left)".
+    label = f"rank {ranks.index}" if ranks.count > 1 else "extracting"
+    with progress(total=pbar_total, desc=label, unit="img", position=ranks.index, leave=True,
+                  disable=not todo) as pbar:
         for k in todo:
             shard_report = SkipReport()
             if isinstance(source, IndexedSource):
@@ -628,30 +645,20 @@ def _finish(cache: CacheDir, source: DataSource, n_shards: int, settings: dict, 
 def build_cache(data: str | os.PathLike, out: str | os.PathLike, **options) -> FeatureCache:
     """Python entry point: ``build_cache("toy/", "cache/", base="ViT-B-32", components=["patches", "regions"])``.
 
-    ``options`` are the command-line flags with underscores (``num_regions=10``, ``pretrained="none"``); a list
-    for ``components``. Validated exactly like the CLI. Returns the finished cache, opened for reading.
+    ``options`` are :class:`ExtractOptions` fields (the command-line flags with underscores: ``num_regions=10``,
+    ``pretrained="none"``); checked exactly like the CLI. Returns the finished cache, opened for reading.
     """
-    known = {a.dest for a in build_parser()._actions} - {"help", "config", "data", "out"}
+    known = {f.name for f in dataclasses.fields(ExtractOptions)} - {"data", "out"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"build_cache: unknown option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
-    argv = ["--data", str(data), "--out", str(out)]
-    for key, value in options.items():
-        if isinstance(value, (list, tuple)):
-            value = ",".join(map(str, value))
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    manifest = run(parse_args(argv))
+    opts = ExtractOptions(data=str(data), out=str(out), **options)
+    manifest = run(opts)
     return FeatureCache.open(out, fingerprint=manifest["fingerprint"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (WeightsNotFoundError, FileNotFoundError, ValueError, ImportError, SpacyModelNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_job(run, parse_args(argv))
 
 
 if __name__ == "__main__":

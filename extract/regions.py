@@ -17,10 +17,10 @@ From the original image to the patch grid
     assigned the cells it covers by area (:func:`boxes_to_grid_masks`, :func:`masks_to_grid`).
 
 Sources of the components
-    ComAlign (papers/comalign.txt sec. III-A): entity boxes from a detector or the annotations
+    ComAlign (paper sec. III-A): entity boxes from a detector or the annotations
     (:func:`gt_boxes`), relation boxes = the union of each pair scored by the product of the two confidences,
     top 10 (:func:`relation_boxes`); each component is cropped and embedded by the image encoder
-    (:func:`crop_regions`). PowerCLIP (papers/powerclip.txt sec. 3.2): random boxes on the patch grid
+    (:func:`crop_regions`). PowerCLIP (paper sec. 3.2): random boxes on the patch grid
     (:func:`random_grid_boxes`, PowerCLIP-R) or SAM2 masks (:func:`masks_to_grid`, PowerCLIP-S); a region
     embedding is the normalised mean of the patch tokens inside its mask (:func:`pool_regions`).
 """
@@ -356,7 +356,7 @@ def masks_to_grid(masks, image_size: tuple[int, int], input_size: tuple[int, int
 
 # --------------------------------------------------------------------------------------------- embeddings
 def pool_regions(patches: torch.Tensor, masks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Region embeddings r_m = normalise(mean of the patch tokens inside mask m) (design.md sec. 3).
+    """Region embeddings r_m = normalise(mean of the patch tokens inside mask m) (PowerCLIP §3.2, eq. 2).
 
     patches: [..., N, D] patch tokens (``ImageFeatures.patches``, N = rows * cols, row-major); masks: bool
     [..., M, rows, cols] (numpy or torch); leading dims broadcast, so one set of masks can serve a batch.

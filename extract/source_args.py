@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import codecs
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULTS", "FLAGS", "add_source_args", "parse_encoding", "parse_separator", "source_flags",
-           "source_options"]
+from extract.cli import add_options, option
+
+__all__ = ["DEFAULTS", "FLAGS", "SourceOptions", "add_source_args", "encoding_type", "parse_encoding", "parse_separator",
+           "open_options", "separator_type", "source_flags", "source_options"]
 
 # argparse dest -> default; the CSVSource keyword each one becomes is in _OPTION
 DEFAULTS: dict[str, Any] = {"csv_img_key": "filepath", "csv_caption_key": "title", "csv_separator": None,
@@ -70,24 +73,32 @@ def _argparse_type(parse):
     return convert
 
 
-def add_source_args(parser: argparse.ArgumentParser, title: str = "data source") -> argparse._ArgumentGroup:
+separator_type = _argparse_type(parse_separator)
+encoding_type = _argparse_type(parse_encoding)
+
+
+@dataclass
+class SourceOptions:
+    """The four options as dataclass fields: a job's options dataclass inherits them (``extract.cli``), so its
+    command line gets the group and :func:`source_options` reads them from an instance as from a Namespace."""
+
+    csv_img_key: str = option(DEFAULTS["csv_img_key"], metavar="COLUMN", group="data source",
+                              help="CSV/TSV column of image paths (other sources ignore the --csv-* options)")
+    csv_caption_key: str = option(DEFAULTS["csv_caption_key"], metavar="COLUMN", group="data source",
+                                  help="CSV/TSV column of captions")
+    csv_separator: str | None = option(DEFAULTS["csv_separator"], type=separator_type, metavar="SEP",
+                                       group="data source", help="field separator: one character, or '\\t' / tab "
+                                                                 "(default: tab for .tsv, comma otherwise)")
+    csv_encoding: str = option(DEFAULTS["csv_encoding"], type=encoding_type, metavar="ENCODING", group="data source",
+                               help="text encoding of the table, e.g. utf-16, latin-1 (a UTF-8 byte-order mark is "
+                                    "dropped)")
+
+
+def add_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--csv-img-key``, ``--csv-caption-key``, ``--csv-separator`` and ``--csv-encoding`` to ``parser`` as one
-    argument group (returned). Values are checked while parsing, so a bad separator or an unknown encoding is an
-    argparse error (exit status 2), also when it comes from ``--config``."""
-    # Defaults are named in the group's description, not with %(default)s in each help: train.adapter copies
-    # python -m extract's flags with default=SUPPRESS, and ArgumentDefaultsHelpFormatter adds them anyway.
-    g = parser.add_argument_group(title, "how CSV/TSV caption tables are read (defaults: columns filepath and title, "
-                                         "tab for .tsv and comma otherwise, UTF-8); other sources ignore these")
-    g.add_argument(FLAGS["csv_img_key"], default=DEFAULTS["csv_img_key"], metavar="COLUMN",
-                   help="CSV/TSV column of image paths")
-    g.add_argument(FLAGS["csv_caption_key"], default=DEFAULTS["csv_caption_key"], metavar="COLUMN",
-                   help="CSV/TSV column of captions")
-    g.add_argument(FLAGS["csv_separator"], default=DEFAULTS["csv_separator"], metavar="SEP",
-                   type=_argparse_type(parse_separator),
-                   help="field separator: one character, or '\\t' / tab (none: by extension)")
-    g.add_argument(FLAGS["csv_encoding"], default=DEFAULTS["csv_encoding"], metavar="ENCODING",
-                   type=_argparse_type(parse_encoding), help="text encoding of the table, e.g. utf-16, latin-1")
-    return g
+    argument group ("data source"). Values are checked while parsing, so a bad separator or an unknown encoding is
+    an argparse error (exit status 2), also when it comes from ``--config``."""
+    return add_options(parser, SourceOptions)
 
 
 def source_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +112,13 @@ def source_options(args: argparse.Namespace) -> dict[str, Any]:
         values["csv_separator"] = parse_separator(values["csv_separator"])
     values["csv_encoding"] = parse_encoding(values["csv_encoding"] or DEFAULTS["csv_encoding"])
     return {_OPTION[dest]: value for dest, value in values.items()}
+
+
+def open_options(opts: Any) -> dict[str, Any]:
+    """``open_source(spec, **open_options(opts))`` for a job's options: the --csv-* options plus ``unusual``,
+    ``split`` and ``image_root`` where ``opts`` has them set."""
+    extra = {k: getattr(opts, k, None) for k in ("unusual", "split", "image_root")}
+    return {**source_options(opts), **{k: v for k, v in extra.items() if v}}
 
 
 def source_flags(args: argparse.Namespace) -> dict[str, str]:

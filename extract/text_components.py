@@ -58,6 +58,8 @@ from typing import Sequence
 
 import numpy as np
 
+from extract.cli import Parser, run_job, say
+from extract.config import nonnegative_int, positive_int
 from extract.tokens import NO_SPAN, TokenizedText
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
@@ -665,6 +667,8 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
 def read_captions(path: str | Path, column: str = "title") -> list[str]:
     """Captions from a CSV/TSV with a header (column ``column``) or a text file (one per non-empty line)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such caption file")
     if path.suffix.lower() in (".csv", ".tsv"):
         with path.open(newline="", encoding="utf-8") as f:
             rows = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
@@ -674,22 +678,34 @@ def read_captions(path: str | Path, column: str = "title") -> list[str]:
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m extract.text_components",
-                                description="Time text-component extraction on a caption file and show examples.")
-    p.add_argument("--captions", required=True, help="CSV/TSV with a header, or a text file with one caption a line")
-    p.add_argument("--column", default="title", help="caption column of a CSV/TSV (default: title)")
-    p.add_argument("--n", type=int, default=5000, help="use the first N captions (default 5000)")
-    p.add_argument("--context-length", type=int, default=77,
+def build_parser() -> Parser:
+    p = Parser(prog="python -m extract.text_components",
+               description="Time text-component extraction (spaCy entities, relations, phrase trees) on a caption "
+                           "file and show examples.")
+    p.add_argument("--captions", metavar="FILE",
+                   help="CSV/TSV with a header, or a text file with one caption a line (required)")
+    p.add_argument("--column", default="title", help="caption column of a CSV/TSV")
+    p.add_argument("--n", type=positive_int, default=5000, help="use the first N captions")
+    p.add_argument("--context-length", type=nonnegative_int, default=77,
                    help="tokenise with open_clip's CLIP tokenizer at this length to fill token indices (0: skip)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--n-process", type=int, default=1)
-    p.add_argument("--show", type=int, default=3, help="examples to print")
-    return p.parse_args(argv)
+    p.add_argument("--batch-size", type=positive_int, default=256, help="captions per spaCy batch")
+    p.add_argument("--n-process", type=positive_int, default=1, help="spaCy processes")
+    p.add_argument("--show", type=nonnegative_int, default=3, help="examples to print")
+    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not args.captions:  # not required=True in the parser: a mistyped flag is then named as such
+        p.error("--captions is required, e.g. --captions train.csv")
+    return args
+
+
+def time_extraction(args: argparse.Namespace) -> None:
+    """``python -m extract.text_components``'s job: extract the components of ``args.captions``, print the rate
+    and ``args.show`` examples. Raises ValueError (a missing column), OSError (a missing file) or
+    SpacyModelNotFoundError."""
     captions = read_captions(args.captions, args.column)[:args.n]
     extractor = TextComponentExtractor(batch_size=args.batch_size, n_process=args.n_process)
     tokenized = None
@@ -700,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         t0 = time.perf_counter()
         tokenized = tokenize_with_spans(open_clip.SimpleTokenizer(), captions, args.context_length)
-        print(f"tokenised {len(captions)} captions in {time.perf_counter() - t0:.2f} s (not in the rate below)")
+        say(f"tokenised {len(captions)} captions in {time.perf_counter() - t0:.2f} s (not in the rate below)")
     t0 = time.perf_counter()
     comps = extractor.extract(captions, tokenized)
     dt = time.perf_counter() - t0
@@ -716,7 +732,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  relations:", [(r.subject.text, r.predicate.text, r.object.text) for r in comp.relations])
         print("  leaves:   ", [p.text for p in comp.tree.leaves])
         print("  nodes:    ", [" | ".join(comp.tree.leaves[k].text for k in node) for node in comp.tree.nodes])
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(time_extraction, parse_args(argv))
 
 
 if __name__ == "__main__":

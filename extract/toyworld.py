@@ -74,7 +74,6 @@ Output layout in DIR
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import itertools
 import json
@@ -85,11 +84,13 @@ import time
 from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from extract.cli import Parser, from_namespace, option, run_job
+from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, parse_with_config, positive_int
 
 VERSION = 1
@@ -642,6 +643,38 @@ def load(out_dir: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------- command line
 
 
+# The embedded default: what a command that reads data uses when none is named (train.adapter, train.pretrain,
+# python -m serve), generated on first use and shared by them.
+DEFAULT_PATH = Path("runs") / "toy"
+DEFAULT_N, DEFAULT_SEED = 2000, 0
+
+
+def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: int = DEFAULT_SEED,
+           say=print, replace: bool = False) -> Path:
+    """The toy world at ``out_dir`` with ``n`` scenes and ``seed``: reused when it is already there (same n,
+    seed and generator version; regenerating would give the same bytes but new mtimes, which a feature cache's
+    fingerprint sees), generated when the folder is absent. A toy world with other settings there is replaced
+    only with ``replace`` (else ValueError: someone made it on purpose). ``say`` gets one line saying which."""
+    out = Path(out_dir)
+    meta = {}
+    if (out / "meta.json").is_file():
+        try:
+            meta = json.loads((out / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+    if (meta.get("n"), meta.get("seed"), meta.get("version")) == (n, seed, VERSION):
+        say(f"toy world: {out} ({n} scenes, seed {seed}; reused)")
+        return out
+    if out.exists() and any(out.iterdir()) and not replace:
+        held = f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}" if meta else "other files"
+        raise ValueError(f"{out} holds {held}, not the default toy world ({n} scenes, seed {seed}): pass "
+                         f"--data {out} to use it, or move it away to have the default generated there")
+    t0 = time.perf_counter()
+    generate(out, n, seed)
+    say(f"toy world: {out} ({n} scenes, seed {seed}; generated in {time.perf_counter() - t0:.0f} s)")
+    return out
+
+
 def format_summary(summary: dict) -> str:
     """A short human-readable report of a :func:`generate` summary."""
     counts = summary["counts"]
@@ -659,39 +692,57 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+@dataclass
+class ToyWorldOptions:
+    """The command line of ``python -m extract.toyworld`` as data; :func:`generate` is the job
+    (``generate(o.out, o.n, o.seed, size=o.size, holdout=o.holdout, splits=o.splits, workers=o.workers)``).
+    ``holdout`` and ``splits`` may be given as strings or parsed values; they are kept parsed (a frozenset of
+    (colour, shape) and three floats), and a bad one raises ValueError naming the vocabulary."""
+
+    out: str | None = option(None, metavar="DIR", help="output folder (created; files there are overwritten)")
+    n: int = option(1000, type=positive_int, help="number of scenes")
+    seed: int = option(0, type=nonnegative_int, help="random seed: the same seed gives byte-identical files")
+    size: int = option(64, type=positive_int, help=f"image side in px (>= {MIN_IMAGE_SIZE})")
+    holdout: Any = option("", metavar="COMBOS", help='(colour, shape) combinations held out of the train split, '
+                                                     'e.g. "red circle,blue square" (default: none)')
+    splits: Any = option("0.8,0.1,0.1", metavar="TRAIN,VAL,TEST", help="split fractions, summing to 1")
+    workers: int | None = option(None, type=positive_int,
+                                 help="processes (default: every CPU core; the output never depends on it)")
+
+    def __post_init__(self):
+        self.holdout = parse_holdout(self.holdout)
+        self.splits = parse_splits(self.splits)
+
+
+def build_parser() -> Parser:
+    return build_cli(ToyWorldOptions, "python -m extract.toyworld",
+                     "Generate the toy world: procedurally drawn scenes of coloured shapes with boxes, relations, "
+                     "captions and hard negatives (the project's embedded default dataset).")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
     """Parse the CLI; ``--config file.yaml`` sets defaults for the other options, flags override.
 
-    Returns a namespace with out, n, seed, size, workers (ints / None), holdout (frozenset of
-    (colour, shape)) and splits (tuple of three floats). Exits with a usage error when invalid.
+    Returns a :class:`ToyWorldOptions` (holdout a frozenset of (colour, shape), splits a tuple of three
+    floats). Exits with a one-line usage error (status 2) when invalid.
     """
-    parser = argparse.ArgumentParser(prog="python -m extract.toyworld",
-                                     description="Generate the toy world dataset.")
-    parser.add_argument("--out", help="output directory")
-    parser.add_argument("--n", type=positive_int, default=1000, help="number of scenes (default 1000)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the same seed gives byte-identical files")
-    parser.add_argument("--size", type=positive_int, default=64, help="image side in px (default 64)")
-    parser.add_argument("--holdout", default="", help='held out of train, e.g. "red circle,blue square"')
-    parser.add_argument("--splits", default="0.8,0.1,0.1", help="train,val,test fractions")
-    parser.add_argument("--workers", type=positive_int, default=None, help="processes (default: all cores)")
-    args = parse_with_config(parser, argv)
-    if not args.out:
-        parser.error("--out is required (on the command line or as 'out' in --config)")
+    parser = build_parser()
+    ns = parse_with_config(parser, argv)
+    if not ns.out:
+        parser.error("--out is required (on the command line or as 'out' in --config), e.g. --out runs/toy")
     try:
-        args.holdout = parse_holdout(args.holdout)
-        args.splits = parse_splits(args.splits)
+        return from_namespace(ToyWorldOptions, ns)
     except ValueError as err:
         parser.error(str(err))
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point: generate, print the summary, return 0."""
-    args = parse_args(argv)
-    summary = generate(args.out, args.n, args.seed, size=args.size, holdout=args.holdout,
-                       splits=args.splits, workers=args.workers)
-    print(format_summary(summary))
-    return 0
+    """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
+    def job(opts: ToyWorldOptions) -> None:
+        print(format_summary(generate(opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
+                                      splits=opts.splits, workers=opts.workers)))
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

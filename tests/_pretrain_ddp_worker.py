@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from adapters.registry import PRETRAIN  # noqa: E402
-from train.pretrain import Trainer, create_model, init_distributed, parse_args, resolve_architecture  # noqa: E402
+from train.pretrain import (Trainer, build_objective, create_model, init_distributed, parse_args,  # noqa: E402
+                            resolve_architecture)
 from train.pretrain_data import SeededTransform, build_train_data, to_device  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def run(world: str, out: Path, global_batch: int, methods: list[str]) -> None:
                            "--augment", "none", "--out", str(out / "unused"), "--seed", "3"])
         arch = resolve_architecture(args.model)
         model, _, eval_tf, tokenizer = create_model(arch, False, args.seed)
-        objective = PRETRAIN.get(method).from_args(args)
+        objective = build_objective(args.method, args.method_options)
         objective.setup(model, {"image_ids": None})
         trainer = Trainer(args, dist, model, objective)
         data = build_train_data(world, batch_size=b, rank=dist.rank, world_size=dist.world_size, accum_freq=1,

@@ -77,6 +77,17 @@ def no_network(monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def normal_verbosity():
+    """A test that runs a command with --quiet / --verbose in-process, or meets a warning, must not change the
+    next test's output."""
+    yield
+    from extract import cli
+
+    cli.set_verbosity(cli.NORMAL)
+    cli.forget_warnings()  # each test sees its own warnings
+
+
 @pytest.fixture(scope="session")
 def tiny_toy_cache(tmp_path_factory):
     """Factory: ``tiny_toy_cache(components)`` -> the FeatureCache of one 60-scene toy world (train split) under

@@ -1,6 +1,7 @@
 """python -m train.adapter end to end on the tiny backbone and a 120-scene toy world: every registered method,
 the final table, reload in a fresh process, exact resume, NaN handling, bad caches, failing fast without weights,
-and gradient accumulation against the whole batch.
+gradient accumulation against the whole batch; the promised command with no --data / --out (the embedded toy world,
+made small here, and a claimed default run folder); the Python entry train(AdapterOptions(...)) with the CLI's checks.
 
 The toy world, its caches and one trained ComAlign run are made once per session (under pytest's base temp
 folder) and shared with tests/test_adapter_eval.py and tests/test_adapter_scorer.py.
@@ -23,10 +24,11 @@ import torch
 from safetensors import safe_open
 
 from adapters.checkpoint import load_adapter, read_meta
+from extract import cli
 from adapters.registry import ADAPTERS
 from extract import toyworld
 from extract.cache import FeatureCache
-from train.adapter import DIVERGED, _Ctx, compute_gradients, main, parse_args
+from train.adapter import DIVERGED, AdapterOptions, _Ctx, compute_gradients, main, parse_args, resolve, train
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--workers", "0", "--extract-batch-size", "64", "--batch-size", "48", "--eval-batch-size", "256"]
@@ -163,7 +165,10 @@ def test_every_registered_method_trains_and_reloads(method, root, tmp_path):
     from train.adapter_eval import encode_rows
 
     out = tmp_path / method
-    assert main(adapter_argv(root, method, out, "--epochs", "1", "--no-final-eval")) == 0
+    summary = train(AdapterOptions(method=method, data=str(root / "world"), out=str(out), cache_dir=str(root / "cache"),
+                                   workers=0, extract_batch_size=64, batch_size=48, eval_batch_size=256, epochs=1,
+                                   final_eval=False))  # the Python entry: the same job as the command line
+    assert summary["adapter"] == str(out / "adapter.safetensors") and "markdown" not in summary
     head, meta = load_adapter(out / "adapter.safetensors")
     assert meta["method"] == method and type(head) is ADAPTERS.get(method)
     assert all(torch.isfinite(p).all() for p in head.parameters())
@@ -288,14 +293,89 @@ def test_head_config_flags_come_from_the_registry(tmp_path):
     assert args.method == "comalign" and args.head_config == {"layers": 3} and args.lr == 0.01
 
 
-def test_without_weights_it_fails_in_seconds_naming_them_before_building_anything(root, tmp_path, capsys):
+def test_without_weights_it_fails_in_seconds_naming_them_before_building_anything(root, tmp_path, capsys, monkeypatch):
+    """The README's command as typed: no --data, no --out. The weights check comes before the default toy world is
+    generated, before any cache and before the run folder."""
+    monkeypatch.chdir(tmp_path)
     t0 = time.perf_counter()
-    code = main(["--base", "ViT-B-32", "--method", "comalign", "--data", str(root / "world"), "--out",
-                 str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")])
+    code = main(["--base", "ViT-B-32", "--method", "comalign"])
     assert code == 2 and time.perf_counter() - t0 < 10
     err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err  # load_backbone's message, naming the fix
     assert "ViT-B-32" in err and "--pretrained" in err
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+    assert not (tmp_path / "runs").exists()  # no toy world, no cache, no run folder
+    code = main(["--base", "ViT-B-32", "--method", "comalign", "--data", str(root / "world"), "--out",
+                 str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache")])
+    assert code == 2 and not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeypatch, capsys):
+    """`python -m train.adapter --method comalign` with no --data and no --out: the default toy world (made small
+    here) is generated at runs/toy, the run lands in runs/tiny-comalign, the output reads well in a log (short lines,
+    no repeated warning, the table once); that folder is not overwritten by a run with other settings."""
+    from extract import toyworld
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(toyworld, "DEFAULT_N", 60)
+    monkeypatch.setattr(cli, "_verbosity", cli.verbosity())  # -q below: restored afterwards  # 48 train / 6 val / 6 test images
+    small = ["--epochs", "1", "--batch-size", "16", "--workers", "0", "--extract-batch-size", "64"]
+    assert main(["--method", "comalign", *small]) == 0
+    captured = capsys.readouterr()
+    out = tmp_path / "runs" / "tiny-comalign"
+    assert json.loads((tmp_path / "runs" / "toy" / "meta.json").read_text())["n"] == 60
+    config = json.loads((out / "config.json").read_text())
+    assert (config["data"], config["out"]) == (str(Path("runs") / "toy"), str(Path("runs") / "tiny-comalign"))
+    assert (out / "adapter.safetensors").is_file() and (out / "eval" / "results.md").is_file()
+    assert (tmp_path / "runs" / "cache").is_dir()  # the default --cache-dir, under the working directory
+    first = captured.out.splitlines()[:3]
+    assert first[0] == "no --data: training on the embedded toy world for 1 epoch" and first[1].startswith("toy world")
+    lines = (captured.out + captured.err).splitlines()
+    assert max(map(len, lines)) <= 300
+    warnings = [line for line in lines if "warning" in line.lower()]
+    assert len(warnings) == len(set(warnings)), warnings
+    assert captured.out.count("| metric | tiny | tiny + comalign |") == 1  # the final table, printed once
+
+    # without --epochs: the toy world's short default, the full one on data the user names
+    from train.adapter import EPOCHS, TOY_EPOCHS, AdapterOptions, resolve
+
+    assert resolve(AdapterOptions(method="comalign")).epochs == TOY_EPOCHS < EPOCHS
+    assert resolve(AdapterOptions(method="comalign", data="pairs.csv")).epochs == EPOCHS
+
+    # another run's settings into the same default folder: refused before any work, nothing touched
+    before = (out / "adapter.safetensors").stat().st_mtime_ns
+    assert main(["-q", "--method", "comalign", *small, "--lr", "1e-3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # --quiet: the toy world's and the run folder's status lines are silenced too
+    assert f"{Path('runs') / 'tiny-comalign'} holds another run (lr: 0.0005 there, 0.001 now)" in captured.err
+    assert (out / "adapter.safetensors").stat().st_mtime_ns == before
+
+
+def test_the_python_entry_refuses_what_the_command_line_refuses(tmp_path):
+    """train(AdapterOptions(...)) gets the flags' own checks before anything loads (issue 14, item 5: --epochs 0
+    once trained nothing and wrote a table); head and extraction options are checked like their generated flags."""
+    base = dict(method="comalign", data=str(tmp_path / "nowhere"), out=str(tmp_path / "run"))
+    for bad, message in (({"epochs": 0}, "epochs: expected an integer >= 1, got 0"),
+                         ({"lr": -1.0}, "lr: expected a number > 0"),
+                         ({"schedule": "linear"}, "schedule: invalid choice: 'linear'"),
+                         ({"method": "nope"}, "--method 'nope': no such method; choose from comalign"),
+                         ({"method": None}, "--method is required"),
+                         ({"val_fraction": 0.0}, "--val-fraction must be in (0, 1)"),
+                         ({"head_config": {"layerz": 1}}, "head_config: unknown key(s) layerz; accepted: dropout"),
+                         ({"head_config": {"layers": "two"}}, "head_config['layers']: invalid int value: 'two'"),
+                         ({"head_config": {"residual": "no"}}, "head_config['residual']: --no-residual is a switch"),
+                         ({"extract_options": {"regions": "boxes"}}, "extract_options['regions']: invalid choice"),
+                         ({"extract_options": {"split": "val"}}, "extract_options: unknown key(s) split"),
+                         ({"unfreeze": True}, "methods that support --unfreeze: smartclip")):
+        with pytest.raises(ValueError) as e:
+            train(AdapterOptions(**{**base, **bad}))
+        assert message in str(e.value), (bad, str(e.value))
+    assert not (tmp_path / "run").exists()
+    opts = resolve(AdapterOptions(**base, head_config={"layers": 1}, components="tree", resume=True))
+    assert (opts.lr, opts.batch_size, opts.resume, opts.head_config) == (5e-4, 256, "auto", {"layers": 1})
+    assert opts.components == ["entities", "relations", "tree"] and resolve(opts) == opts  # idempotent
+    cli_opts = parse_args(["--method", "comalign", "--data", base["data"], "--out", base["out"], "--layers", "1",
+                           "--components", "tree", "--resume"])
+    assert cli_opts == opts  # the command line parses into exactly what resolve makes of the Python call
 
 
 # --------------------------------------------------------------------------------------------- accumulation

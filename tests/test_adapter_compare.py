@@ -1,4 +1,5 @@
-"""python -m train.adapter_compare: several registered methods trained on one shared cache, one side-by-side table."""
+"""python -m train.adapter_compare: several registered methods trained on one shared cache, one side-by-side table;
+the training and evaluation jobs are called as functions with their options dataclasses (no command lines)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import pytest
 
 from adapters.registry import ADAPTERS
 from extract.cache import FeatureCache
-from train.adapter_compare import main, parse_args
+from train.adapter_compare import CompareOptions, compare, main, parse_args
 
 from test_adapter import toy_root
 
@@ -38,3 +39,62 @@ def test_unknown_methods_are_listed(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--data", "x", "--methods", "comalign,nope"])
     assert "nope" in capsys.readouterr().err
+
+
+def _fake_world(path):
+    path.mkdir()
+    (path / "meta.json").write_text("{}")
+    (path / "annotations.json").write_text("{}")
+    return path
+
+
+def test_compare_calls_train_and_evaluate_with_their_options(tmp_path, monkeypatch):
+    """Each method is one train(AdapterOptions) with the shared settings and the overrides after `--` (parsed once),
+    the table one evaluate(EvaluateOptions); every run's settings are checked before the first trains."""
+    import train.adapter as ta
+    import train.evaluate as ev
+    from train.adapter import AdapterOptions
+    from train.evaluate import EvaluateOptions
+
+    trained, evaluated = [], []
+
+    def fake_train(opts):
+        trained.append(opts)
+        return {"steps": 3, "adapter": f"{opts.out}/adapter.safetensors", "val": {}, "inference": {}}
+
+    def fake_evaluate(opts):
+        evaluated.append(opts)
+        return {"markdown": "| metric | ... |\n", "reports": [], "results": {}}
+
+    monkeypatch.setattr(ta, "train", fake_train)
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    world, out = _fake_world(tmp_path / "world"), tmp_path / "cmp"
+    opts = parse_args(["--data", str(world), "--out", str(out), "--methods", "comalign,powerclip", "--epochs", "2",
+                       "--", "--lr", "1e-4", "--max-entities", "5", "--no-learn-logit-scale"])
+    assert opts.overrides == {"lr": 1e-4, "extract_options": {"max_entities": 5},
+                              "head_config": {"learn_logit_scale": False}}  # a head flag both methods have
+    result = compare(opts)
+    assert all(type(o) is AdapterOptions for o in trained) and [o.method for o in trained] == ["comalign", "powerclip"]
+    union = sorted(set(ADAPTERS.get("comalign").components) | set(ADAPTERS.get("powerclip").components))
+    for o in trained:
+        assert (o.lr, o.epochs, o.batch_size, o.final_eval, o.components) == (1e-4, 2, 256, False, union)
+        assert (o.out, o.cache_dir, o.data) == (str(out / o.method), str(out / "cache"), str(world))
+        assert o.extract_options == {"max_entities": 5} and o.head_config == {"learn_logit_scale": False}
+    (table,) = evaluated
+    assert type(table) is EvaluateOptions
+    assert table.model == ["tiny", f"{out}/comalign/adapter.safetensors", f"{out}/powerclip/adapter.safetensors"]
+    assert (table.data, table.split, table.out, table.tasks) == (str(world), "test", str(out),
+                                                                 ["retrieval", "compositional"])
+    assert result["markdown"] == "| metric | ... |\n" and result["methods"]["powerclip"]["steps"] == 3
+
+    # an override one method cannot take: refused before anything trains or is written
+    trained.clear()
+    bad = parse_args(["--data", str(world), "--out", str(tmp_path / "bad"), "--methods", "comalign,smartclip", "--",
+                      "--dropout", "0"])
+    with pytest.raises(ValueError, match=r"smartclip: head_config: unknown key\(s\) dropout"):
+        compare(bad)
+    with pytest.raises(ValueError, match="overrides may not set out"):
+        compare(parse_args(["--data", str(world), "--out", str(tmp_path / "bad"), "--", "--out", "elsewhere"]))
+    with pytest.raises(ValueError, match="epochs: expected an integer >= 1, got 0"):
+        compare(CompareOptions(data=str(world), out=str(tmp_path / "bad"), epochs=0))
+    assert trained == [] and not (tmp_path / "bad").exists()

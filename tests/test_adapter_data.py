@@ -9,7 +9,9 @@ from hypothesis import given, settings, strategies as st
 from extract.backbone import load_backbone
 from adapters.registry import ADAPTERS
 from adapters.checkpoint import read_meta
-from train.adapter_data import caption_rows_of, check_cache, epoch_batches, extraction_argv, obtain_cache, split_images
+from train.adapter import AdapterOptions, resolve
+from train.adapter_data import (caption_rows_of, check_cache, epoch_batches, extraction_options, final_table_data,
+                                obtain_cache, split_images)
 
 from test_adapter import toy_root, trained_comalign
 
@@ -58,10 +60,12 @@ def test_caches_are_reused_by_fingerprint_and_checked_against_backbone_and_metho
     out = trained_comalign(root)
     meta = read_meta(out / "adapter.safetensors")
     tiny = load_backbone("tiny")
-    argv = extraction_argv(root / "world", root / "cache", base="tiny", pretrained=None,
-                           components=["entities", "relations"], split="train", options={}, device="cpu",
-                           batch_size=64, workers=0, precision="fp32")
-    cache = obtain_cache(argv, tiny)  # the training run's cache: found, not rebuilt
+    opts = resolve(AdapterOptions(method="comalign", data=str(root / "world"), cache_dir=str(root / "cache"),
+                                  extract_batch_size=64))
+    options = extraction_options(opts, root / "world", "train", device="cpu", workers=0)
+    assert (options.components, options.split, options.out, options.batch_size) == (
+        ["entities", "relations"], "train", str(root / "cache"), 64)
+    cache = obtain_cache(options, tiny)  # the training run's cache: found, not rebuilt
     assert cache.fingerprint == meta["extraction"]["fingerprint"]
     check_cache(cache, ADAPTERS.get("comalign"), tiny, {})
     other = load_backbone("tiny", init_seed=1)  # same architecture, other weights
@@ -69,3 +73,23 @@ def test_caches_are_reused_by_fingerprint_and_checked_against_backbone_and_metho
         check_cache(cache, ADAPTERS.get("comalign"), other, {})
     with pytest.raises(ValueError, match="regions: cache has 'random', comalign needs 'gt'"):
         check_cache(cache, ADAPTERS.get("comalign"), tiny, {"regions": "gt"})
+
+
+def test_extraction_and_table_options_carry_the_runs_own_settings(tmp_path):
+    """What an adapter run hands to python -m extract's and train.evaluate's jobs: its pass-through extraction
+    options, --image-root and the --csv-* options (so the cache and the table read the data as the run does)."""
+    opts = resolve(AdapterOptions(method="comalign", data="pairs.csv", val_data="val.csv", image_root="imgs",
+                                  csv_img_key="image", csv_separator=";", extract_options={"detector": "y.pt"},
+                                  benchmark=["sugarcrepe=sc"]))
+    ex = extraction_options(opts, "val.csv")
+    assert (ex.data, ex.split, ex.detector, ex.image_root, ex.csv_img_key, ex.csv_separator, ex.csv_caption_key) == (
+        "val.csv", None, "y.pt", "imgs", "image", ";", "title")
+    assert final_table_data(opts) == {"retrieval_data": "val.csv", "benchmark": ["sugarcrepe=sc"], "image_root": "imgs",
+                                      "csv_img_key": "image", "csv_separator": ";"}
+    world = tmp_path / "world"
+    world.mkdir()
+    (world / "meta.json").write_text("{}")
+    (world / "annotations.json").write_text("{}")
+    assert final_table_data(resolve(AdapterOptions(method="comalign", data=str(world)))) == {
+        "data": str(world), "split": "test"}
+    assert final_table_data(resolve(AdapterOptions(method="comalign", data="pairs.csv"))) == {}

@@ -5,7 +5,7 @@ import tarfile
 import pytest
 from PIL import Image
 
-from extract.check_data import main
+from extract.check_data import CheckDataOptions, check_data, main
 
 
 def test_check_data_counts_good_and_bad(tmp_path, capsys):
@@ -113,3 +113,34 @@ def test_webdataset_report_is_extracts_and_counts_a_conversion_once(tmp_path, ca
     assert extracted == checked  # the same summary, counts and entries, the conversion listed once
     assert extracted["converted"] == [{"image_id": "cmyk", "location": f"{shards / '000.tar'}::cmyk",
                                        "note": "CMYK converted to RGB"}]
+
+
+def test_the_job_from_python_returns_the_counts_and_gets_the_flags_checks(tmp_path, capsys):
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "a.png")
+    (tmp_path / "data.csv").write_text("filepath,title\na.png,a red square\nb.png,a missing image\n")
+    result = check_data(CheckDataOptions(source=str(tmp_path / "data.csv"), workers=0))
+    assert (result["images"], result["captions"], result["report"]) == (1, 1, None)
+    assert result["counts"]["image"] and result["summary"].startswith("skipped 1 image")
+    assert "checked" not in capsys.readouterr().out  # the command line prints; the function returns
+    with pytest.raises(ValueError, match="workers: expected an integer >= 0, got -1"):
+        check_data(CheckDataOptions(source=str(tmp_path / "data.csv"), workers=-1))
+    with pytest.raises(ValueError, match="unusual: invalid choice"):
+        check_data(CheckDataOptions(source=str(tmp_path / "data.csv"), unusual="keep"))
+
+
+def test_argument_errors_are_one_line_and_quiet_keeps_the_result(tmp_path, capsys):
+    from extract import cli
+
+    for argv, message in (([], "the data source is required"), (["x.csv", "--workers", "-1"], "--workers"),
+                          (["x.csv", "--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "usage:" not in err and message in err and err.count("\n") == 2, err
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "a.png")
+    (tmp_path / "data.csv").write_text("filepath,title\na.png,a red square\n")
+    try:
+        assert main([str(tmp_path / "data.csv"), "--workers", "0", "--quiet"]) == 0
+    finally:
+        cli.set_verbosity(cli.NORMAL)
+    assert capsys.readouterr().out.startswith("checked data.csv: 1 good images with 1 captions")

@@ -8,7 +8,7 @@ from PIL import Image
 
 from extract import toyworld
 from extract.data import ToyWorldSource
-from train.clip_benchmark_interop import ScorerAsCLIP, main
+from train.clip_benchmark_interop import ScorerAsCLIP, build_parser, main
 from train.evaluate import main as evaluate_main
 
 pytest.importorskip("clip_benchmark")
@@ -51,3 +51,14 @@ def test_non_dot_product_scorers_are_refused():
 
     with pytest.raises(ValueError, match="train.evaluate"):
         ScorerAsCLIP(Other())
+
+
+def test_the_command_word_is_ours_and_the_rest_goes_to_clip_benchmark_untouched(capsys):
+    args = build_parser().parse_args(["eval", "--model_type", "plugvlm", "--recall_k", "1", "5", "--help"])
+    assert args.command == "eval" and args.options == ["--model_type", "plugvlm", "--recall_k", "1", "5", "--help"]
+    for argv, message in ((["evl"], "invalid choice: 'evl'"), ([], "a command is required: eval or build"),
+                          (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "usage:" not in err and message in err, (argv, err)

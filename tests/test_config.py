@@ -57,7 +57,8 @@ def test_training_example_configs_parse():
     a = adapter_args(["--config", str(examples / "adapter_comalign_vitb32.yaml")])
     assert (a.method, a.base, a.schedule) == ("comalign", "ViT-B-32", "step")
     p = pretrain_args(["--config", str(examples / "pretrain_powerclip_r.yaml")])
-    assert (p.method, p.masks, p.num_masks, p.model, p.grad_checkpointing) == ("powerclip", "random", 10, "ViT-B-16", True)
+    assert (p.method, p.method_options["masks"], p.method_options["num_masks"], p.model, p.grad_checkpointing) == (
+        "powerclip", "random", 10, "ViT-B-16", True)
 
 
 # --------------------------------------------------------------------------------------------- config values are checked

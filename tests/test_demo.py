@@ -1,17 +1,24 @@
-"""The demo runs the main job end to end on a small toy world and reports what it did."""
+"""The demo runs the main job end to end on a small toy world, reports what it did, and reads well in a log."""
 import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 from adapters.registry import ADAPTERS
 from train.demo import main
 
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
+         "--batch-size", "32"]
+
 
 def test_demo_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    argv = ["--out", str(out), "--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16",
-            "--epochs", "1", "--batch-size", "32"]
+    argv = ["--out", str(out), *SMALL]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "[4/4]" in printed and "frozen base vs base + adapter" in printed
+    assert "[4/4]" in printed and printed.count("frozen base vs base + adapter") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert report["pretrained"] == str(out / "base" / "model.safetensors")
     assert json.loads((out / "base" / "model.json").read_text())["method"] == "clip"
@@ -19,12 +26,33 @@ def test_demo_end_to_end(tmp_path, capsys):
     # one column per model: the frozen base, then every registered adapter
     assert len(results["results"]) == 1 + len(ADAPTERS.names())
     assert json.loads((out / "config.json").read_text())["n"] == 80
+    # the base keeps its last checkpoint only, not one per epoch
+    assert len([p for p in (out / "base" / "checkpoints").iterdir() if p.is_dir()]) == 1
     # a second run reuses the toy world and the base (same settings) instead of redoing them
     assert main(argv + ["--methods", ADAPTERS.names()[0]]) == 0
     printed = capsys.readouterr().out
-    assert "reusing it" in printed and "reusing" in printed.split("[3/4]")[1].split("[4/4]")[0]
+    assert "reused" in printed.split("[2/4]")[1].split("[3/4]")[0]
+    assert "reusing" in printed.split("[3/4]")[1].split("[4/4]")[0]
+
+
+def test_demo_log_reads_well(tmp_path):
+    """`python -m train.demo > demo.log 2>&1`: no line over 300 characters (tqdm frames once made a 26 KB line),
+    no warning repeated, the table printed once (issue 15)."""
+    log = subprocess.run([sys.executable, "-m", "train.demo", "--out", str(tmp_path / "demo"), *SMALL], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert log.returncode == 0, log.stdout[-3000:]
+    lines = log.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 300, max(lines, key=len)
+    assert "\r" not in log.stdout
+    warnings = Counter(line for line in lines if "warning" in line.lower() or "No pretrained weights" in line)
+    assert not [w for w, n in warnings.items() if n > 1], warnings
+    assert "No pretrained weights loaded" not in log.stdout
+    assert sum(line.startswith("| metric |") for line in lines) == 1
 
 
 def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
     assert main(["--out", str(tmp_path), "--n", "20", "--base", "ViT-B-32"]) == 2
-    assert "--pretrained /path/to/" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "--pretrained /path/to/" in err and err.startswith("error: ")
+    assert not (tmp_path / "toyworld").exists()  # nothing was generated before the weights check failed

@@ -219,7 +219,18 @@ def test_cli_round_trip(tmp_path, capsys):
     # errors come back as a message and exit status 2, not a traceback
     np.savez(tmp_path / "odd.npz", x=xt[:2], y=np.array(["cat", "yak"]))
     assert main(["--train", str(tmp_path / "train.npz"), "--test", str(tmp_path / "odd.npz")]) == 2
-    assert "yak" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "yak" in err and "Traceback" not in err
     np.savez(tmp_path / "nokeys.npz", feats=x)
     assert main(["--train", str(tmp_path / "nokeys.npz"), "--test", str(tmp_path / "test.npz")]) == 2
-    assert "missing array" in capsys.readouterr().out
+    assert "missing array" in capsys.readouterr().err
+
+
+def test_cli_argument_errors_are_one_line(capsys):
+    for argv, message in ((["--test", "t.npz"], "--train and --test are required"),
+                          (["--train", "a.npz", "--test", "b.npz", "--val-fraction", "1.5"], "--val-fraction"),
+                          (["--train", "a.npz", "--tset", "b.npz"], "unrecognized arguments: --tset")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "usage:" not in err and message in err and err.count("\n") == 2, err

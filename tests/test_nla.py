@@ -1,6 +1,6 @@
 """adapters/nla.py against the PowerCLIP proofs and against independent references.
 
-- exact T2R / R2T against a pure itertools powerset enumeration and T2R's closed form (design.md §3);
+- exact T2R / R2T against a pure itertools powerset enumeration and T2R's closed form (max_A Q_{A,B} = sum_m relu(Q_{m,B}));
 - Theorem 1 (Lemma A.1): 0 <= NLA-T1 - T2R <= tau M log 2;
 - eq. 76: NLA-T2 inside [Lambda(a) - tau Z_a, Lambda(a) + tau a log K], Lambda recomputed here from the
   exact powerset max (eq. 45, 47), and eq. 78: Lambda(0) <= R2T <= Lambda(1), the alpha = 0 / 1 NLAs
@@ -83,7 +83,7 @@ def test_exact_against_itertools_enumeration():
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), shape=shapes, log_scale=st.floats(-2, 2))
 def test_t2r_exact_equals_closed_form(seed, shape, log_scale):
-    """max_A Q_{A,B} = sum_m relu(Q_{m,B}) (design.md §3), so T2R = mean_B sum_m relu Q."""
+    """max_A Q_{A,B} = sum_m relu(Q_{m,B}) , so T2R = mean_B sum_m relu Q."""
     n, m, k = shape
     q, rmask, nmask = _case(seed, n, m, k, scale=m * k * 10 ** log_scale / 100)
     relu = (q.clamp_min(0) * rmask[..., None]).sum(1)  # [n, K]

@@ -160,6 +160,53 @@ def test_rerun_reuses_and_a_changed_setting_rebuilds(world, reference, tmp_path,
         FeatureCache.open(out)  # two caches, no choice: an error that lists them, never a silent pick
 
 
+def test_the_other_settings_note_is_only_for_these_data_by_this_backbone(world, tmp_path, capsys):
+    """Caches of other splits or other data in the same --out are simply other caches: no note. A cache of these
+    very data by this backbone, extracted with other settings, is one the user may have meant to reuse: the note
+    names it and the differences."""
+    out = tmp_path / "cache"
+    flags = ["--components", "regions"]  # random boxes: no spaCy, no detector
+    assert main(_argv(world, out, *flags)) == 0
+    first = capsys.readouterr().out
+    assert "extracting" in first and "note:" not in first
+    images = sorted((world / "images").glob("*.png"))[:3]
+    table = tmp_path / "pairs.csv"
+    table.write_text("filepath,title\n" + "".join(f"{p},a shape\n" for p in images))
+    for other in (_argv(world, out, *flags, "--split", "test"), _argv(table, out, *flags)):
+        assert main(other) == 0
+        said = capsys.readouterr().out
+        assert "extracting" in said and "note:" not in said and "Differences" not in said, other
+    assert len(list(out.glob("*/manifest.json"))) == 3
+    assert main(_argv(world, out, *flags, "--num-regions", "4")) == 0
+    said = capsys.readouterr().out
+    train_cache = first.split(" into ")[1].split()[0]  # "extracting 3 of 3 shards into PATH on 1 process(es)"
+    assert said.count("note:") == 1 and f"note: {train_cache} holds these data by this backbone" in said
+    assert "regions.m: 10 -> 4" in said
+
+
+def test_progress_in_a_log_is_plain_lines_and_quiet_keeps_only_the_result(world, tmp_path, capsys, monkeypatch):
+    """stderr is no terminal here (as under `> log 2>&1`): the progress bar is plain lines, never carriage-return
+    frames; --quiet drops progress and status lines and keeps the result."""
+    from extract import cli
+
+    monkeypatch.setattr(cli, "_log_interval", lambda: 0.0)  # a line per batch instead of one per 30 s
+    n = len(ToyWorldSource(world).records())
+    flags = ["--components", ""]
+    try:
+        assert main(_argv(world, tmp_path / "cache", *flags)) == 0
+        said = capsys.readouterr()
+        lines = said.err.splitlines()
+        assert "\r" not in said.err and len(lines) > 1 and all(len(line) < 300 for line in lines)
+        assert all(line.startswith("extracting: ") and " img (" in line for line in lines), lines
+        assert lines[-1].endswith(" done") and f"{n}/{n} img (100%)" in lines[-1]
+        assert "shards into" in said.out and f"cached {n} images" in said.out  # status line and result
+        assert main(["--quiet", *_argv(world, tmp_path / "quiet", *flags)]) == 0
+        said = capsys.readouterr()
+        assert said.err == "" and "extracting" not in said.out and said.out.startswith(f"cached {n} images")
+    finally:
+        cli.set_verbosity(cli.NORMAL)
+
+
 def test_data_path_spelling_reuses_the_cache_and_changed_content_does_not(world, tmp_path, monkeypatch, capsys):
     toy = tmp_path / "toy"
     shutil.copytree(world, toy)  # a private copy: edited below
@@ -288,6 +335,7 @@ def test_two_processes_under_accelerate_equal_one(world, reference, tmp_path):
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 2 process(es)" in done.stdout
+    assert "\r" not in done.stderr and all(len(line) < 300 for line in (done.stdout + done.stderr).splitlines())
     _assert_same_content(out / reference.name, reference)
 
 

@@ -90,8 +90,7 @@ def test_ranks_come_from_torchrun_or_slurm_variables(monkeypatch):
 
 def test_accumulated_step_gives_the_big_batch_gradient(toy):
     """--accum-freq 2 with cached features = one micro-batch of twice the size (clip and powerclip)."""
-    from adapters.registry import PRETRAIN
-    from train.pretrain import Dist, Trainer, create_model, parse_args
+    from train.pretrain import Dist, Trainer, build_objective, create_model, parse_args
     from train.pretrain_data import SeededTransform, build_train_data
 
     for method in ("clip", "powerclip"):
@@ -100,7 +99,7 @@ def test_accumulated_step_gives_the_big_batch_gradient(toy):
             args = parse_args(_argv(toy, toy.parent / "unused", "--method", method, "--batch-size", str(batch),
                                     "--accum-freq", str(accum)))
             model, _, eval_tf, tok = create_model("plugvlm-tiny", False, 1)
-            objective = PRETRAIN.get(method).from_args(args)
+            objective = build_objective(args.method, args.method_options)
             objective.setup(model, {})
             trainer = Trainer(args, Dist(), model, objective)
             data = build_train_data(str(toy), batch_size=batch, rank=0, world_size=1, accum_freq=accum, seed=0,
@@ -126,9 +125,10 @@ def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
 
     out = tmp_path / "run"
     assert main(_argv(toy, out, "--epochs", "2", "--tensorboard", "--eval-every-n-epochs", "2",
-                      "--log-every-n-steps", "1", "--save-every-n-steps", "2")) == 0
+                      "--log-every-n-steps", "1", "--save-every-n-steps", "2", "--keep-checkpoints", "0")) == 0
     ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())
-    assert ckpts == ["epoch_0001", "epoch_0002", "step_00000008", "step_00000010"]  # 2 newest steps kept
+    # step 6 ends epoch 1: its checkpoint is epoch_0001, not a step one
+    assert ckpts == ["epoch_0001", "epoch_0002", "step_00000002", "step_00000004", "step_00000008", "step_00000010"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "epoch_0002"
     desc = json.loads((out / "model.json").read_text())
     assert desc["format"] == "plugvlm-pretrain" and desc["model"] == "plugvlm-tiny" and desc["method"] == "clip"
@@ -271,3 +271,107 @@ def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, fl
         parse_args(_argv(toy, tmp_path / "run", flag, value))
     assert e.value.code == 2 and f"argument {flag}: expected" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_options_built_in_python_get_the_command_lines_checks(tmp_path, monkeypatch):
+    """pretrain(PretrainOptions(epochs=0)) is refused as --epochs 0 is, before anything is written."""
+    from train.pretrain import PretrainOptions, pretrain
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="epochs: expected an integer >= 1, got 0"):
+        pretrain(PretrainOptions(epochs=0))
+    with pytest.raises(ValueError, match="lr: expected a number > 0"):
+        pretrain(PretrainOptions(lr=-1e-3, out=str(tmp_path / "x")))
+    with pytest.raises(ValueError, match=r"method_options\['num_masks'\] \(powerclip\): invalid int value: 'x'"):
+        pretrain(PretrainOptions(method="powerclip", method_options={"num_masks": "x"}))
+    with pytest.raises(ValueError, match=r"--mask-ratio must lie in \[0, 1\), got 1.5"):  # the objective's own check
+        pretrain(PretrainOptions(method="flip", method_options={"mask_ratio": 1.5}))
+    with pytest.raises(ValueError, match="unknown key\\(s\\) mask_ration; accepted: .*mask_ratio"):
+        pretrain(PretrainOptions(method="flip", method_options={"mask_ration": 0.1}))
+    with pytest.raises(ValueError, match="unknown --eval-tasks bogus"):
+        PretrainOptions(eval_tasks="retrieval,bogus")
+    assert not any(tmp_path.iterdir())  # no toy world, no run folder
+
+
+def test_method_options_from_the_command_line_and_from_python_agree(toy):
+    from train.pretrain import PretrainOptions, build_objective, parse_args, resolve_method_options
+
+    cli = parse_args(["--method", "flip", "--mask-ratio", "0.75", "--num-masks", "4"])
+    assert cli.method_options == {"mask_ratio": 0.75, "num_masks": 4}  # another method's flag, set: kept, unused
+    py = PretrainOptions(method="flip", method_options={"mask_ratio": 0.75})
+    assert resolve_method_options("flip", cli.method_options) == resolve_method_options("flip", py.method_options) \
+        == {"mask_ratio": 0.75}
+    assert build_objective("flip", py.method_options).config() == {"mask_ratio": 0.75}
+    assert build_objective("powerclip", cli.method_options).config()["num_masks"] == 4
+
+
+def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeypatch, capsys):
+    """`python -m train.pretrain --method ...` with no --data and no --out: the default toy world (made small
+    here) is generated, the run lands in runs/pretrain-MODEL-METHOD with the toy-world epochs, the first lines say
+    so, and the output reads well in a log; that folder is not overwritten by a run with other settings."""
+    from extract import toyworld
+    from train.pretrain import TOY_EPOCHS, main, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(toyworld, "DEFAULT_N", 40)
+    assert main(["--method", "clip", "--max-steps", "2", "--batch-size", "8", "--workers", "0",
+                 "--no-tensorboard"]) == 0
+    captured = capsys.readouterr()
+    out = tmp_path / "runs" / "pretrain-tiny-clip"
+    assert json.loads((tmp_path / "runs" / "toy" / "meta.json").read_text())["n"] == 40
+    assert (out / "model.safetensors").is_file() and (out / "log.csv").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["data"], config["epochs"], config["out"]) == (str(Path("runs") / "toy"), TOY_EPOCHS, str(Path(
+        "runs") / "pretrain-tiny-clip"))
+    first = captured.out.splitlines()[:6]
+    assert any("embedded toy world" in line for line in first), first
+    assert any(f"epochs: {TOY_EPOCHS}" in line for line in first), first
+    assert parse_args(["--config", str(out / "config.json")]).lr == 1e-3  # the resolved options work as --config
+    lines = (captured.out + captured.err).splitlines()
+    assert max(map(len, lines)) <= 300
+    warnings = [line for line in lines if "warning" in line.lower()]
+    assert len(warnings) == len(set(warnings)), warnings
+
+    # another run's settings into the same default folder: refused, nothing touched; --quiet keeps only the error
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(["-q", "--method", "clip", "--max-steps", "2", "--batch-size", "8", "--workers", "0",
+                 "--no-tensorboard", "--lr", "5e-4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"{Path('runs') / 'pretrain-tiny-clip'} holds another run (lr: 0.001 there, 0.0005 now)" in captured.err
+    assert "--out NEW_FOLDER" in captured.err and "--resume" in captured.err
+    # --resume with no checkpoint to continue (none was due in 2 steps) would be a new run: refused alike
+    assert main(["-q", "--method", "clip", "--max-steps", "2", "--batch-size", "8", "--workers", "0",
+                 "--no-tensorboard", "--lr", "5e-4", "--resume", "latest"]) == 2
+    assert "holds another run" in capsys.readouterr().err
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_keep_checkpoints_keeps_the_newest_the_best_and_latest(toy, tmp_path, monkeypatch):
+    """--keep-checkpoints 1 with step and epoch checkpoints and an evaluation each epoch: at the end only the last
+    epoch's checkpoint (latest) and the best-evaluated one are left, and checkpoints/best names it."""
+    import train.pretrain as pt
+
+    scores = iter([50.0, 10.0, 20.0])  # mean R@1 per epoch: epoch 1 is the best
+
+    def fake_eval(weights, arch, opts, device, tasks=None):
+        assert Path(weights).is_file()  # evaluated while it exists, before any pruning
+        r1 = next(scores)
+        return {"retrieval T2I R@1": r1, "retrieval I2T R@1": r1, "zero-shot top-1": 0.0}
+
+    monkeypatch.setattr(pt, "evaluate_checkpoint", fake_eval)
+    out = tmp_path / "keep"
+    summary = pt.pretrain(pt.parse_args(_argv(toy, out, "--epochs", "3", "--save-every-n-steps", "2",
+                                              "--keep-checkpoints", "1", "--eval-every-n-epochs", "1")))
+    ck = out / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["epoch_0001", "epoch_0003"]
+    assert (ck / "latest").read_text().strip() == "epoch_0003" and (ck / "best").read_text().strip() == "epoch_0001"
+    assert summary["best"] == str(ck / "epoch_0001") and summary["step"] == 3 * (51 // 8)
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["epoch_0001.json", "epoch_0002.json",
+                                                                "epoch_0003.json"]
+
+    # without an evaluation, just the newest N
+    out2 = tmp_path / "keep2"
+    pt.pretrain(pt.PretrainOptions(data=str(toy), out=str(out2), batch_size=8, workers=0, tensorboard=False,
+                                   epochs=2, save_every_n_steps=2, keep_checkpoints=2, eval_every_n_epochs=0))
+    assert sorted(p.name for p in (out2 / "checkpoints").iterdir() if p.is_dir()) == ["epoch_0002", "step_00000010"]

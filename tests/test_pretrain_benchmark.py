@@ -28,9 +28,33 @@ def test_benchmark_times_every_configuration(tmp_path):
                                      "powerclip M=15 / M=5 step"}
 
 
-def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path):
+def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path, monkeypatch):
+    """Every run is pretrain(PretrainOptions(...)) and the evaluation evaluate(EvaluateOptions(...)): no argv list
+    goes from one job to another."""
+    import train.evaluate as ev
+    import train.pretrain as pt
     from train.pretrain_compare import main
 
+    calls = []
+    real_pretrain, real_evaluate = pt.pretrain, ev.evaluate
+
+    def pretrain(opts):
+        assert isinstance(opts, pt.PretrainOptions)
+        calls.append((opts.method, opts.max_steps, opts.lr, opts.method_options))
+        return real_pretrain(opts)
+
+    def evaluate(opts):
+        assert isinstance(opts, ev.EvaluateOptions)
+        calls.append(("evaluate", len(opts.model)))
+        return real_evaluate(opts)
+
+    def no_argv(*args, **kwargs):
+        raise AssertionError("a job was called through its command line")
+
+    monkeypatch.setattr(pt, "pretrain", pretrain)
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    for module in (pt, ev):
+        monkeypatch.setattr(module, "main", no_argv)
     world = tmp_path / "toy"
     toyworld.generate(world, 30, seed=1, workers=1)  # seed 1: the test split has single-object scenes (zero-shot)
     threads = torch.get_num_threads()
@@ -38,9 +62,11 @@ def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path):
     try:
         assert main(["--out", str(tmp_path / "cmp"), "--data", str(world), "--methods", "clip,filip",
                      "--minutes-per-method", "0.005", "--batch-size", "4", "--workers", "0",
-                     "--calibration-steps", "2"]) == 0
+                     "--calibration-steps", "2", "--extra", "--lr 5e-4 --filip-chunk 2"]) == 0
     finally:
         torch.set_num_threads(threads)
+    assert [c[:3] for c in calls[:2]] == [("clip", 2, 5e-4), ("filip", 2, 5e-4)]  # calibrations, --extra applied
+    assert calls[1][3] == {"filip_chunk": 2} and calls[-1] == ("evaluate", 2)
     table = (tmp_path / "cmp" / "compare.md").read_text().splitlines()
     assert table[0] == "| | clip | filip |" and table[2].startswith("| training steps (epochs) |")
     rows = {line.split("|")[1].strip() for line in table[2:]}

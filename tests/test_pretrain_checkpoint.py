@@ -83,7 +83,7 @@ def test_latest_pointer_partial_folders_and_pruning(tmp_path):
     (partial / "model.safetensors").write_bytes(b"half")
     assert ck.find_resume(out, "latest").name == "step_00000006"
     assert ck.clean_partial(out / "checkpoints") == 1 and not partial.exists()
-    assert ck.prune_steps(out / "checkpoints", 2) == ["step_00000002"]
+    assert ck.prune(out / "checkpoints", 2) == ["step_00000002"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step_00000004", "step_00000006"]
     assert ck.find_resume(out, str(out / "checkpoints" / "step_00000004" / "model.safetensors")).name == "step_00000004"
     with pytest.raises(FileNotFoundError, match="no checkpoint there"):
@@ -91,6 +91,22 @@ def test_latest_pointer_partial_folders_and_pruning(tmp_path):
     (out / "checkpoints" / "latest").write_text("step_00000099\n")
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         ck.find_resume(out, "latest")
+
+
+def test_pruning_orders_step_and_epoch_checkpoints_by_training_position_and_spares_latest_and_best(tmp_path):
+    model, opt, names = _model_and_optimizer(0)
+    ckpt_dir = tmp_path / "checkpoints"
+    for name, step in (("step_00000002", 2), ("epoch_0001", 3), ("step_00000005", 5), ("epoch_0002", 6)):
+        ck.save_checkpoint(ckpt_dir, name, model, opt, names, None, {"step": step}, {})
+    (ckpt_dir / "unrelated").mkdir()  # not a checkpoint name: never touched
+    assert ck.prune(ckpt_dir, 0) == [] and ck.prune(ckpt_dir, 5) == []  # 0 keeps all
+    ck.mark_best(ckpt_dir, "epoch_0001")
+    assert ck.prune(ckpt_dir, 1, keep_also=["step_00000005"]) == ["step_00000002"]
+    assert sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir()) == ["epoch_0001", "epoch_0002", "step_00000005",
+                                                                       "unrelated"]
+    (ckpt_dir / ck.LATEST).write_text("step_00000005\n")  # e.g. a resumed run pointed back at it
+    assert ck.prune(ckpt_dir, 1) == []  # epoch_0002 is the newest, step_00000005 latest, epoch_0001 best
+    assert ck.prune(ckpt_dir, 1, keep_also=[None]) == [] and (ckpt_dir / ck.BEST).read_text() == "epoch_0001\n"
 
 
 # --------------------------------------------------------------------------------------------- integrity

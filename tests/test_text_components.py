@@ -369,5 +369,8 @@ def test_cli(tmp_path, capsys):
     assert main(["--captions", str(txt), "--n", "1", "--context-length", "0"]) == 0
     out = capsys.readouterr().out
     assert "1 captions in" in out and "cup" not in out
-    with pytest.raises(ValueError, match="no column"):
-        main(["--captions", str(csv_file), "--column", "caption"])
+    assert main(["--captions", str(csv_file), "--column", "caption"]) == 2  # one error line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "no column 'caption'" in err and err.count("\n") == 1
+    assert main(["--captions", str(tmp_path / "absent.txt")]) == 2
+    assert "absent.txt: no such caption file" in capsys.readouterr().err

@@ -373,6 +373,22 @@ def test_cli_writes_files_and_prints_summary(tmp_path, capsys):
     assert (meta["n"], meta["seed"], meta["size"]) == (12, 3, 48)
 
 
+def test_options_parse_like_the_flags_and_job_errors_are_one_line(tmp_path, capsys):
+    opts = tw.ToyWorldOptions(out=str(tmp_path), holdout="red circle", splits="0.5,0.25,0.25")
+    assert opts.holdout == {("red", "circle")} and opts.splits == (0.5, 0.25, 0.25)
+    assert tw.ToyWorldOptions(out=str(tmp_path), holdout=opts.holdout, splits=opts.splits) == opts  # parsed: kept
+    with pytest.raises(ValueError, match="invalid splits"):
+        tw.ToyWorldOptions(out="x", splits="0.5,0.5")
+    # a value only generate() refuses: one error line and status 2, no traceback
+    assert tw.main(["--out", str(tmp_path / "small"), "--n", "2", "--size", "16", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: need n >= 1, seed >= 0 and size >= 32") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as e:
+        tw.main(["--n", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--out is required" in err and "usage:" not in err
+
+
 def test_cli_config_sets_defaults_and_flags_override(tmp_path, capsys):
     config = tmp_path / "tw.yaml"
     config.write_text(f"out: {tmp_path / 'cfg'}\nn: 9\nseed: 5\nholdout: [red circle]\nsplits: [0.5, 0.25, 0.25]\n")

@@ -1,15 +1,22 @@
 """``python -m train.adapter``: train a compositional adapter head on a frozen backbone, from cached features
 (or, with ``--unfreeze``, together with the backbone from raw data).
 
-    python -m train.adapter --method comalign --data toy/ --out runs/comalign             # tiny backbone, toy world
+    python -m train.adapter --method comalign                                  # tiny backbone, the default toy world
+    python -m train.adapter --method comalign --data toy/ --out runs/comalign  # a toy world of your own
     python -m train.adapter --base ViT-B-32 --method comalign --data pairs.csv --detector yolov9c.pt \\
         --val-data val.csv --test-data test.csv --out runs/b32-comalign
     accelerate launch --multi_gpu --num_processes 4 -m train.adapter --base ViT-L-14 --method comalign ...
 
+From Python the same job is ``train(AdapterOptions(method="comalign", data="toy/", epochs=2))``: the command line
+only parses into :class:`AdapterOptions`, and both go through :func:`resolve`'s checks.
+
 What it does, in order:
 
 1. Resolves ``--method`` in the registry (``adapters.registry.ADAPTERS``; an unknown name lists the choices)
-   and loads the frozen backbone: absent weights fail here, in seconds, naming the file to supply.
+   and loads the frozen backbone: absent weights fail here, in seconds, naming the file to supply. Then the
+   data (default: the embedded toy world, ``extract.toyworld.ensure``, generated at ``runs/toy`` on first use)
+   and the run folder (default ``runs/<base>-<method>``; a folder holding a run with other settings is refused,
+   ``train.run_dir.claim``).
 2. Gets the feature caches the method needs (its head class names the components; ``train.adapter_data``):
    built with ``python -m extract``'s code when missing, reused by fingerprint when present; a ``--cache`` built
    for another backbone or without the needed components is an error naming both. Held-out split: a toy
@@ -56,154 +63,220 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from adapters.base import AdapterHead, to_tensors
 from adapters.checkpoint import load_training_state, read_meta, save_adapter, save_backbone_weights, \
     save_training_state
 from adapters.registry import ADAPTERS
 from adapters.scoring import cat_reps
+from extract.cli import JobFailed, Parser, check_options, from_namespace, option, progress, run_job, say
+from extract.cli import build_parser as build_cli
 from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,
                             positive_int, save_config)
+from extract.source_args import SourceOptions
 from extract.tensorfile import first_nonfinite
-from train.adapter_data import (cache_config, caption_rows_of, check_cache, epoch_batches, extraction_argv,
-                                is_toyworld, obtain_cache, split_images)
+from train.adapter_data import (cache_config, caption_rows_of, check_cache, epoch_batches, extraction_options,
+                                final_table_data, is_toyworld, obtain_cache, split_images)
 from train.adapter_eval import CachedBase, HeldOut, attach_toyworld_negatives, encode_heldout, evaluate_heldout, \
     heldout_split
 
-# python -m extract flags that train.adapter sets itself (or names differently) and does not pass through
-_EXTRACT_OWN = {"help", "config", "base", "pretrained", "data", "out", "split", "components", "device", "precision",
-                "batch_size", "workers", "image_root"}
-# arguments that must not change across --resume for the continuation to be exact
+# options that must not change across --resume for the continuation to be exact
 _RESUME_KEYS = ("method", "base", "epochs", "batch_size", "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
                 "schedule", "warmup", "step_epochs", "gamma", "precision", "grad_clip", "seed", "unfreeze",
                 "backbone_lr", "context_length")
 # values of keys added since the first checkpoints, so those still resume
 _RESUME_KEY_DEFAULTS = {"unfreeze": False, "backbone_lr": None, "context_length": None}
 DIVERGED = 3
+EPOCHS = 10               # --epochs on data you name
+TOY_EPOCHS = 5            # --epochs on the embedded toy world (no --data): the demo's setting, minutes on a CPU
 DEFAULT_LR = 5e-4          # head learning rate when its class names no head_lr
 DEFAULT_BATCH_SIZE = 256   # per process, when --unfreeze does not take the head class's unfreeze_batch_size
+PROG = "python -m train.adapter"
 
 
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row; the message names the last good checkpoint."""
+class TrainingDiverged(JobFailed):
+    """Too many non-finite steps in a row; the message names the last good checkpoint. Exit status 3."""
+
+    exit_code = DIVERGED
 
 
-# --------------------------------------------------------------------------------------------- CLI
-def _extract_actions():
+# --------------------------------------------------------------------------------------------- options
+class _OptionalValue(argparse.Action):
+    """``--resume [PATH]``: the value, or "auto" (the run folder's own training state) when none follows."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, "auto" if values is None else values)
+
+
+@dataclass
+class AdapterOptions(SourceOptions):
+    """What ``python -m train.adapter`` does, as data: ``train(AdapterOptions(method="comalign", data="toy"))`` runs
+    the same job as the command line with those flags, after the same checks (:func:`resolve`).
+
+    ``head_config``: fields of the method's ``Config`` (the flags its head group generates; ``{"layers": 1}``).
+    ``extract_options``: ``python -m extract`` options passed through to the extraction (``{"detector": "y.pt"}``;
+    the method's own ``extract_options`` fill the rest). ``components``: a comma string or a list. Left at None,
+    ``data`` is the embedded toy world, ``out`` ``runs/<base>-<method>``, and ``lr`` / ``batch_size`` /
+    ``backbone_lr`` the head class's (:func:`resolve` fills them). ``resume``: "auto" (or True) for the run
+    folder's own training state, or a training-state file."""
+
+    method: str | None = option(None, choices=ADAPTERS.names(), help="adapter head to train (required)")
+    base: str = option("tiny", help="backbone alias or open_clip model name (ViT-B-32, ViT-L-14, ...)")
+    pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
+    # data
+    data: str | None = option(None, group="data",
+                              help="training data: toy-world folder, CSV/TSV, COCO JSON, .tar shards (default: the "
+                                   "embedded toy world, generated at runs/toy on first use)")
+    val_data: str | None = option(None, group="data", help="held-out data (default: the toy world's val split, else "
+                                                           "--val-fraction of the training images)")
+    val_fraction: float = option(0.05, type=fraction, group="data",
+                                 help="held-out share of training images without --val-data (their captions are held "
+                                      "out too)")
+    test_data: str | None = option(None, group="data", help="data for the final table (default: the toy world's test "
+                                                            "split, else --val-data)")
+    benchmark: list = option(default_factory=list, action="append", metavar="NAME=PATH", group="data",
+                             help="compositional benchmark for the final table (train.evaluate's --benchmark; "
+                                  "repeatable)")
+    image_root: str | None = option(None, group="data",
+                                    help="folder relative image paths start from (CSV/COCO/benchmarks)")
+    cache_dir: str = option("runs/cache", group="data", help="feature caches (one sub-folder per settings fingerprint)")
+    cache: str | None = option(None, group="data",
+                               help="train from this finished cache (checked against --base and --method)")
+    components: Any = option("", group="data", help="extract these components too (comma list; the method's own are "
+                                                    "always extracted), so one cache serves several methods")
+    workers: int | None = option(None, type=nonnegative_int, group="data",
+                                 help="extraction: image decoding processes (default: python -m extract's)")
+    extract_batch_size: int = option(128, type=positive_int, group="data", help="extraction: backbone batch size")
+    extract_precision: str = option("fp32", choices=["fp32", "fp16", "bf16"], group="data",
+                                    help="extraction: backbone precision")
+    # optimisation
+    epochs: int | None = option(None, type=positive_int, group="optimisation",
+                                help=f"passes over the training captions (default: {EPOCHS}; {TOY_EPOCHS} on the "
+                                     "embedded toy world, so a first run ends in minutes on a CPU)")
+    batch_size: int | None = option(None, type=positive_int, group="optimisation",
+                                    help=f"contrastive batch per process (the global batch is this x processes; "
+                                         f"default {DEFAULT_BATCH_SIZE}, with --unfreeze the head class's "
+                                         "unfreeze_batch_size, a global batch, divided by the number of processes)")
+    accum_steps: int = option(1, type=positive_int, group="optimisation",
+                              help="split each batch into this many micro-batches (same gradient, less memory)")
+    lr: float | None = option(None, type=positive_float, group="optimisation",
+                              help=f"head learning rate (default: the head class's head_lr, else {DEFAULT_LR:g})")
+    weight_decay: float = option(0.1, type=nonnegative_float, group="optimisation",
+                                 help="AdamW weight decay (none on biases, gains and the logit scale)")
+    beta1: float = option(0.9, type=fraction, group="optimisation", help="AdamW beta1")
+    beta2: float = option(0.98, type=fraction, group="optimisation", help="AdamW beta2")
+    eps: float = option(1e-6, type=positive_float, group="optimisation", help="AdamW epsilon")
+    schedule: str = option("cosine", choices=["cosine", "step", "constant"], group="optimisation",
+                           help="cosine: linear warm-up then cosine to 0; step: StepLR (the ComAlign paper's)")
+    warmup: int = option(100, type=nonnegative_int, group="optimisation",
+                         help="warm-up steps (cosine; at most a tenth of the run)")
+    step_epochs: int = option(5, type=positive_int, group="optimisation", help="StepLR: epochs between decays")
+    gamma: float = option(0.1, type=positive_float, group="optimisation", help="StepLR: decay factor")
+    grad_clip: float = option(0.0, type=nonnegative_float, group="optimisation",
+                              help="clip the gradient norm (0: off)")
+    precision: str = option("fp32", choices=["fp32", "bf16", "fp16"], group="optimisation",
+                            help="autocast for the head")
+    seed: int = option(0, type=nonnegative_int, group="optimisation",
+                       help="seeds the head's initialisation, dropout, the batch order and a --val-fraction split "
+                            "(default: 0)")
+    device: str | None = option(None, group="optimisation",
+                                help="torch device (default: accelerate's: cuda when present, else cpu)")
+    # fine-tuning the backbone
+    unfreeze: bool = option(False, action="store_true", group="fine-tuning the backbone (--unfreeze)",
+                            help="train the backbone with the head, from raw images and captions (heads whose class "
+                                 "sets supports_unfreeze)")
+    backbone_lr: float | None = option(None, type=positive_float, group="fine-tuning the backbone (--unfreeze)",
+                                       help="backbone learning rate (default: the head class's backbone_lr)")
+    context_length: int | None = option(None, type=positive_int, group="fine-tuning the backbone (--unfreeze)",
+                                        help="stretch the text context to this many tokens first (Long-CLIP; 248 in "
+                                             "SmartCLIP; the first 20 positions stay fixed)")
+    # run
+    out: str | None = option(None, group="run", help="run folder: checkpoints, logs, evaluation (default: "
+                                                     "runs/<base>-<method>)")
+    resume: str | None = option(None, action=_OptionalValue, nargs="?", metavar="STATE", group="run",
+                                help="continue from OUT/checkpoints/last.safetensors (or the given training-state "
+                                     "file)")
+    save_every: int = option(0, type=nonnegative_int, group="run",
+                             help="also save the training state every N steps (0: at epoch ends only)")
+    stop_after_steps: int = option(0, type=nonnegative_int, group="run",
+                                   help="save and stop after this many steps in total (time-boxed jobs; continue "
+                                        "with --resume; 0: off)")
+    max_bad_steps: int = option(10, type=positive_int, group="run",
+                                help="abort after this many non-finite steps in a row")
+    eval_batch_size: int = option(1024, type=positive_int, group="run",
+                                  help="held-out evaluation: rows encoded at once")
+    final_eval: bool = option(True, action=argparse.BooleanOptionalAction, group="run",
+                              help="write the frozen base vs base + adapter table on the test split (default: on)")
+    eval_tasks: str = option("retrieval,compositional", group="run", help="train.evaluate tasks of the final table")
+    # the generated groups (the method's head flags, python -m extract's flags)
+    head_config: dict = field(default_factory=dict)
+    extract_options: dict = field(default_factory=dict)
+
+
+def _extract_actions() -> list[argparse.Action]:
+    """python -m extract's options that pass through: all but those an adapter run sets itself (its own fields,
+    some named differently: --extract-batch-size, --extract-precision) and the per-cache ``split``."""
     from extract.pipeline import build_parser as extract_parser
 
-    return [a for a in extract_parser()._actions if a.dest not in _EXTRACT_OWN and a.option_strings]
+    own = {f.name for f in dataclasses.fields(AdapterOptions)} | {"split", "help", "config", "quiet", "verbose"}
+    return [a for a in extract_parser()._actions if a.dest not in own and a.option_strings]
 
 
-def build_parser(head_cls: type[AdapterHead] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.adapter", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", default=None, help=f"adapter method: {', '.join(ADAPTERS.names())}")
-    p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name (ViT-B-32, ViT-L-14, ...)")
-    p.add_argument("--pretrained", default=None, help="tag, checkpoint path or 'none' (default: the alias's)")
-    d = p.add_argument_group("data")
-    d.add_argument("--data", default=None, help="training data: toy-world folder, CSV/TSV, COCO JSON, .tar shards")
-    d.add_argument("--val-data", default=None, help="held-out data (default: the toy world's val split, else "
-                                                    "--val-fraction of the training images)")
-    d.add_argument("--val-fraction", type=fraction, default=0.05, help="held-out share of training images without "
-                                                                    "--val-data (their captions are held out too)")
-    d.add_argument("--test-data", default=None, help="data for the final table (default: the toy world's test split, "
-                                                     "else --val-data)")
-    d.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH",
-                   help="compositional benchmark for the final table (train.evaluate's --benchmark)")
-    d.add_argument("--image-root", default=None, help="folder relative image paths start from (CSV/COCO/benchmarks)")
-    d.add_argument("--cache-dir", default="runs/cache", help="feature caches (one sub-folder per settings fingerprint)")
-    d.add_argument("--cache", default=None, help="train from this finished cache (checked against --base and --method)")
-    d.add_argument("--components", default="", help="extract these components too (comma list), so one cache serves "
-                                                    "several methods")
-    d.add_argument("--workers", type=nonnegative_int, default=None, help="extraction: image decoding processes")
-    d.add_argument("--extract-batch-size", type=positive_int, default=128, help="extraction: backbone batch size")
-    d.add_argument("--extract-precision", default="fp32", choices=["fp32", "fp16", "bf16"],
-                   help="extraction: backbone precision")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=positive_int, default=10, help="passes over the training captions")
-    o.add_argument("--batch-size", type=positive_int, default=None,
-                   help=f"contrastive batch per process (the global batch is this x processes); default "
-                        f"{DEFAULT_BATCH_SIZE}, with --unfreeze the head class's unfreeze_batch_size (a global batch) "
-                        "divided by the number of processes")
-    o.add_argument("--accum-steps", type=positive_int, default=1, help="split each batch into this many micro-batches "
-                                                              "(same gradient, less memory)")
-    o.add_argument("--lr", type=positive_float, default=None,
-                   help=f"head learning rate (default: the head class's head_lr, else {DEFAULT_LR:g})")
-    o.add_argument("--weight-decay", type=nonnegative_float, default=0.1)
-    o.add_argument("--beta1", type=fraction, default=0.9)
-    o.add_argument("--beta2", type=fraction, default=0.98)
-    o.add_argument("--eps", type=positive_float, default=1e-6)
-    o.add_argument("--schedule", default="cosine", choices=["cosine", "step", "constant"],
-                   help="cosine: linear warm-up then cosine to 0; step: StepLR (the ComAlign paper's)")
-    o.add_argument("--warmup", type=nonnegative_int, default=100, help="warm-up steps (cosine; at most a tenth of the run)")
-    o.add_argument("--step-epochs", type=positive_int, default=5, help="StepLR: epochs between decays")
-    o.add_argument("--gamma", type=positive_float, default=0.1, help="StepLR: decay factor")
-    o.add_argument("--grad-clip", type=nonnegative_float, default=0.0, help="clip the gradient norm (0: off)")
-    o.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="autocast for the head")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--device", default=None, help="default: accelerate's device (cuda if present, else cpu)")
-    u = p.add_argument_group("fine-tuning the backbone (--unfreeze)")
-    u.add_argument("--unfreeze", action="store_true",
-                   help="train the backbone with the head, from raw images and captions (heads whose class sets "
-                        "supports_unfreeze)")
-    u.add_argument("--backbone-lr", type=positive_float, default=None,
-                   help="backbone learning rate (default: the head class's backbone_lr)")
-    u.add_argument("--context-length", type=positive_int, default=None,
-                   help="stretch the text context to this many tokens first (Long-CLIP; 248 in SmartCLIP; the "
-                        "first 20 positions stay fixed)")
-    r = p.add_argument_group("run")
-    r.add_argument("--out", default=None, help="run folder: checkpoints, logs, evaluation")
-    r.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT/checkpoints/last.safetensors (or the given training-state file)")
-    r.add_argument("--save-every", type=nonnegative_int, default=0, help="also save the training state every N steps (0: epoch "
-                                                             "ends only)")
-    r.add_argument("--stop-after-steps", type=nonnegative_int, default=0,
-                   help="save and stop after this many steps in total (time-boxed jobs; continue with --resume)")
-    r.add_argument("--max-bad-steps", type=positive_int, default=10, help="abort after this many non-finite steps in a row")
-    r.add_argument("--eval-batch-size", type=positive_int, default=1024)
-    r.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
-                   help="write the frozen base vs base + adapter table on the test split")
-    r.add_argument("--eval-tasks", default="retrieval,compositional", help="train.evaluate tasks of the final table")
+def build_parser(head_cls: type[AdapterHead] | None = None) -> Parser:
+    """The command line: :class:`AdapterOptions`' flags, python -m extract's pass-through flags and, given the
+    method's head class, one flag per field of its ``Config``. ``parser.head_dests`` / ``parser.extract_dests``
+    map those fields to their argparse dests."""
+    p = build_cli(AdapterOptions, PROG, __doc__)
     x = p.add_argument_group("extraction (python -m extract options; the method's own needs are the default)")
+    p.extract_dests = {}
     for a in _extract_actions():
-        # SUPPRESS: only flags given by the user appear in args (the method's extract_options fill the rest)
+        # SUPPRESS: only flags given by the user appear (the method's extract_options fill the rest)
         kw = dict(dest=a.dest, default=argparse.SUPPRESS, help=f"{a.help} (python -m extract's default: {a.default})")
-        if a.choices is not None:
-            kw["choices"] = a.choices
-        if a.type is not None:
-            kw["type"] = a.type
+        for key in ("choices", "type", "metavar"):
+            if getattr(a, key) is not None:
+                kw[key] = getattr(a, key)
         x.add_argument(*a.option_strings, **kw)
-    p.head_dests = {}  # Config field -> argparse dest
+        p.extract_dests[a.dest] = a.dest
+    p.head_dests = {}
     if head_cls is not None:
-        taken = {s for a in p._actions for s in a.option_strings}
-        h = p.add_argument_group(f"{head_cls.name} head (defaults: {head_cls.__name__}.Config)")
-        for f in dataclasses.fields(head_cls.Config):
-            flag = "--" + f.name.replace("_", "-")
-            dest = f.name
-            if flag in taken or dest in {a.dest for a in p._actions}:
-                flag, dest = "--head-" + f.name.replace("_", "-"), "head_" + f.name
-            default = f.default if f.default is not dataclasses.MISSING else None
-            kw = dict(dest=dest, default=argparse.SUPPRESS, help=f"{f.metadata.get('help', '')} (default: {default!r})")
-            if isinstance(default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            elif default is not None:
-                kw["type"] = type(default)
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            h.add_argument(flag, **kw)
-            p.head_dests[f.name] = dest
+        p.head_dests = _add_head_group(p, head_cls)
     return p
+
+
+def _add_head_group(p: argparse.ArgumentParser, head_cls: type[AdapterHead]) -> dict[str, str]:
+    """One flag per field of ``head_cls.Config`` (``--head-NAME`` where NAME is taken by another option); returns
+    field -> dest. A field another head group of ``p`` already has shares its flag (several methods' union)."""
+    head_flags = p.__dict__.setdefault("head_flags", {})  # flag -> dest, over every head group of p
+    taken = {s for a in p._actions for s in a.option_strings} - set(head_flags)
+    dests = {a.dest for a in p._actions} - set(head_flags.values())
+    group = p.add_argument_group(f"{head_cls.name} head (defaults: {head_cls.__name__}.Config)")
+    out = {}
+    for f in dataclasses.fields(head_cls.Config):
+        flag, dest = "--" + f.name.replace("_", "-"), f.name
+        if flag in taken or dest in dests:
+            flag, dest = "--head-" + f.name.replace("_", "-"), "head_" + f.name
+        if flag in head_flags:
+            out[f.name] = head_flags[flag]
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kw = dict(dest=dest, default=argparse.SUPPRESS, help=f"{f.metadata.get('help', '')} (default: {default!r})")
+        if isinstance(default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        elif default is not None:
+            kw["type"] = type(default)
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        group.add_argument(flag, **kw)
+        out[f.name] = head_flags[flag] = dest
+    return out
 
 
 def _method_name(argv: Sequence[str] | None) -> str | None:
@@ -223,147 +296,137 @@ def _method_name(argv: Sequence[str] | None) -> str | None:
     return known.method
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _generated(ns: argparse.Namespace, dests: dict[str, str]) -> dict:
+    """Values of a generated group's flags that were given (their defaults are SUPPRESS), by field name."""
+    return {name: getattr(ns, dest) for name, dest in dests.items() if getattr(ns, dest, None) is not None}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> AdapterOptions:
+    """The command line as resolved :class:`AdapterOptions`; a bad flag or combination exits with status 2 and one
+    line naming it."""
     method = _method_name(argv)
     if method is not None and method not in ADAPTERS:
         build_parser().error(f"argument --method: invalid choice: {method!r} (choose from "
                              f"{', '.join(map(repr, ADAPTERS.names()))})")
-    head_cls = ADAPTERS.get(method) if method else None
-    p = build_parser(head_cls)
-    args = parse_with_config(p, argv)
-    if head_cls is None:
+    p = build_parser(ADAPTERS.get(method) if method else None)
+    ns = parse_with_config(p, argv)
+    if ns.method is None:
         p.error(f"--method is required; choose from {', '.join(ADAPTERS.names())}")
-    if not args.out:
-        p.error("--out is required (the run folder)")
-    if not args.data and not args.cache:
-        p.error("--data is required (or --cache with a finished cache)")
-    _check_unfreeze(p, args, head_cls)
-    if args.lr is None:
-        args.lr = float(getattr(head_cls, "head_lr", None) or DEFAULT_LR)
-    if args.batch_size is None:
-        per_run = getattr(head_cls, "unfreeze_batch_size", None) if args.unfreeze else None
+    try:
+        return resolve(from_namespace(AdapterOptions, ns, head_config=_generated(ns, p.head_dests),
+                                      extract_options=_generated(ns, p.extract_dests)))
+    except ValueError as e:
+        p.error(str(e))
+
+
+def parse_overrides(argv: Sequence[str], methods: Sequence[str], prog: str = PROG) -> dict:
+    """``train.adapter`` flags given once for several runs (``train.adapter_compare``'s arguments after ``--``) as
+    :class:`AdapterOptions` field values: only the flags given, head flags of any of ``methods`` into
+    ``head_config``, extraction flags into ``extract_options``. Exits with status 2 on a bad flag."""
+    p = build_parser()
+
+    def error(message: str):
+        p.exit(2, f"{prog}: error: after --: {message}\n  (`{PROG} --method NAME --help` lists these flags)\n")
+
+    p.error = error
+    heads = {}
+    for m in methods:
+        heads.update(_add_head_group(p, ADAPTERS.get(m)))
+    for a in p._actions:
+        a.default = argparse.SUPPRESS  # only what was given
+    ns = p.parse_args(list(argv))
+    names = {f.name for f in dataclasses.fields(AdapterOptions)}
+    out = {k: v for k, v in vars(ns).items() if k in names}
+    head = _generated(ns, {k: d for k, d in heads.items()})
+    extract = _generated(ns, p.extract_dests)
+    return {**out, **({"head_config": head} if head else {}), **({"extract_options": extract} if extract else {})}
+
+
+def _checked(values: dict, dests: dict[str, str], parser: argparse.ArgumentParser, what: str) -> dict:
+    """``values`` (field -> value) through the checks of their generated flags; ValueError for an unknown field."""
+    from extract.config import _config_value
+
+    actions = {a.dest: a for a in parser._actions}
+    unknown = sorted(set(values) - set(dests))
+    if unknown:
+        raise ValueError(f"{what}: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(dests))}")
+    out = {}
+    for name, value in values.items():
+        try:
+            out[name] = value if value is None else _config_value(parser, actions[dests[name]], value)
+        except ValueError as e:
+            raise ValueError(f"{what}[{name!r}]: {e}") from None
+    return out
+
+
+def resolve(opts: AdapterOptions) -> AdapterOptions:
+    """``opts`` checked as the command line checks its flags (types, choices, ranges, allowed combinations:
+    ValueError naming the option) with the defaults that depend on the method filled in: ``lr``, ``batch_size``,
+    ``backbone_lr`` from the head class, its components added to ``components`` and its ``extract_options`` under
+    the given ones. Idempotent. ``data`` and ``out`` stay as given: the run resolves them after the backbone loads
+    (:func:`place_run`)."""
+    names = ", ".join(ADAPTERS.names())
+    if opts.method is None:
+        raise ValueError(f"--method is required; choose from {names}")
+    if opts.method not in ADAPTERS:
+        raise ValueError(f"--method {opts.method!r}: no such method; choose from {names}")
+    head_cls = ADAPTERS.get(opts.method)
+    if opts.resume is True:
+        opts = dataclasses.replace(opts, resume="auto")
+    elif opts.resume is False:
+        opts = dataclasses.replace(opts, resume=None)
+    p = build_parser(head_cls)
+    check_options(opts, p)
+    head_config = _checked(dict(opts.head_config or {}), p.head_dests, p, "head_config")
+    extract = _checked(dict(opts.extract_options or {}), p.extract_dests, p, "extract_options")
+    opts = dataclasses.replace(opts, head_config=head_config,
+                               extract_options={**head_cls.extract_options, **extract})
+    _check_unfreeze(opts, head_cls)
+    lr = opts.lr if opts.lr is not None else float(getattr(head_cls, "head_lr", None) or DEFAULT_LR)
+    batch_size = opts.batch_size
+    if batch_size is None:
+        per_run = getattr(head_cls, "unfreeze_batch_size", None) if opts.unfreeze else None
         world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
-        args.batch_size = max(2, per_run // world) if per_run else DEFAULT_BATCH_SIZE
-    if args.batch_size < 2 or args.batch_size % args.accum_steps:
-        p.error("--batch-size must be >= 2 and a multiple of --accum-steps")
-    if not args.val_data and not 0 < args.val_fraction < 1:
-        p.error(f"--val-fraction must be in (0, 1) without --val-data, got {args.val_fraction:g}")
-    args.head_config = {f: getattr(args, d) for f, d in p.head_dests.items() if getattr(args, d, None) is not None}
-    args.extract_options = {**head_cls.extract_options,
-                            **{a.dest: getattr(args, a.dest) for a in _extract_actions() if getattr(args, a.dest, None) is not None}}
-    args.components = sorted({c.strip() for c in args.components.split(",") if c.strip()} | set(head_cls.components))
-    return args
+        batch_size = max(2, per_run // world) if per_run else DEFAULT_BATCH_SIZE
+    if batch_size < 2 or batch_size % opts.accum_steps:
+        raise ValueError("--batch-size must be >= 2 and a multiple of --accum-steps")
+    if not opts.val_data and not 0 < opts.val_fraction < 1:
+        raise ValueError(f"--val-fraction must be in (0, 1) without --val-data, got {opts.val_fraction:g}")
+    given = opts.components.split(",") if isinstance(opts.components, str) else list(opts.components or [])
+    components = sorted({str(c).strip() for c in given if str(c).strip()} | set(head_cls.components))
+    backbone_lr = opts.backbone_lr
+    if opts.unfreeze and backbone_lr is None:
+        backbone_lr = getattr(head_cls, "backbone_lr", None)
+        if backbone_lr is None:
+            raise ValueError(f"--unfreeze: {head_cls.__name__} names no backbone_lr; pass --backbone-lr")
+    epochs = opts.epochs
+    if epochs is None:
+        epochs = TOY_EPOCHS if opts.data is None and opts.cache is None else EPOCHS
+    return dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components, backbone_lr=backbone_lr,
+                               epochs=epochs)
 
 
-def _check_unfreeze(p: argparse.ArgumentParser, args, head_cls) -> None:
-    """--unfreeze / --backbone-lr / --context-length: allowed combinations, and the backbone lr default."""
+def _check_unfreeze(opts: AdapterOptions, head_cls) -> None:
+    """--unfreeze / --backbone-lr / --context-length: the allowed combinations (ValueError otherwise)."""
     from train.adapter_live import unfreeze_methods, unfreeze_support
 
-    if not args.unfreeze:
-        for flag, value in (("--backbone-lr", args.backbone_lr), ("--context-length", args.context_length)):
+    if not opts.unfreeze:
+        for flag, value in (("--backbone-lr", opts.backbone_lr), ("--context-length", opts.context_length)):
             if value is not None:
-                p.error(f"{flag} only applies with --unfreeze (the cached path never changes the backbone)")
+                raise ValueError(f"{flag} only applies with --unfreeze (the cached path never changes the backbone)")
         return
     why = unfreeze_support(head_cls)
     if why is not None:
-        p.error(f"--unfreeze: method {head_cls.name!r} trains on cached features only ({why}); methods that support "
-                f"--unfreeze: {', '.join(unfreeze_methods(ADAPTERS)) or 'none'}")
-    if args.cache:
-        p.error("--unfreeze reads raw images and captions (--data); a feature cache (--cache) holds frozen features")
-    if args.extract_precision != "fp32":
-        p.error("--unfreeze keeps fp32 weights for the optimizer; use --precision bf16/fp16 for mixed precision, not "
-                "--extract-precision")
-    if args.backbone_lr is None:
-        args.backbone_lr = getattr(head_cls, "backbone_lr", None)
-        if args.backbone_lr is None:
-            p.error(f"--unfreeze: {head_cls.__name__} names no backbone_lr; pass --backbone-lr")
-    if args.context_length is not None and args.context_length < 2:
-        p.error("--context-length must be at least 2 tokens")
-
-
-# --------------------------------------------------------------------------------------------- data
-@dataclass
-class RunData:
-    train_cache: object
-    train_rows: np.ndarray          # caption rows trained on
-    caption_image: np.ndarray       # [num_captions] global image row of every caption of the training cache
-    val: HeldOut
-    world: Path | None              # the toy world folder, when training on one
-    extractor: object               # LiveExtractor with the training cache's settings
-    test_argv: list[str]            # train.evaluate data arguments of the final table ([] = none)
-
-
-def prepare_data(args, head_cls, backbone, is_main: bool) -> RunData:
-    """Caches for training and the held-out split (built or reused), the split itself, and the final table's data."""
-    from adapters.adapter_scorer import LiveExtractor
-
-    world = Path(args.data) if args.data and is_toyworld(args.data) else None
-    common = dict(base=args.base, pretrained=args.pretrained, components=args.components, options=args.extract_options,
-                  device=str(backbone.device), batch_size=args.extract_batch_size, precision=args.extract_precision,
-                  workers=args.workers if args.workers is not None else _default_workers())
-    if args.image_root:
-        common["options"] = {**common["options"], "image_root": args.image_root}
-
-    def cache_for(data, split=None):
-        return obtain_cache(extraction_argv(data, args.cache_dir, split=split, **common), backbone)
-
-    if args.cache:
-        from extract.cache import FeatureCache
-
-        train_cache = FeatureCache.open(args.cache)
-        check_cache(train_cache, head_cls, backbone, args.extract_options)
-    else:
-        train_cache = cache_for(args.data, "train" if world else None)
-    caption_image = train_cache.caption_image_index()
-    annotations = world
-    extraction = cache_config(train_cache)
-    box_source = (train_cache.settings.get("boxes") or {}).get("source")
-    if box_source == "gt" and world is None:
-        annotations = extraction.get("annotations")
-    extractor = LiveExtractor(backbone, extraction, box_source=box_source, annotations=annotations)
-
-    if world is not None and not args.val_data:
-        val_cache = cache_for(world, "val")
-        val = heldout_split(val_cache, name="val")
-        train_rows = np.arange(train_cache.num_captions)
-    elif args.val_data:
-        val_cache = cache_for(args.val_data, "val" if is_toyworld(args.val_data) else None)
-        val = heldout_split(val_cache, name="val")
-        train_rows = np.arange(train_cache.num_captions)
-    else:
-        train_images, val_images = split_images(train_cache.num_images, args.val_fraction, args.seed)
-        val = heldout_split(train_cache, val_images, name=f"val ({args.val_fraction:g} of the training images)")
-        train_rows = caption_rows_of(caption_image, train_images)
-    negatives_world = world if not args.val_data else (Path(args.val_data) if is_toyworld(args.val_data) else None)
-    if negatives_world is not None and is_main:
-        attach_toyworld_negatives(val, negatives_world, "val", extractor)
-
-    return RunData(train_cache, train_rows, caption_image, val, world, extractor, final_table_data(args))
-
-
-def final_table_data(args) -> list[str]:
-    """train.evaluate data arguments of the final table: --test-data, else the toy world's test split, else
-    --val-data (+ --benchmark files); [] when there is none."""
-    test_argv: list[str] = []
-    spec = args.test_data or (args.data if args.data and is_toyworld(args.data) else None) or args.val_data
-    if spec is not None:
-        test_argv = ["--data", str(spec), "--split", "test"] if is_toyworld(spec) else ["--retrieval-data", str(spec)]
-    for b in args.benchmark:
-        test_argv += ["--benchmark", b]
-    if test_argv and args.image_root:
-        test_argv += ["--image-root", args.image_root]
-    if test_argv:
-        from extract.source_args import FLAGS, source_flags
-
-        for dest, value in source_flags(args).items():  # the test table is read like the training one
-            test_argv += [FLAGS[dest], str(value)]
-    return test_argv
-
-
-def _default_workers() -> int:
-    from extract.pipeline import DEFAULT_WORKERS
-
-    return DEFAULT_WORKERS
+        raise ValueError(f"--unfreeze: method {head_cls.name!r} trains on cached features only ({why}); methods that "
+                         f"support --unfreeze: {', '.join(unfreeze_methods(ADAPTERS)) or 'none'}")
+    if opts.cache:
+        raise ValueError("--unfreeze reads raw images and captions (--data); a feature cache (--cache) holds frozen "
+                         "features")
+    if opts.extract_precision != "fp32":
+        raise ValueError("--unfreeze keeps fp32 weights for the optimizer; use --precision bf16/fp16 for mixed "
+                         "precision, not --extract-precision")
+    if opts.context_length is not None and opts.context_length < 2:
+        raise ValueError("--context-length must be at least 2 tokens")
 
 
 # --------------------------------------------------------------------------------------------- optimisation
@@ -600,17 +663,17 @@ class _Logs:
             self.tb.close()
 
 
-# --------------------------------------------------------------------------------------------- the run
-def _jsonable(args) -> dict:
-    return json.loads(json.dumps(vars(args), default=str))
+# --------------------------------------------------------------------------------------------- the run, step by step
+def _jsonable(opts: AdapterOptions) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(opts), default=str))
 
 
-def _describe_base(args, backbone) -> dict:
+def _describe_base(opts: AdapterOptions, backbone) -> dict:
     info = backbone.describe(hash_weights=True)
-    pretrained = args.pretrained
+    pretrained = opts.pretrained
     if pretrained and os.path.exists(pretrained):
         pretrained = os.path.abspath(pretrained)  # the checkpoint must find it from any working directory
-    return {"base": args.base, "pretrained": pretrained, "weights_sha256": info.get("weights_sha256"), "describe": info}
+    return {"base": opts.base, "pretrained": pretrained, "weights_sha256": info.get("weights_sha256"), "describe": info}
 
 
 def _flat_metrics(result: dict) -> dict[str, float]:
@@ -624,281 +687,497 @@ def _summary_line(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k.replace('retrieval ', '')} {metrics[k]:.2f}" for k in keys)
 
 
-def train(args) -> dict:
-    """The whole run (module docstring). Returns a summary: paths, final metrics, steps, skipped steps."""
+@dataclass
+class Env:
+    """Where the run happens (:func:`setup`): processes and device, the frozen backbone, the run folder."""
+
+    accelerator: object
+    ctx: _Ctx
+    is_main: bool
+    backbone: object
+    base_info: dict           # the original weights, before any fine-tuning
+    out: Path | None = None   # set by place_run
+
+    @property
+    def state_path(self) -> Path:
+        return self.out / "checkpoints" / "last.safetensors"
+
+    def say(self, *parts) -> None:
+        """A status line, from rank 0 only (silenced by --quiet)."""
+        if self.is_main:
+            say(*parts)
+
+    def warn(self, text: str) -> None:
+        """A warning line, from rank 0 only (kept by --quiet)."""
+        if self.is_main:
+            print(text)
+
+
+@dataclass
+class TrainData:
+    """What the loop trains and evaluates on (:func:`load_data`)."""
+
+    train_rows: np.ndarray       # caption rows trained on
+    caption_image: np.ndarray    # [num_captions] image row of every caption of the training data
+    extraction: dict             # how the arrays were made (the checkpoint's description)
+    key: str                     # identifies the training data across --resume (the cache's fingerprint)
+    test: dict                   # train.evaluate data options of the final table ({}: none)
+    global_batch: int = 0
+    steps_per_epoch: int = 0
+    cache: object = None         # the training FeatureCache (cached path)
+    live: object = None          # train.adapter_live.LiveData (--unfreeze)
+    val: HeldOut | None = None   # held-out arrays; with --unfreeze re-encoded every epoch (None until needed)
+
+
+@dataclass
+class Model:
+    """What trains (:func:`build_model`)."""
+
+    head: AdapterHead
+    trained: torch.nn.Module     # the head, or (--unfreeze) backbone + head behind the head's interface
+    modules: dict                # extra modules of the training state ({"backbone": ...} with --unfreeze)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    resume_key: dict             # what a --resume must agree on
+
+
+@dataclass
+class State:
+    """Where the run is: the position of the next batch and the counters, all in the training state, so
+    ``--resume`` continues exactly."""
+
+    epoch: int = 0
+    batch: int = 0               # next batch of ``epoch``
+    step: int = 0
+    bad_in_a_row: int = 0
+    skipped_total: int = 0
+    history: list = field(default_factory=list)
+    stopped: bool = False        # by --stop-after-steps
+
+
+@dataclass
+class Run:
+    """One run's pieces, as the steps after :func:`start_or_resume` share them."""
+
+    opts: AdapterOptions
+    env: Env
+    data: TrainData
+    model: Model
+    state: State
+    logs: _Logs
+
+
+def setup(opts: AdapterOptions) -> Env:
+    """Processes and device (accelerate), then the frozen backbone: absent weights fail here, in about a second,
+    before any data is read, generated or extracted."""
     from accelerate import Accelerator
 
     from extract.backbone import load_backbone
 
-    head_cls = ADAPTERS.get(args.method)
-    mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[args.precision]
-    cpu = args.device is not None and torch.device(args.device).type == "cpu"
+    mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[opts.precision]
+    cpu = opts.device is not None and torch.device(opts.device).type == "cpu"
     accelerator = Accelerator(cpu=cpu or not torch.cuda.is_available(), mixed_precision=mixed)
-    device = torch.device(args.device) if args.device and not cpu else accelerator.device
-    rank, world = accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
-    say = print if is_main else (lambda *a, **k: None)
-    out = Path(args.out)
+    device = torch.device(opts.device) if opts.device and not cpu else accelerator.device
+    ctx = _Ctx(accelerator, accelerator.process_index, accelerator.num_processes, device,
+               accelerator.scaler if mixed == "fp16" else None)
+    backbone = load_backbone(opts.base, opts.pretrained, device=device, precision=opts.extract_precision)
+    return Env(accelerator, ctx, accelerator.is_main_process, backbone, _describe_base(opts, backbone))
 
-    # 1. the backbone first: absent weights fail in about a second, before any data is read or extracted
-    backbone = load_backbone(args.base, args.pretrained, device=device, precision=args.extract_precision)
-    check_batch_fits(args, world)  # from the data's index: minutes of extraction must not end in "lower --batch-size"
-    base_info = _describe_base(args, backbone)  # the original weights, before any fine-tuning
-    # 2. caches (built or reused) and splits; with --unfreeze the raw source's splits (train.adapter_live)
-    live = base_val = None
-    if args.unfreeze:
-        from extract.long_context import extend_backbone_context
-        from train.adapter_live import prepare_live
 
-        live = prepare_live(args, backbone, base_info["describe"])
-        if is_main and not args.resume:  # the frozen base's held-out figures, before stretching or training
-            base_val = live.heldout(args.extract_batch_size, _workers(args))
-        if args.context_length is not None:
-            # Long-CLIP §3.1: first 20 positions kept (and frozen by a gradient hook), the rest stretched
-            extend_backbone_context(backbone, args.context_length, freeze_kept=True)
-        backbone.unfreeze()
-        train_rows, caption_image = live.train_rows, live.caption_image
-        extraction, test_argv, data_key = live.extraction, final_table_data(args), f"live {live.train.name}"
-    else:
-        data = prepare_data(args, head_cls, backbone, is_main)
-        cache = data.train_cache
-        missing = sorted((set(head_cls.image_keys) | set(head_cls.text_keys)) - set(cache.keys))
-        if missing:
-            raise ValueError(f"cache {cache.path} lacks arrays {missing} that {args.method} reads")
-        train_rows, caption_image, test_argv, data_key = data.train_rows, data.caption_image, data.test_argv, \
-            cache.fingerprint
-        extraction = {"fingerprint": cache.fingerprint, "settings": cache.settings, "args": cache_config(cache),
-                      "path": str(cache.path)}
-    global_batch = args.batch_size * world
-    n_train_images = len(np.unique(caption_image[train_rows]))
-    if global_batch > n_train_images:
-        raise ValueError(f"the global batch ({global_batch}) exceeds the {n_train_images} training images: a batch "
+def place_run(opts: AdapterOptions, env: Env) -> AdapterOptions:
+    """``opts`` with its data and run folder: without ``--data`` (or ``--cache``) the embedded toy world, generated
+    on first use (``extract.toyworld.ensure``); without ``--out`` ``runs/<base>-<method>``. The folder is claimed
+    (``train.run_dir.claim``): one holding a run with other settings is refused, unless ``--resume``."""
+    from extract import toyworld
+    from train.run_dir import claim, default_out
+
+    if opts.data is None and opts.cache is None:
+        env.say(f"no --data: training on the embedded toy world for {opts.epochs} epoch{'s' * (opts.epochs != 1)}")
+        if env.is_main:  # DEFAULT_N read at call time, so a test can make the default world small
+            toyworld.ensure(toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED, say=env.say)
+        env.accelerator.wait_for_everyone()
+        opts = dataclasses.replace(opts, data=str(toyworld.DEFAULT_PATH))
+    if opts.out is None:
+        opts = dataclasses.replace(opts, out=str(default_out(opts.base, opts.method)))
+        env.say(f"no --out: the run folder is {opts.out}")
+    claim(Path(opts.out), _jsonable(opts), resume=bool(opts.resume))
+    env.out = Path(opts.out)
+    return opts
+
+
+def load_data(opts: AdapterOptions, env: Env) -> TrainData:
+    """The caches (built or reused) and the held-out split, or with ``--unfreeze`` the raw source's splits
+    (``train.adapter_live``); the global batch checked against the training images."""
+    check_batch_fits(opts, env.ctx.world)  # from the data's index: minutes of extraction must not end in an error
+    data = _live_data(opts, env) if opts.unfreeze else _cached_data(opts, env)
+    data.global_batch = opts.batch_size * env.ctx.world
+    n_images = len(np.unique(data.caption_image[data.train_rows]))
+    if data.global_batch > n_images:
+        raise ValueError(f"the global batch ({data.global_batch}) exceeds the {n_images} training images: a batch "
                          "holds each image at most once (no caption is a negative of its own image); lower --batch-size")
-    steps_per_epoch = len(train_rows) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_rows)} training captions make no batch of {global_batch}; lower --batch-size")
-    total_steps = steps_per_epoch * args.epochs
+    data.steps_per_epoch = len(data.train_rows) // data.global_batch
+    if data.steps_per_epoch == 0:
+        raise ValueError(f"{len(data.train_rows)} training captions make no batch of {data.global_batch}; lower "
+                         "--batch-size")
+    return data
 
-    # 3. head, optimizer, schedule. Seeded right here: extraction may have drawn from the global RNG (DataLoader
-    # seeds), and every rank must start from the same weights; dropout then gets a per-rank stream.
-    torch.manual_seed(args.seed)
-    head = head_cls.from_config(args.head_config, backbone.embed_dim).to(device)
-    torch.manual_seed(args.seed + 1 + rank)
-    # what trains: the head, or (--unfreeze) backbone + head behind the head's interface over raw inputs
-    model = head
-    modules = {}
-    if live is not None:
+
+def _cached_data(opts: AdapterOptions, env: Env) -> TrainData:
+    """Caches for training and the held-out split (built or reused), the split itself and the toy world's hard
+    negatives of the held-out images."""
+    from adapters.adapter_scorer import LiveExtractor
+
+    head_cls = ADAPTERS.get(opts.method)
+    device, workers = str(env.backbone.device), _workers(opts)
+    world = Path(opts.data) if opts.data and is_toyworld(opts.data) else None
+
+    def cache_for(data, split=None):
+        return obtain_cache(extraction_options(opts, data, split, device=device, workers=workers), env.backbone)
+
+    if opts.cache:
+        from extract.cache import FeatureCache
+
+        cache = FeatureCache.open(opts.cache)
+        check_cache(cache, head_cls, env.backbone, opts.extract_options)
+    else:
+        cache = cache_for(opts.data, "train" if world else None)
+    missing = sorted((set(head_cls.image_keys) | set(head_cls.text_keys)) - set(cache.keys))
+    if missing:
+        raise ValueError(f"cache {cache.path} lacks arrays {missing} that {opts.method} reads")
+    caption_image = cache.caption_image_index()
+    extraction = cache_config(cache)
+    box_source = (cache.settings.get("boxes") or {}).get("source")
+    annotations = extraction.get("annotations") if box_source == "gt" and world is None else world
+    extractor = LiveExtractor(env.backbone, extraction, box_source=box_source, annotations=annotations)
+
+    if opts.val_data or world is not None:
+        spec = opts.val_data or world
+        val = heldout_split(cache_for(spec, "val" if is_toyworld(spec) else None), name="val")
+        train_rows = np.arange(cache.num_captions)
+    else:
+        train_images, val_images = split_images(cache.num_images, opts.val_fraction, opts.seed)
+        val = heldout_split(cache, val_images, name=f"val ({opts.val_fraction:g} of the training images)")
+        train_rows = caption_rows_of(caption_image, train_images)
+    negatives_world = world if not opts.val_data else (Path(opts.val_data) if is_toyworld(opts.val_data) else None)
+    if negatives_world is not None and env.is_main:
+        attach_toyworld_negatives(val, negatives_world, "val", extractor)
+    description = {"fingerprint": cache.fingerprint, "settings": cache.settings, "args": extraction,
+                   "path": str(cache.path)}
+    return TrainData(train_rows, caption_image, description, cache.fingerprint, final_table_data(opts), cache=cache,
+                     val=val)
+
+
+def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
+    """--unfreeze: the raw source's splits, and (fresh runs) the frozen base's held-out arrays, computed before the
+    backbone is stretched or trained."""
+    from train.adapter_live import prepare_live
+
+    live = prepare_live(opts, env.backbone, env.base_info["describe"])
+    val = live.heldout(opts.extract_batch_size, _workers(opts)) if env.is_main and not opts.resume else None
+    return TrainData(live.train_rows, live.caption_image, live.extraction, f"live {live.train.name}",
+                     final_table_data(opts), live=live, val=val)
+
+
+def build_model(opts: AdapterOptions, env: Env, data: TrainData) -> Model:
+    """The head (and with ``--unfreeze`` the backbone made trainable, its text context stretched first), AdamW and
+    the schedule."""
+    head_cls = ADAPTERS.get(opts.method)
+    backbone = env.backbone
+    if data.live is not None:
+        from extract.long_context import extend_backbone_context
+
+        if opts.context_length is not None:
+            # Long-CLIP §3.1: first 20 positions kept (and frozen by a gradient hook), the rest stretched
+            extend_backbone_context(backbone, opts.context_length, freeze_kept=True)
+        backbone.unfreeze()
+    # Seeded right here: extraction may have drawn from the global RNG (DataLoader seeds), and every rank must
+    # start from the same weights; dropout then gets a per-rank stream.
+    torch.manual_seed(opts.seed)
+    head = head_cls.from_config(opts.head_config, backbone.embed_dim).to(env.ctx.device)
+    torch.manual_seed(opts.seed + 1 + env.ctx.rank)
+    trained, modules = head, {}
+    if data.live is not None:
         from train.adapter_live import LiveModel
 
-        model, modules = LiveModel(backbone, head), {"backbone": backbone.model}
-    optimizer = make_optimizer(head, args, backbone.model if live is not None else None)
-    scheduler = make_scheduler(optimizer, args, total_steps, steps_per_epoch)
-    scaler = accelerator.scaler if mixed == "fp16" else None
-    ctx = _Ctx(accelerator, rank, world, device, scaler)
-    resume_key = {k: getattr(args, k) for k in _RESUME_KEYS} | {
-        "head_config": head.config_dict(), "weights_sha256": base_info["weights_sha256"],
-        "cache": data_key, "world_size": world, "train_rows": int(len(train_rows))}
-    state_path = out / "checkpoints" / "last.safetensors"
-    start_epoch = start_batch = step = 0
-    bad_in_a_row, skipped_total = 0, 0
-    history: list[dict] = []
-    if args.resume:
-        path = Path(args.resume) if args.resume != "auto" else state_path
+        trained, modules = LiveModel(backbone, head), {"backbone": backbone.model}
+    optimizer = make_optimizer(head, opts, backbone.model if data.live is not None else None)
+    scheduler = make_scheduler(optimizer, opts, data.steps_per_epoch * opts.epochs, data.steps_per_epoch)
+    resume_key = {k: getattr(opts, k) for k in _RESUME_KEYS} | {
+        "head_config": head.config_dict(), "weights_sha256": env.base_info["weights_sha256"],
+        "cache": data.key, "world_size": env.ctx.world, "train_rows": int(len(data.train_rows))}
+    return Model(head, trained, modules, optimizer, scheduler, resume_key)
+
+
+def start_or_resume(opts: AdapterOptions, env: Env, model: Model) -> State:
+    """A fresh state, or (``--resume``) the saved one with weights, optimizer, schedule and RNG restored, refused
+    when the settings that decide the continuation differ. Then ``config.json`` is written."""
+    state = State()
+    if opts.resume:
+        path = Path(opts.resume) if opts.resume != "auto" else env.state_path
         if not path.is_file():
             raise FileNotFoundError(f"--resume: no training state at {path} (a run saves it at every epoch end)")
         theirs = {**_RESUME_KEY_DEFAULTS, **read_meta(path).get("resume_key", {})}
-        diff = [f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in resume_key.items() if theirs.get(k) != v]
+        diff = [f"{k}: {theirs.get(k)!r} -> {v!r}" for k, v in model.resume_key.items() if theirs.get(k) != v]
         if diff:
             raise ValueError(f"--resume {path}: this run's settings differ from the checkpoint's, so it would not "
                              "continue the same run:\n  " + "\n  ".join(diff))
-        meta = load_training_state(path, head, optimizer, scheduler, scaler, modules)
-        start_epoch, start_batch, step = meta["epoch"], meta["batch"], meta["step"]
-        bad_in_a_row, skipped_total = meta.get("bad_in_a_row", 0), meta.get("skipped_total", 0)
-        history = meta.get("history", [])
-        torch.set_rng_state(load_rng_for_rank(path, rank))
-        say(f"resuming {path} at epoch {start_epoch}, batch {start_batch} (step {step})")
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(_jsonable(args), out / "config.json")
-    logs = _Logs(out, is_main, step if args.resume else None)
-    val = base_val if live is not None else data.val  # held-out arrays (live: re-encoded every epoch)
-    held = (f"held-out {len(live.val.records)} images / {len(live.val.texts)} captions" if live is not None else
-            f"held-out {len(val.image_rows)} images / {len(val.caption_rows)} captions"
-            + (f" + {len(val.negatives)} hard negatives" if val.negatives else ""))
-    say(f"{args.method} on {args.base}{' (fine-tuning the backbone)' if live is not None else ''}: {len(train_rows)} "
-        f"training captions of {n_train_images} images, {held}; {steps_per_epoch} steps/epoch x {args.epochs} epochs, "
-        f"global batch {global_batch} on {world} process(es), "
-        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters"
-        + (f" (backbone lr {args.backbone_lr:g}, head lr {args.lr:g}"
-           + (f", text context {backbone.context_length}" if args.context_length else "") + ")" if live else ""))
-    if is_main and not args.resume:
-        base_metrics = _flat_metrics(evaluate_heldout(CachedBase(), val, device, args.eval_batch_size))
-        say(f"frozen base on {val.name}: {_summary_line(base_metrics)}")
-        history.append({"epoch": 0, "step": 0, "model": "base", **base_metrics})
+        meta = load_training_state(path, model.head, model.optimizer, model.scheduler, env.ctx.scaler, model.modules)
+        state = State(meta["epoch"], meta["batch"], meta["step"], meta.get("bad_in_a_row", 0),
+                      meta.get("skipped_total", 0), meta.get("history", []))
+        torch.set_rng_state(load_rng_for_rank(path, env.ctx.rank))
+        env.say(f"resuming {path} at epoch {state.epoch}, batch {state.batch} (step {state.step})")
+    if env.is_main:
+        env.out.mkdir(parents=True, exist_ok=True)
+        save_config(_jsonable(opts), env.out / "config.json")
+    return state
 
-    def save_state(epoch: int, batch: int) -> bool:
-        """Training state at (epoch, next batch); refused (False) during a run of skipped steps or when the weights
-        are not finite, so the file on disk stays the last good state."""
-        if bad_in_a_row or first_nonfinite(dict(model.named_parameters())) is not None:
-            why = (f"{bad_in_a_row} step(s) in a row skipped as non-finite" if bad_in_a_row else "the weights are not finite")
-            kept = (f"{state_path} keeps the last good state" if state_path.is_file() else
-                    "no good state has been saved yet")
-            say(f"warning: not saving at step {step}: {why}; {kept}")
-            return False
-        if is_main:
-            save_training_state(state_path, head, optimizer, scheduler, scaler, {
-                "epoch": epoch, "batch": batch, "step": step, "bad_in_a_row": bad_in_a_row,
-                "skipped_total": skipped_total, "history": history, "resume_key": resume_key,
-                "args": _jsonable(args), "base": base_info, "extraction": extraction}, modules)
-            _save_rank_rng(state_path, rank)
-        else:
-            _save_rank_rng(state_path, rank)
-        accelerator.wait_for_everyone()
-        return True
 
+def begin(run: Run) -> None:
+    """Say what trains on what; on a fresh start, the frozen base's held-out figures (the history's first row)."""
+    opts, env, data, model = run.opts, run.env, run.data, run.model
+    if data.live is not None:
+        held = f"held-out {len(data.live.val.records)} images / {len(data.live.val.texts)} captions"
+    else:
+        held = (f"held-out {len(data.val.image_rows)} images / {len(data.val.caption_rows)} captions"
+                + (f" + {len(data.val.negatives)} hard negatives" if data.val.negatives else ""))
+    n_images = len(np.unique(data.caption_image[data.train_rows]))
+    trainable = sum(p.numel() for p in model.trained.parameters() if p.requires_grad)
+    tuned = ""
+    if data.live is not None:
+        tuned = (f" (backbone lr {opts.backbone_lr:g}, head lr {opts.lr:g}"
+                 + (f", text context {env.backbone.context_length}" if opts.context_length else "") + ")")
+    env.say(f"{opts.method} on {opts.base}{' (fine-tuning the backbone)' if data.live is not None else ''}: "
+            f"{len(data.train_rows)} training captions of {n_images} images, {held}; {data.steps_per_epoch} "
+            f"steps/epoch x {opts.epochs} epochs, global batch {data.global_batch} on {env.ctx.world} process(es), "
+            f"{trainable:,} trainable parameters{tuned}")
+    if env.is_main and not opts.resume:
+        base = _flat_metrics(evaluate_heldout(CachedBase(), data.val, env.ctx.device, opts.eval_batch_size))
+        env.say(f"frozen base on {data.val.name}: {_summary_line(base)}")
+        run.state.history.append({"epoch": 0, "step": 0, "model": "base", **base})
+
+
+def train_epoch(run: Run, epoch: int) -> None:
+    """The steps of one epoch from the state's position: all of them, or up to ``--stop-after-steps`` (then the
+    state is saved and ``state.stopped`` set)."""
+    opts, env, data, model, state = run.opts, run.env, run.data, run.model, run.state
+    ctx, head_cls = env.ctx, type(model.head)
+    batches = epoch_batches(data.train_rows, data.caption_image, data.global_batch, opts.seed, epoch,
+                            data.steps_per_epoch)
+
+    def mine(rows: np.ndarray) -> np.ndarray:  # this rank's slice of a global batch
+        return rows[ctx.rank * opts.batch_size:(ctx.rank + 1) * opts.batch_size]
+
+    if data.live is not None:  # images decoded and captions tokenized by DataLoader workers, batches in this order
+        from train.adapter_live import batch_loader
+
+        loader = iter(batch_loader(data.live.train, [mine(b) for b in batches[state.batch:]], env.backbone,
+                                   _workers(opts)))
     keys = list(dict.fromkeys([*head_cls.image_keys, *head_cls.text_keys]))
-    stopped = False
-    t_start = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
-        batches = epoch_batches(train_rows, caption_image, global_batch, args.seed, epoch, steps_per_epoch)
-        model.train()
-        first = start_batch if epoch == start_epoch else 0
-        if live is not None:  # images decoded and captions tokenized by DataLoader workers, batches in this order
-            from train.adapter_live import batch_loader
-
-            loader = iter(batch_loader(live.train, [bt[rank * args.batch_size:(rank + 1) * args.batch_size]
-                                                    for bt in batches[first:]], backbone, _workers(args)))
-        bar = tqdm(range(first, len(batches)), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step",
-                   disable=not is_main, dynamic_ncols=True, leave=False)
-        for b in bar:
-            t0 = time.perf_counter()
-            if live is not None:
-                images, texts = _live_batch(next(loader), live, ctx, say)
-            else:
-                local = batches[b][rank * args.batch_size:(rank + 1) * args.batch_size]
-                arrays = to_tensors(cache.batch(local, keys), device)
-                images = {k: arrays[k] for k in head_cls.image_keys}
-                texts = {k: arrays[k] for k in head_cls.text_keys}
-            out_step = compute_gradients(model, images, texts, args.accum_steps, ctx)
-            lr = optimizer.param_groups[0]["lr"]
-            lrs = {"lr_backbone": optimizer.param_groups[-1]["lr"]} if live is not None else {}
-            reason = optimizer_step(model, optimizer, out_step, args, ctx)
-            with warnings.catch_warnings():  # a skipped first step is not the misuse torch warns about
-                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
-                scheduler.step()  # skipped steps count: the schedule follows the step number
-            step += 1
-            row = {"step": step, "epoch": epoch + (b + 1) / len(batches), "lr": lr, **lrs,
-                   **_mean_over_ranks(out_step, ctx), "seconds": time.perf_counter() - t0,
-                   "skipped": int(reason is not None), "reason": reason or ""}
-            logs.step(row)
-            if reason is None:
-                bad_in_a_row = 0
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
-            else:
-                bad_in_a_row += 1
-                skipped_total += 1
-                say(f"step {step}: skipped ({reason}); {bad_in_a_row} in a row")
-                if bad_in_a_row >= args.max_bad_steps:
-                    logs.close()
-                    raise TrainingDiverged(
-                        f"training diverged: {bad_in_a_row} non-finite steps in a row (last at step {step}). The last "
-                        f"good checkpoint is kept: {state_path if state_path.exists() else '(none saved yet)'}. Lower "
-                        "--lr, set --grad-clip, or check the cache for NaN features; then --resume")
-            if args.save_every and step % args.save_every == 0:
-                save_state(epoch, b + 1)
-            if args.stop_after_steps and step >= args.stop_after_steps:
-                stopped = True
-                break
-        bar.close()
-        if stopped:
-            save_state(epoch, b + 1)
-            say(f"stopped after step {step} (--stop-after-steps); continue with --resume")
+    model.trained.train()
+    bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="step",
+                   disable=not env.is_main)
+    for b in bar:
+        t0 = time.perf_counter()
+        if data.live is not None:
+            images, texts = _live_batch(next(loader), data.live, ctx, env.warn)
+        else:
+            arrays = to_tensors(data.cache.batch(mine(batches[b]), keys), ctx.device)
+            images, texts = {k: arrays[k] for k in head_cls.image_keys}, {k: arrays[k] for k in head_cls.text_keys}
+        out = compute_gradients(model.trained, images, texts, opts.accum_steps, ctx)
+        lr = model.optimizer.param_groups[0]["lr"]
+        lrs = {"lr_backbone": model.optimizer.param_groups[-1]["lr"]} if data.live is not None else {}
+        reason = optimizer_step(model.trained, model.optimizer, out, opts, ctx)
+        with warnings.catch_warnings():  # a skipped first step is not the misuse torch warns about
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+            model.scheduler.step()  # skipped steps count: the schedule follows the step number
+        state.step, state.batch = state.step + 1, b + 1
+        row = {"step": state.step, "epoch": epoch + (b + 1) / len(batches), "lr": lr, **lrs,
+               **_mean_over_ranks(out, ctx), "seconds": time.perf_counter() - t0,
+               "skipped": int(reason is not None), "reason": reason or ""}
+        run.logs.step(row)
+        if reason is None:
+            state.bad_in_a_row = 0
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+        else:
+            _skipped_step(run, reason)
+        if opts.save_every and state.step % opts.save_every == 0:
+            save_state(run)
+        if opts.stop_after_steps and state.step >= opts.stop_after_steps:
+            state.stopped = True
             break
-        start_batch = 0
-        if is_main:
-            if live is not None:  # the held-out split through the backbone as it is now
-                val = live.heldout(args.extract_batch_size, _workers(args)).keep_warnings_of(val)
-            metrics = _flat_metrics(evaluate_heldout(head, val, device, args.eval_batch_size))
-            history.append({"epoch": epoch + 1, "step": step, "model": args.method, **metrics})
-            logs.scalars("val", metrics, step)
-            say(f"epoch {epoch + 1}/{args.epochs}: {val.name}: {_summary_line(metrics)}")
-            (out / "history.json").write_text(json.dumps(history, indent=2) + "\n")
-        save_state(epoch + 1, 0)
-    logs.close()
-    summary = {"out": str(out), "steps": step, "skipped_steps": skipped_total, "stopped": stopped,
-               "seconds": time.perf_counter() - t_start, "history": history}
-    if stopped or not is_main:
-        accelerator.wait_for_everyone()  # matched by rank 0's barrier after its final steps
-        return summary
+    bar.close()
+    if state.stopped:
+        save_state(run)
+        env.say(f"stopped after step {state.step} (--stop-after-steps); continue with --resume")
 
-    # 5. inference-only parameters on the held-out split, the checkpoint, the final table
-    model.eval()
-    if live is not None and val is None:  # resumed after the last epoch's evaluation
-        val = live.heldout(args.extract_batch_size, _workers(args))
-    image_reps, text_reps = encode_heldout(head, val, device, args.eval_batch_size)
-    fitted = head.fit_inference(image_reps, text_reps, val.caption_image)
+
+def _skipped_step(run: Run, reason: str) -> None:
+    """Count a step skipped as non-finite; raise TrainingDiverged after --max-bad-steps in a row."""
+    state = run.state
+    state.bad_in_a_row += 1
+    state.skipped_total += 1
+    run.env.warn(f"step {state.step}: skipped ({reason}); {state.bad_in_a_row} in a row")
+    if state.bad_in_a_row >= run.opts.max_bad_steps:
+        run.logs.close()
+        path = run.env.state_path
+        raise TrainingDiverged(
+            f"training diverged: {state.bad_in_a_row} non-finite steps in a row (last at step {state.step}). The last "
+            f"good checkpoint is kept: {path if path.exists() else '(none saved yet)'}. Lower --lr, set "
+            "--grad-clip, or check the cache for NaN features; then --resume")
+
+
+def save_state(run: Run) -> bool:
+    """The training state at the state's position; refused (False) during a run of skipped steps or when the
+    weights are not finite, so the file on disk stays the last good state."""
+    env, model, state = run.env, run.model, run.state
+    path = env.state_path
+    if state.bad_in_a_row or first_nonfinite(dict(model.trained.named_parameters())) is not None:
+        why = (f"{state.bad_in_a_row} step(s) in a row skipped as non-finite" if state.bad_in_a_row
+               else "the weights are not finite")
+        kept = f"{path} keeps the last good state" if path.is_file() else "no good state has been saved yet"
+        env.warn(f"warning: not saving at step {state.step}: {why}; {kept}")
+        return False
+    if env.is_main:
+        save_training_state(path, model.head, model.optimizer, model.scheduler, env.ctx.scaler, {
+            "epoch": state.epoch, "batch": state.batch, "step": state.step, "bad_in_a_row": state.bad_in_a_row,
+            "skipped_total": state.skipped_total, "history": state.history, "resume_key": model.resume_key,
+            "args": _jsonable(run.opts), "base": env.base_info, "extraction": run.data.extraction}, model.modules)
+    _save_rank_rng(path, env.ctx.rank)
+    env.accelerator.wait_for_everyone()
+    return True
+
+
+def end_epoch(run: Run, epoch: int) -> None:
+    """Held-out figures after ``epoch`` (rank 0; with --unfreeze the split re-encoded by the backbone as it is now),
+    logged and added to history.json; then the training state at the next epoch's start."""
+    opts, env, data, state = run.opts, run.env, run.data, run.state
+    if env.is_main:
+        if data.live is not None:
+            data.val = data.live.heldout(opts.extract_batch_size, _workers(opts))
+        metrics = _flat_metrics(evaluate_heldout(run.model.head, data.val, env.ctx.device, opts.eval_batch_size))
+        state.history.append({"epoch": epoch + 1, "step": state.step, "model": opts.method, **metrics})
+        run.logs.scalars("val", metrics, state.step)
+        env.say(f"epoch {epoch + 1}/{opts.epochs}: {data.val.name}: {_summary_line(metrics)}")
+        (env.out / "history.json").write_text(json.dumps(state.history, indent=2) + "\n")
+    state.epoch, state.batch = epoch + 1, 0
+    save_state(run)
+
+
+def finish(run: Run, summary: dict) -> dict:
+    """Rank 0 after the last epoch: the head's inference-only parameters fitted on the held-out split, the adapter
+    checkpoint (+ the fine-tuned backbone with --unfreeze), the final table, summary.json."""
+    opts, env, data, model = run.opts, run.env, run.data, run.model
+    head, device, out = model.head, env.ctx.device, env.out
+    model.trained.eval()
+    if data.live is not None and data.val is None:  # resumed after the last epoch's evaluation
+        data.val = data.live.heldout(opts.extract_batch_size, _workers(opts))
+    image_reps, text_reps = encode_heldout(head, data.val, device, opts.eval_batch_size)
+    fitted = head.fit_inference(image_reps, text_reps, data.val.caption_image)
     if fitted:
-        say("fitted on the held-out split: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.items()))
-    final_val = _flat_metrics(evaluate_heldout(head, val, device, args.eval_batch_size))
+        env.say("fitted on the held-out split: " + ", ".join(f"{k} {v:.4g}" for k, v in fitted.items()))
+    final_val = _flat_metrics(evaluate_heldout(head, data.val, device, opts.eval_batch_size))
     tuned = {}
-    if live is not None:  # the fine-tuned backbone next to the adapter, named (and hashed) in its description
-        tuned = {"backbone": {**save_backbone_weights(out / "backbone.safetensors", backbone.model),
-                              "context_length": args.context_length, "lr": args.backbone_lr}}
-        if live.report.skips:
-            live.report.to_json(out / "data_report.json")
-            say(f"skipped while training: {live.report.summary()} (listed in {out / 'data_report.json'})")
+    if data.live is not None:  # the fine-tuned backbone next to the adapter, named (and hashed) in its description
+        tuned = {"backbone": {**save_backbone_weights(out / "backbone.safetensors", env.backbone.model),
+                              "context_length": opts.context_length, "lr": opts.backbone_lr}}
+        if data.live.report.skips:
+            data.live.report.to_json(out / "data_report.json")
+            env.warn(f"warning: skipped while training: {data.live.report.summary()} (listed in "
+                     f"{out / 'data_report.json'})")
     adapter_path = save_adapter(out / "adapter.safetensors", head, {
-        "base": base_info, "extraction": extraction, "args": _jsonable(args), "epoch": args.epochs, "step": step,
-        "metrics": {"val": final_val}, "inference": fitted, "history": history, **tuned})
-    say(f"checkpoint: {adapter_path} (held-out after fitting: {_summary_line(final_val)})")
+        "base": env.base_info, "extraction": data.extraction, "args": _jsonable(opts), "epoch": opts.epochs,
+        "step": run.state.step, "metrics": {"val": final_val}, "inference": fitted, "history": run.state.history,
+        **tuned})
+    env.say(f"checkpoint: {adapter_path} (held-out after fitting: {_summary_line(final_val)})")
     summary.update(adapter=str(adapter_path), val=final_val, inference=fitted)
     if tuned:
         summary["backbone"] = str(out / tuned["backbone"]["file"])
-    if args.final_eval and test_argv:
-        summary["eval"] = final_table(args, adapter_path, test_argv, device)
-    elif args.final_eval:
-        say("note: no test data (--test-data, --val-data or a toy world): no final table")
+    if opts.final_eval and data.test:
+        report = final_table(opts, adapter_path, data.test, device)
+        summary.update(eval=report["results"], markdown=report["markdown"], reports=report["reports"])
+    elif opts.final_eval:
+        env.say("note: no test data (--test-data, --val-data or a toy world): no final table")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    accelerator.wait_for_everyone()
+    env.accelerator.wait_for_everyone()
     return summary
 
 
-def check_batch_fits(args, world: int) -> None:
+def train(opts: AdapterOptions) -> dict:
+    """The whole run (module docstring); ``opts`` gets the command line's checks first (:func:`resolve`).
+
+    Returns a summary: ``out``, ``data``, ``steps``, ``skipped_steps``, ``stopped``, ``seconds``, ``history``, and
+    after a finished run ``adapter`` (the checkpoint), ``val`` (held-out figures after fitting), ``inference``
+    (fitted values), with the final table ``eval`` (train.evaluate's results), ``markdown`` (the table, not
+    printed here) and ``reports``. Raises ValueError / OSError for what the user can fix, TrainingDiverged
+    (exit status 3) after ``--max-bad-steps`` non-finite steps in a row."""
+    opts = resolve(opts)
+    env = setup(opts)                          # 1. processes, device, the backbone: absent weights fail here
+    opts = place_run(opts, env)                #    the data (default: the toy world) and the run folder, claimed
+    data = load_data(opts, env)                # 2. caches and the held-out split (raw splits with --unfreeze)
+    model = build_model(opts, env, data)       # 3. head (+ backbone), optimizer, schedule
+    state = start_or_resume(opts, env, model)  #    or the exact continuation of a saved state
+    run = Run(opts, env, data, model, state, _Logs(env.out, env.is_main, state.step if opts.resume else None))
+    begin(run)
+    started = time.perf_counter()
+    for epoch in range(state.epoch, opts.epochs):  # 4. the loop
+        train_epoch(run, epoch)
+        if state.stopped:
+            break
+        end_epoch(run, epoch)
+    run.logs.close()
+    summary = {"out": str(env.out), "data": opts.data, "steps": state.step, "skipped_steps": state.skipped_total,
+               "stopped": state.stopped, "seconds": time.perf_counter() - started, "history": state.history}
+    if state.stopped or not env.is_main:
+        env.accelerator.wait_for_everyone()  # matched by rank 0's barrier after its final steps
+        return summary
+    return finish(run, summary)                # 5. fitted inference parameters, checkpoint, final table
+
+
+train_adapter = train  # the name train.demo and other jobs may import without shadowing their own train()
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def check_batch_fits(opts: AdapterOptions, world: int) -> None:
     """Raise ValueError when the global batch cannot be filled from the training images the data lists: a batch
     holds each image once, so it needs at least as many training images. Counted from the source's index before
     any extraction; the exact count after decoding (or of a given --cache) is checked again later."""
     from extract.source_args import source_options
     from train.adapter_data import listed_images
 
-    if args.cache:  # nothing expensive precedes the exact check a given cache gets in train()
+    if opts.cache:  # nothing expensive precedes the exact check a given cache gets in load_data()
         return
-    options = {**source_options(args),
-               **({"image_root": args.image_root} if args.image_root and not is_toyworld(args.data) else {})}
-    n = listed_images(args.data, "train" if is_toyworld(args.data) else None, **options)
+    options = {**source_options(opts),
+               **({"image_root": opts.image_root} if opts.image_root and not is_toyworld(opts.data) else {})}
+    n = listed_images(opts.data, "train" if is_toyworld(opts.data) else None, **options)
     if n is None:
         return
     held_out = 0
-    if not args.val_data and not is_toyworld(args.data):  # --val-fraction of these images is held out
-        held_out = max(1, int(round(n * args.val_fraction)))
-    global_batch = args.batch_size * world
+    if not opts.val_data and not is_toyworld(opts.data):  # --val-fraction of these images is held out
+        held_out = max(1, int(round(n * opts.val_fraction)))
+    global_batch = opts.batch_size * world
     if global_batch > n - held_out:
         raise ValueError(f"the global batch ({global_batch}) exceeds the {n - held_out} training images of "
-                         f"{args.data}" + (f" ({n} listed, {held_out} held out by --val-fraction)"
-                                                         if held_out else "")
+                         f"{opts.data}" + (f" ({n} listed, {held_out} held out by --val-fraction)" if held_out else "")
                          + ": a batch holds each image at most once; lower --batch-size (checked before extraction)")
 
 
-def _workers(args) -> int:
-    return args.workers if args.workers is not None else _default_workers()
+def _default_workers() -> int:
+    from extract.pipeline import DEFAULT_WORKERS
+
+    return DEFAULT_WORKERS
 
 
-def _live_batch(batch: dict, live, ctx: _Ctx, say) -> tuple[dict, dict]:
+def _workers(opts: AdapterOptions) -> int:
+    return opts.workers if opts.workers is not None else _default_workers()
+
+
+def _live_batch(batch: dict, live, ctx: _Ctx, warn) -> tuple[dict, dict]:
     """A loaded --unfreeze batch as (images, texts) inputs of LiveModel. Undecodable images dropped their pairs;
     on several ranks every rank keeps as many pairs as the smallest local batch (gathered shapes must agree)."""
     from train.adapter_live import take
 
     for skip in live.note_skips(batch["skips"]):
-        say(f"warning: training image {skip.id} ({skip.location}) skipped: {skip.reason} {skip.detail}".rstrip())
+        warn(f"warning: training image {skip.id} ({skip.location}) skipped: {skip.reason} {skip.detail}".rstrip())
     n = len(batch["rows"])
     if ctx.world > 1:
         import torch.distributed as dist
@@ -931,39 +1210,26 @@ def load_rng_for_rank(state_path: Path, rank: int) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def final_table(args, adapter_path: Path, test_argv: list[str], device) -> dict:
-    """Frozen base vs base + adapter on the test data, through train.evaluate (the checkpoint is rebuilt from
-    the file alone, components extracted live)."""
-    from train import evaluate as ev
+def final_table(opts: AdapterOptions, adapter_path: Path, test: dict, device) -> dict:
+    """Frozen base vs base + adapter on the test data (``test``: EvaluateOptions data fields), through
+    train.evaluate (the checkpoint is rebuilt from the file alone, components extracted live). Returns
+    train.evaluate's report, the table in ``markdown`` (not printed)."""
+    from train.evaluate import EvaluateOptions, evaluate
 
-    argv = ["--model", args.base]
-    if args.pretrained is not None:
-        argv += ["--pretrained", args.pretrained]
-    argv += ["--model", str(adapter_path), *test_argv, "--tasks", args.eval_tasks, "--out", str(Path(args.out) / "eval"),
-             "--device", str(device), "--batch-size", str(min(args.eval_batch_size, 256)), "--seed", str(args.seed)]
-    return ev.evaluate(ev.parse_args(argv))["results"]
-
-
-def run_cli(fn, args) -> int:
-    """Exit status of ``fn(args)`` for a command line: 0, DIVERGED (3) after too many bad steps, 2 for what
-    the user can fix (missing weights or files, bad settings, a foreign checkpoint, a missing extra), each
-    printed as one ``error:`` line."""
-    from adapters.checkpoint import CheckpointError
-    from extract.weights import WeightsNotFoundError
-
-    try:
-        fn(args)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return DIVERGED
-    except (WeightsNotFoundError, FileNotFoundError, ValueError, CheckpointError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return evaluate(EvaluateOptions(
+        model=[opts.base, str(adapter_path)], pretrained=[opts.pretrained] if opts.pretrained is not None else [],
+        tasks=opts.eval_tasks, out=str(Path(opts.out) / "eval"), device=str(device),
+        batch_size=min(opts.eval_batch_size, 256), seed=opts.seed, **test))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli(train, parse_args(argv))
+    def job(opts: AdapterOptions) -> None:
+        summary = train(opts)
+        if summary.get("markdown"):  # the final table, once
+            print(summary["markdown"])
+            say("reports: " + ", ".join(summary["reports"]))
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

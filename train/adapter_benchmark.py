@@ -24,6 +24,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -33,30 +34,46 @@ import torch
 from adapters.base import to_tensors
 from adapters.registry import ADAPTERS
 from extract.cache import CacheDir, FeatureCache
-from extract.config import parse_with_config
+from extract.cli import Parser, option, parse_options, run_job
+from extract.cli import build_parser as build_cli
+from extract.config import nonnegative_int, positive_int
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.adapter_benchmark", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", default="comalign", help=f"one of {', '.join(ADAPTERS.names())}")
-    p.add_argument("--base", default="ViT-B-32", help="backbone geometry (built with random weights)")
-    p.add_argument("--samples", type=int, default=2048, help="pairs in the cached epoch")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--backbone-samples", type=int, default=4, help="samples pushed through the backbone")
-    p.add_argument("--backbone-batch", type=int, default=64, help="backbone batch size (crops / texts)")
-    p.add_argument("--entities", type=int, default=10, help="entity components per sample (all valid)")
-    p.add_argument("--relations", type=int, default=10, help="relation components per sample (all valid)")
-    p.add_argument("--regions", type=int, default=10, help="region masks per image")
-    p.add_argument("--tokens", type=int, default=20, help="caption length in tokens")
-    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n x n dense matmul")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=None, help="write the figures as JSON here")
-    p.add_argument("--seed", type=int, default=0)
-    args = parse_with_config(p, argv)
-    if args.method not in ADAPTERS:
-        p.error(f"--method {args.method!r}: choose from {', '.join(ADAPTERS.names())}")
-    return args
+@dataclass
+class BenchmarkOptions:
+    """What ``python -m train.adapter_benchmark`` measures, as data (``run(BenchmarkOptions(samples=512))``)."""
+
+    method: str = option("comalign", choices=ADAPTERS.names(), help="adapter head to time")
+    base: str = option("ViT-B-32", help="backbone geometry (built with random weights)")
+    samples: int = option(2048, type=positive_int, help="pairs in the cached epoch")
+    batch_size: int = option(256, type=positive_int, help="contrastive batch of the cached epoch")
+    backbone_samples: int = option(4, type=positive_int, help="samples pushed through the backbone (scaled to the "
+                                                              "epoch)")
+    backbone_batch: int = option(64, type=positive_int, help="backbone batch size (crops / texts)")
+    entities: int = option(10, type=positive_int, help="entity components per sample (all valid)")
+    relations: int = option(10, type=positive_int, help="relation components per sample (all valid)")
+    regions: int = option(10, type=positive_int, help="region masks per image")
+    tokens: int = option(20, type=positive_int, help="caption length in tokens")
+    matmul_size: int = option(2048, type=positive_int, help="n of the n x n x n dense matmul")
+    device: str | None = option(None, help="torch device (default: cuda when present, else cpu)")
+    out: str | None = option(None, help="write the figures as JSON here")
+    seed: int = option(0, type=nonnegative_int, help="seeds the synthetic cache, the head and the data order")
+
+    def __post_init__(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser() -> Parser:
+    return build_cli(BenchmarkOptions, "python -m train.adapter_benchmark", __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchmarkOptions:
+    def fits(ns):
+        if ns.batch_size > ns.samples:
+            raise ValueError(f"--batch-size {ns.batch_size} exceeds --samples {ns.samples}: the epoch would have no step")
+
+    return parse_options(BenchmarkOptions, build_parser(), argv, fits)
 
 
 # --------------------------------------------------------------------------------------------- synthetic cache
@@ -288,13 +305,14 @@ def report(f: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    figures = run(args)
-    print(report(figures))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
-    return 0
+    def job(opts: BenchmarkOptions) -> None:
+        figures = run(opts)
+        print(report(figures))
+        if opts.out:
+            Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(opts.out).write_text(json.dumps(figures, indent=2) + "\n")
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

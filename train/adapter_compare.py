@@ -6,108 +6,173 @@ accuracy on the test split), through ``train.evaluate``.
     python -m train.adapter_compare --data toy --out runs/compare --epochs 10
     python -m train.adapter_compare --data toy --out runs/compare --methods comalign,powerclip -- --lr 1e-4
 
-Every method is trained by ``python -m train.adapter`` in ``OUT/<method>`` (its own logs, checkpoint and
-history); the components of all methods are extracted into one shared cache (``--components`` = their union),
-so the backbone runs over the data once for methods whose extraction options agree. Arguments after ``--``
-go to every ``train.adapter`` run unchanged. Output: ``OUT/results.{json,md,png}`` (train.evaluate's report,
+Every method is trained by ``train.adapter``'s job (``train.adapter.train``) in ``OUT/<method>`` (its own logs,
+checkpoint and history); the components of all methods are extracted into one shared cache (``--components`` =
+their union), so the backbone runs over the data once for methods whose extraction options agree. Arguments after
+``--`` are ``train.adapter`` flags for every run, parsed once (``train.adapter.parse_overrides``); every run's
+settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.evaluate's report,
 one column per model) and ``OUT/compare.json`` (per method: steps, training time, held-out metrics, fitted
 inference parameters).
+
+From Python: ``compare(CompareOptions(data="toy", methods=["comalign"], overrides={"extract_batch_size": 64}))``.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from adapters.registry import ADAPTERS
+from extract.cli import Parser, check_options, from_namespace, option, run_job, say
+from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, parse_with_config, positive_int, save_config
+from extract.source_args import SourceOptions
+
+PROG = "python -m train.adapter_compare"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+@dataclass
+class CompareOptions(SourceOptions):
+    """What ``python -m train.adapter_compare`` does, as data. ``methods``: "all", a comma string or a list of
+    registered names (a list after construction). ``overrides``: ``train.adapter.AdapterOptions`` fields set in
+    every run (the command line's arguments after ``--``), e.g. ``{"lr": 1e-4, "head_config": {"dropout": 0.0},
+    "extract_options": {"max_entities": 5}}``; they win over the fields this job sets."""
+
+    data: str | None = option(None, help="training data, required (a toy-world folder gives train/val/test splits)")
+    out: str = option("runs/compare", help="output folder: one run folder per method, the table, compare.json")
+    methods: Any = option("all", help=f"comma list from {', '.join(ADAPTERS.names())}, or all")
+    base: str = option("tiny", help="backbone alias or open_clip model name")
+    pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
+    epochs: int = option(10, type=positive_int, help="training epochs of every adapter")
+    batch_size: int = option(256, type=positive_int, help="contrastive batch of every adapter")
+    val_data: str | None = option(None, help="held-out data (see python -m train.adapter)")
+    test_data: str | None = option(None, help="data of the table (default: the toy world's test split, else "
+                                              "--val-data)")
+    benchmark: list = option(default_factory=list, action="append", metavar="NAME=PATH",
+                             help="compositional benchmark of the table (repeatable)")
+    image_root: str | None = option(None, help="folder relative image paths start from (CSV/COCO/benchmarks)")
+    cache_dir: str | None = option(None, help="shared feature caches (default: OUT/cache)")
+    eval_tasks: str = option("retrieval,compositional", help="train.evaluate tasks of the table")
+    device: str | None = option(None, help="torch device (default: cuda when present, else cpu)")
+    workers: int | None = option(None, type=nonnegative_int,
+                                 help="extraction: image decoding processes (default: python -m extract's)")
+    seed: int = option(0, type=nonnegative_int, help="training seed")
+    overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        names = ADAPTERS.names()
+        methods = self.methods
+        if isinstance(methods, str):
+            methods = names if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+        self.methods = list(methods)
+        unknown = [m for m in self.methods if m not in names]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
+                             f"{', '.join(names)}")
+
+
+def build_parser() -> Parser:
+    return build_cli(CompareOptions, PROG, __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
+    """The command line as CompareOptions; arguments after ``--`` become ``overrides``."""
+    from train.adapter import parse_overrides
+
     argv = list(argv if argv is not None else sys.argv[1:])
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(prog="python -m train.adapter_compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=False, help="training data (a toy-world folder gives train/val/test splits)")
-    p.add_argument("--out", default="runs/compare", help="output folder")
-    p.add_argument("--methods", default="all", help=f"comma list from {', '.join(ADAPTERS.names())}, or all")
-    p.add_argument("--base", default="tiny", help="backbone alias or open_clip model name")
-    p.add_argument("--pretrained", default=None, help="tag, checkpoint path or 'none'")
-    p.add_argument("--epochs", type=positive_int, default=10, help="training epochs of every adapter")
-    p.add_argument("--batch-size", type=positive_int, default=256, help="contrastive batch of every adapter")
-    p.add_argument("--val-data", default=None, help="held-out data (see python -m train.adapter)")
-    p.add_argument("--test-data", default=None, help="data of the table (default: the toy world's test split)")
-    p.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH", help="benchmarks of the table")
-    p.add_argument("--cache-dir", default=None, help="shared feature caches (default: OUT/cache)")
-    p.add_argument("--eval-tasks", default="retrieval,compositional", help="train.evaluate tasks of the table")
-    p.add_argument("--device", default=None)
-    p.add_argument("--workers", type=nonnegative_int, default=None, help="extraction: image decoding processes")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="training seed")
-    args = parse_with_config(p, argv)
-    if not args.data:
-        p.error("--data is required")
-    names = ADAPTERS.names()
-    args.methods = names if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in names]
-    if unknown:
-        p.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(names)}")
-    args.extra = extra
-    return args
+    p = build_parser()
+    ns = parse_with_config(p, argv)
+    if not ns.data:
+        p.error("--data is required (a toy-world folder, CSV/TSV, COCO JSON or .tar shards)")
+    try:
+        opts = from_namespace(CompareOptions, ns)
+    except ValueError as e:
+        p.error(str(e))
+    opts.overrides = parse_overrides(extra, opts.methods, prog=PROG) if extra else {}
+    return opts
 
 
-def compare(args) -> dict:
-    from train import adapter as ad
-    from train import evaluate as ev
+def adapter_runs(opts: CompareOptions) -> list:
+    """One resolved ``train.adapter.AdapterOptions`` per method: shared data, backbone, schedule and cache (with
+    the union of the methods' components), then ``opts.overrides``. Raises ValueError (naming the method) when
+    any run's settings are refused, before anything trains."""
+    from train.adapter import AdapterOptions, resolve
 
-    out = Path(args.out)
+    out = Path(opts.out)
+    components = sorted({c for m in opts.methods for c in ADAPTERS.get(m).components})
+    shared = dict(data=opts.data, base=opts.base, pretrained=opts.pretrained, epochs=opts.epochs,
+                  batch_size=opts.batch_size, val_data=opts.val_data, image_root=opts.image_root,
+                  cache_dir=opts.cache_dir or str(out / "cache"), components=components, device=opts.device,
+                  workers=opts.workers, seed=opts.seed, final_eval=False,
+                  **{f.name: getattr(opts, f.name) for f in dataclasses.fields(SourceOptions)})
+    own = sorted({"method", "out"} & set(opts.overrides))
+    if own:  # every run would train that method, or into that folder
+        raise ValueError(f"overrides may not set {', '.join(own)}: each run's comes from --methods and --out")
+    runs = []
+    for method in opts.methods:
+        try:
+            runs.append(resolve(AdapterOptions(**{**shared, "method": method, "out": str(out / method),
+                                                  **opts.overrides})))
+        except ValueError as e:
+            raise ValueError(f"{method}: {e}") from None
+    return runs
+
+
+def compare(opts: CompareOptions) -> dict:
+    """Train every method of ``opts`` (``train.adapter.train``) and evaluate the frozen base next to each adapter
+    (``train.evaluate.evaluate``). Returns ``{"methods": {name: steps, seconds, val, inference, checkpoint},
+    "table": OUT/results.md or None, "markdown": the table or None}`` (the table is not printed here); writes
+    ``OUT/compare.json``, ``OUT/config.json`` and train.evaluate's reports."""
+    from train.adapter import train
+    from train.adapter_data import final_table_data
+    from train.evaluate import EvaluateOptions, evaluate
+
+    check_options(opts, build_parser())
+    if not opts.data:
+        raise ValueError("data is required (a toy-world folder, CSV/TSV, COCO JSON or .tar shards)")
+    runs = adapter_runs(opts)
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(args, out / "config.json")
-    components = sorted({c for m in args.methods for c in ADAPTERS.get(m).components})
-    common = ["--data", str(args.data), "--base", args.base, "--epochs", str(args.epochs), "--batch-size",
-              str(args.batch_size), "--cache-dir", str(args.cache_dir or out / "cache"), "--seed", str(args.seed),
-              "--components", ",".join(components), "--no-final-eval"]
-    for flag, value in (("--pretrained", args.pretrained), ("--val-data", args.val_data), ("--device", args.device),
-                        ("--workers", args.workers)):
-        if value is not None:
-            common += [flag, str(value)]
-    runs = {}
-    for method in args.methods:
-        print(f"== {method} ==")
+    save_config(dataclasses.asdict(opts), out / "config.json")
+    results = {}
+    for run in runs:
+        say(f"== {run.method} ==")
         started = time.perf_counter()
-        targs = ad.parse_args([*common, "--method", method, "--out", str(out / method), *args.extra])
-        summary = ad.train(targs)
-        runs[method] = {"steps": summary["steps"], "seconds": time.perf_counter() - started,
-                        "val": summary.get("val"), "inference": summary.get("inference"),
-                        "checkpoint": summary.get("adapter")}
-    table_args = argparse.Namespace(data=args.data, val_data=args.val_data, test_data=args.test_data,
-                                    benchmark=args.benchmark, image_root=None)
-    data_argv = ad.final_table_data(table_args)
+        summary = train(run)
+        results[run.method] = {"steps": summary["steps"], "seconds": time.perf_counter() - started,
+                               "val": summary.get("val"), "inference": summary.get("inference"),
+                               "checkpoint": summary.get("adapter")}
+    test = final_table_data(opts)
     report = None
-    if data_argv:
-        argv = ["--model", args.base] + (["--pretrained", args.pretrained] if args.pretrained else [])
-        for method in args.methods:
-            argv += ["--model", runs[method]["checkpoint"]]
-        argv += [*data_argv, "--tasks", args.eval_tasks, "--out", str(out), "--seed", str(args.seed)]
-        if args.device:
-            argv += ["--device", args.device]
-        report = ev.evaluate(ev.parse_args(argv))
+    if test:
+        report = evaluate(EvaluateOptions(
+            model=[opts.base, *(results[m]["checkpoint"] for m in opts.methods)],
+            pretrained=[opts.pretrained] if opts.pretrained is not None else [], tasks=opts.eval_tasks, out=str(out),
+            seed=opts.seed, device=opts.device, **test))
     else:
-        print("note: no test data (--test-data or a toy world): no table")
-    result = {"methods": runs, "table": str(out / "results.md") if report else None}
+        say("note: no test data (--test-data or a toy world): no table")
+    result = {"methods": results, "table": str(out / "results.md") if report else None}
     (out / "compare.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+    return {**result, "markdown": report["markdown"] if report else None,
+            "reports": report["reports"] if report else []}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from train.adapter import run_cli
+    def job(opts: CompareOptions) -> None:
+        result = compare(opts)
+        if result["markdown"]:
+            print(result["markdown"])
+            say("reports: " + ", ".join(result["reports"]))
 
-    return run_cli(compare, parse_args(argv))
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

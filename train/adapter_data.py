@@ -2,9 +2,10 @@
 and the order in which caption rows are batched.
 
 Caches. A method's head class names the components it needs (``components``) and any extraction options
-(``extract_options``); :func:`obtain_cache` runs ``python -m extract`` with exactly those settings (the cache's
-fingerprint then decides reuse: identical settings and data reuse the folder, anything else builds a new one,
-see ``extract/cache.py``). A cache given explicitly (``--cache``) is checked by :func:`check_cache` against the
+(``extract_options``); :func:`extraction_options` turns them into ``python -m extract``'s options and
+:func:`obtain_cache` runs its job (``extract.pipeline.run``, a function call, no command line) with exactly those
+settings (the cache's fingerprint then decides reuse: identical settings and data reuse the folder, anything else
+builds a new one, see ``extract/cache.py``). A cache given explicitly (``--cache``) is checked by :func:`check_cache` against the
 backbone (architecture, preprocessing, weights hash) and the method (components, cached arrays, options); a
 mismatch is an error naming both sides.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -45,32 +45,52 @@ def listed_images(spec, split: str | None = None, **options) -> int | None:
 
 
 # --------------------------------------------------------------------------------------------- caches
-def extraction_argv(data, out, *, base: str, pretrained: str | None, components: Sequence[str], split: str | None,
-                    options: dict, device: str | None, batch_size: int, workers: int, precision: str) -> list[str]:
-    """``python -m extract`` arguments for one cache (``options``: extraction flags with underscores)."""
-    argv = ["--data", str(data), "--out", str(out), "--base", base, "--components", ",".join(components),
-            "--batch-size", str(batch_size), "--workers", str(workers), "--precision", precision]
-    if pretrained is not None:
-        argv += ["--pretrained", str(pretrained)]
-    if split:
-        argv += ["--split", split]
-    if device:
-        argv += ["--device", str(device)]
-    for key, value in sorted(options.items()):
-        if value is None:
-            continue
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv
+def extraction_options(opts, data, split: str | None = None, *, device: str | None = None,
+                       workers: int | None = None):
+    """The ``python -m extract`` options (an ``extract.pipeline.ExtractOptions``) of one cache of the adapter run
+    ``opts`` (a ``train.adapter.AdapterOptions``): its backbone, components, pass-through extraction options,
+    data-source options, batch size and precision into ``opts.cache_dir``; ``data`` / ``split`` name the source,
+    ``device`` / ``workers`` say how it runs (neither changes the cache; default workers: extract's)."""
+    from extract.pipeline import DEFAULT_WORKERS, ExtractOptions
+    from extract.source_args import source_flags
+
+    fields = {k: v for k, v in opts.extract_options.items() if v is not None}
+    fields.update(source_flags(opts))
+    if opts.image_root:
+        fields["image_root"] = opts.image_root
+    return ExtractOptions(data=str(data), out=str(opts.cache_dir), base=opts.base, pretrained=opts.pretrained,
+                          split=split, components=list(opts.components), batch_size=opts.extract_batch_size,
+                          precision=opts.extract_precision, device=device,
+                          workers=DEFAULT_WORKERS if workers is None else workers, **fields)
 
 
-def obtain_cache(argv: list[str], backbone) -> FeatureCache:
-    """Build (or reuse, by fingerprint) the cache ``python -m extract <argv>`` describes, with the already
-    loaded ``backbone``; returns it opened."""
-    from extract.pipeline import parse_args, run
+def obtain_cache(options, backbone) -> FeatureCache:
+    """Build (or reuse, by fingerprint) the cache ``options`` (ExtractOptions) describe, with the already loaded
+    ``backbone``; returns it opened."""
+    from extract.pipeline import run
 
-    args = parse_args(argv)
-    manifest = run(args, backbone=backbone)
-    return FeatureCache.open(args.out, fingerprint=manifest["fingerprint"])
+    manifest = run(options, backbone=backbone)
+    return FeatureCache.open(options.out, fingerprint=manifest["fingerprint"])
+
+
+def final_table_data(opts) -> dict:
+    """``train.evaluate.EvaluateOptions`` data fields of an adapter run's final table (``opts``: anything with
+    ``data``, ``val_data``, ``test_data``, ``benchmark``, ``image_root`` and the --csv-* fields): the test data
+    (``test_data``, else the toy world's test split, else ``val_data``) and the benchmarks, read like the training
+    data; {} when there is none."""
+    from extract.source_args import source_flags
+
+    out: dict = {}
+    spec = opts.test_data or (opts.data if opts.data and is_toyworld(opts.data) else None) or opts.val_data
+    if spec is not None:
+        out = {"data": str(spec), "split": "test"} if is_toyworld(spec) else {"retrieval_data": str(spec)}
+    if opts.benchmark:
+        out["benchmark"] = list(opts.benchmark)
+    if out:
+        if opts.image_root:
+            out["image_root"] = opts.image_root
+        out.update(source_flags(opts))  # the test table is read like the training one
+    return out
 
 
 def cache_config(cache: FeatureCache) -> dict:

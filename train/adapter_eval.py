@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from adapters.base import to_tensors
 from adapters.scoring import cat_reps, take_reps
 from extract.cache import FeatureCache
+from extract.cli import warn_once
 
 
 @dataclass
@@ -38,15 +39,6 @@ class HeldOut:
     name: str = "val"
     negatives: list[tuple[int, int, int, str]] = field(default_factory=list)
     text_arrays: dict[str, np.ndarray] | None = None
-    # warning lines already printed for this split: :func:`evaluate_heldout` runs every epoch, a warning once
-    warned: set[str] = field(default_factory=set)
-
-    def keep_warnings_of(self, previous: HeldOut | None) -> HeldOut:
-        """Share the printed warnings of ``previous``, an earlier encoding of the same split (``--unfreeze``
-        re-encodes the held-out images every epoch), so they are not printed again. Returns self."""
-        if previous is not None:
-            self.warned = previous.warned
-        return self
 
     @property
     def caption_image(self) -> torch.Tensor:
@@ -142,8 +134,8 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
     ``reps``: already computed (image reps, caption reps).
 
     Prints train.evaluate's warning lines (non-finite scores naming the head, a split too small for its
-    metrics) that ``heldout.warned`` does not hold yet, and adds them there: the training loop evaluates the
-    same split every epoch and sees each warning once."""
+    metrics) once per process (``extract.cli.warn_once``): the training loop evaluates the same split every
+    epoch, a comparison in every run, and each warning is one line."""
     from adapters.ranking import rank_safe
     from train.evaluate import item_correct, result_warnings, retrieval_from_reps
 
@@ -176,9 +168,7 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
             out["compositional"] = {"toyworld": {"kind": "text", "per_type": table, "excluded": 0,
                                                  "nonfinite_scores": n_bad, "n_scores": n_scores}}
         for line in result_warnings(getattr(head, "name", type(head).__name__), out):
-            if line not in heldout.warned:
-                print(f"{line} (held-out {heldout.name})")
-                heldout.warned.add(line)
+            warn_once(f"{line} (held-out {heldout.name})")
         return out
     finally:
         if was_training:

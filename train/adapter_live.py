@@ -28,6 +28,7 @@ stretching). This module is that mode's data path and model, for any head whose 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,9 +112,10 @@ def live_splits(args, world: Path | None) -> tuple[Pairs, np.ndarray, Pairs]:
     """(training pairs, training caption rows, held-out pairs) with the cached path's rules
     (``train.adapter.prepare_data``): a toy world's ``val`` split, else ``--val-data``, else a seeded
     ``--val-fraction`` of the training images held out with all of their captions."""
+    from extract.source_args import source_options
     from train.adapter_data import caption_rows_of, is_toyworld, split_images
 
-    options = {"image_root": args.image_root, "unusual": args.extract_options.get("unusual")}
+    options = {"image_root": args.image_root, "unusual": args.extract_options.get("unusual"), **source_options(args)}
     train = Pairs.open(args.data, "train" if world else None, **options)
     if args.val_data:
         val = Pairs.open(args.val_data, "val" if is_toyworld(args.val_data) else None, **options)
@@ -275,8 +277,7 @@ def live_arrays(pairs: Pairs, extractor, batch_size: int, workers: int, report: 
                 desc: str = "held-out") -> ArrayCache:
     """The cache's arrays for every image and caption of ``pairs``, computed now by ``extractor`` (its backbone
     in eval mode; its train mode is restored). Undecodable images are left out with their captions."""
-    from tqdm import tqdm
-
+    from extract.cli import progress
     from train.adapter_eval import _concat_padded
 
     backbone = extractor.backbone
@@ -286,8 +287,7 @@ def live_arrays(pairs: Pairs, extractor, batch_size: int, workers: int, report: 
         loader = DataLoader(SampleDataset(pairs.source, None, pairs.records), batch_size=batch_size,
                             num_workers=workers, collate_fn=collate_skipping, generator=_loader_generator())
         image_parts, ids, texts, caption_image = [], [], [], []
-        for good, skips in tqdm(loader, desc=f"encoding {desc} images", unit="batch", leave=False,
-                                dynamic_ncols=True):
+        for good, skips in progress(loader, desc=f"encoding {desc} images", unit="batch"):
             if report is not None:
                 report.add_batch(good, skips)
             if good["images"] is None:
@@ -354,18 +354,12 @@ class LiveData:
 
 
 def extraction_args(args, world: Path | None) -> dict:
-    """The resolved ``python -m extract`` arguments of this run's components (what a cache's ``config.json`` holds),
+    """The resolved ``python -m extract`` options of this run's components (what a cache's ``config.json`` holds),
     so the checkpoint's live extractor computes arrays the way the cached path's would."""
-    from extract.pipeline import parse_args as extract_args
-    from train.adapter_data import extraction_argv
+    from train.adapter_data import extraction_options
 
-    argv = extraction_argv(args.data, args.cache_dir, base=args.base, pretrained=args.pretrained,
-                           components=args.components, split="train" if world else None,
-                           options={**args.extract_options,
-                                    **({"image_root": args.image_root} if args.image_root else {})},
-                           device=args.device, batch_size=args.extract_batch_size, workers=0,
-                           precision=args.extract_precision)
-    return json.loads(json.dumps(vars(extract_args(argv)), default=str))
+    options = extraction_options(args, args.data, "train" if world else None, device=args.device, workers=0)
+    return json.loads(json.dumps(dataclasses.asdict(options), default=str))
 
 
 def prepare_live(args, backbone, base_describe: dict) -> LiveData:

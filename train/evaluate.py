@@ -17,23 +17,24 @@ before any model is loaded, naming the file and line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
+import dataclasses
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from adapters.ranking import positive_ranks, rank_safe
 from adapters.scoring import cat_reps, load_scorer, num_items, take_reps
-from extract.config import fraction, nonnegative_int, parse_with_config, positive_int, save_config
-from extract.source_args import add_source_args
+from extract.cli import Parser, check_options, option, parse_options, progress, run_job, say, warn_once
+from extract.cli import build_parser as build_cli
+from extract.config import fraction, nonnegative_int, positive_int, save_config
+from extract.source_args import SourceOptions
 from extract.images import BadImage, decode_image
 from train.retrieval import retrieval_metrics
 from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
@@ -42,51 +43,67 @@ from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representati
 TASKS = ("retrieval", "zeroshot", "compositional", "linear_probe")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", action="append", default=None,
-                   help="backbone alias / open_clip name, or an adapter checkpoint (RUN/adapter.safetensors or the "
-                        "run folder) (repeat for a side-by-side comparison)")
-    p.add_argument("--pretrained", action="append", default=None,
-                   help="weights for each --model in order: tag, checkpoint path or 'none' (default: the alias's)")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list from {', '.join(TASKS)}")
-    p.add_argument("--data", default=None, help="a toy-world folder: every task from it")
-    p.add_argument("--split", default="test", help="toy world split to evaluate")
-    p.add_argument("--retrieval-data", default=None, help="any extract data source for retrieval")
-    p.add_argument("--cache", default=None,
-                   help="a python -m extract cache of the retrieval data: its global features are used instead of "
-                        "re-encoding (bare backbones whose weights match the cache's)")
-    p.add_argument("--zeroshot-data", default=None, help="image folder or filepath,label CSV")
-    p.add_argument("--labels", default=None, help="class-name file for --zeroshot-data (txt or JSON)")
-    p.add_argument("--templates", default="imagenet80", choices=sorted(TEMPLATE_SETS),
-                   help="prompt templates for real data (the toy world uses its own caption style)")
-    p.add_argument("--benchmark", action="append", default=[], metavar="NAME=PATH",
-                   help="a compositional benchmark file / folder (repeatable)")
-    p.add_argument("--image-root", default=None,
-                   help="folder relative image paths start from (--retrieval-data CSV/COCO and --benchmark files)")
-    p.add_argument("--probe-data", default=None, help="classification set for the linear probe")
-    p.add_argument("--probe-test", type=fraction, default=0.3, help="held-out fraction of --probe-data")
-    p.add_argument("--annotations", default=None,
-                   help="boxes for adapters trained on ground-truth boxes: objects.json or a toy-world folder "
-                        "(default: --data when it is a toy world)")
-    p.add_argument("--detector", default=None, help="YOLO weights: detect boxes for adapters instead of annotations")
-    p.add_argument("--out", default="runs/eval", help="report folder")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch-size", type=positive_int, default=128, help="images / captions encoded at once")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the --probe-data split and the probe")
-    add_source_args(p)
-    args = parse_with_config(p, argv)
-    args.model = args.model or ["tiny"]
-    args.pretrained = list(args.pretrained or [])
-    if len(args.pretrained) > len(args.model):
-        p.error("more --pretrained than --model values")
-    args.pretrained += [None] * (len(args.model) - len(args.pretrained))
-    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    unknown = set(args.tasks) - set(TASKS)
-    if unknown:
-        p.error(f"unknown task(s) {', '.join(sorted(unknown))}; choose from {', '.join(TASKS)}")
-    return args
+@dataclass
+class EvaluateOptions(SourceOptions):
+    """What ``python -m train.evaluate`` does, as data: ``evaluate(EvaluateOptions(model=["tiny"], data="toy"))``
+    runs the same evaluation as the command line with those flags. ``tasks`` may be a comma string or a list;
+    ``pretrained`` pairs with ``model`` in order (missing entries: the alias's default)."""
+
+    model: list = option(default_factory=list, action="append", metavar="MODEL",
+                         help="backbone alias / open_clip name, a pre-trained checkpoint, or an adapter checkpoint "
+                              "(RUN/adapter.safetensors or the run folder); repeat for a side-by-side comparison "
+                              "(default: tiny)")
+    pretrained: list = option(default_factory=list, action="append", metavar="WEIGHTS",
+                              help="weights for each --model in order: tag, checkpoint path or 'none' (default: the "
+                                   "alias's)")
+    tasks: Any = option(",".join(TASKS), help=f"comma list from {', '.join(TASKS)}")
+    data: str | None = option(None, help="a toy-world folder: every task from it", group="data")
+    split: str = option("test", help="toy world split to evaluate", group="data")
+    retrieval_data: str | None = option(None, help="any extract data source for retrieval (CSV/TSV, COCO JSON, "
+                                                   "webdataset shards)", group="data")
+    cache: str | None = option(None, group="data",
+                               help="a python -m extract cache of the retrieval data: its global features are used "
+                                    "instead of re-encoding (bare backbones whose weights match the cache's)")
+    zeroshot_data: str | None = option(None, help="image folder or filepath,label CSV", group="data")
+    labels: str | None = option(None, help="class-name file for --zeroshot-data (txt or JSON)", group="data")
+    templates: str = option("imagenet80", choices=sorted(TEMPLATE_SETS), group="data",
+                            help="prompt templates for real data (the toy world uses its own caption style)")
+    benchmark: list = option(default_factory=list, action="append", metavar="NAME=PATH", group="data",
+                             help="a compositional benchmark file / folder, NAME one of sugarcrepe, aro-vg-relation, "
+                                  "aro-vg-attribution, winoground, svo-probes (repeatable)")
+    image_root: str | None = option(None, group="data", help="folder relative image paths start from "
+                                                            "(--retrieval-data CSV/COCO and --benchmark files)")
+    probe_data: str | None = option(None, help="classification set for the linear probe", group="data")
+    probe_test: float = option(0.3, type=fraction, help="held-out fraction of --probe-data", group="data")
+    annotations: str | None = option(None, group="adapters",
+                                     help="boxes for adapters trained on ground-truth boxes: objects.json or a "
+                                          "toy-world folder (default: --data when it is a toy world)")
+    detector: str | None = option(None, group="adapters",
+                                  help="YOLO weights: detect boxes for adapters instead of annotations")
+    out: str = option("runs/eval", help="report folder: results.{json,md,png}, config.json", group="run")
+    device: str | None = option(None, help="torch device (default: cuda when available, else cpu)", group="run")
+    batch_size: int = option(128, type=positive_int, help="images / captions encoded at once", group="run")
+    seed: int = option(0, type=nonnegative_int, help="seeds the --probe-data split and the probe", group="run")
+
+    def __post_init__(self):
+        self.model = list(self.model or ["tiny"])
+        self.pretrained = list(self.pretrained or [])
+        if len(self.pretrained) > len(self.model):
+            raise ValueError("more --pretrained than --model values")
+        self.pretrained += [None] * (len(self.model) - len(self.pretrained))
+        if isinstance(self.tasks, str):
+            self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
+        unknown = set(self.tasks) - set(TASKS)
+        if unknown:
+            raise ValueError(f"unknown task(s) {', '.join(sorted(unknown))}; choose from {', '.join(TASKS)}")
+
+
+def build_parser() -> Parser:
+    return build_cli(EvaluateOptions, "python -m train.evaluate", __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EvaluateOptions:
+    return parse_options(EvaluateOptions, build_parser(), argv)
 
 
 # --------------------------------------------------------------------------------------------- data (before models)
@@ -111,7 +128,7 @@ def _toy_counting(world: Path, split: str) -> ClassificationSet:
                              [len(s["objects"]) - 1 for s in scenes], classes)
 
 
-def load_tasks(args) -> dict:
+def load_tasks(args: EvaluateOptions) -> dict:
     """Read every dataset and benchmark file first: a malformed file fails before any model loads."""
     from train import benchmarks as bm
 
@@ -207,7 +224,7 @@ def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int
             parts.append(scorer.encode_images(torch.stack(batch)))
         batch.clear()
 
-    for k, (item_id, load) in enumerate(tqdm(items, desc=desc, unit="img", leave=False, total=total)):
+    for k, (item_id, load) in enumerate(progress(items, desc=desc, unit="img", total=total)):
         try:
             image = load()
             batch.append((image, item_id) if pil else scorer.preprocess(image))
@@ -510,60 +527,57 @@ def bar_plot(all_results: dict[str, dict], path: Path) -> Path | None:
 
 
 # --------------------------------------------------------------------------------------------- driver
-def evaluate(args) -> dict:
-    tasks = load_tasks(args)  # every file read and checked before a model loads
-    out = Path(args.out)
+def evaluate(opts: EvaluateOptions) -> dict:
+    """Run the evaluation ``opts`` describes; returns ``{"config", "results", "markdown", "reports"}`` and writes
+    ``results.{json,md,png}`` and ``config.json`` under ``opts.out``. Warnings (non-finite scores, small splits)
+    are printed once each; the table itself is left to the caller (the command line prints it)."""
+    check_options(opts, build_parser())
+    device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tasks = load_tasks(opts)  # every file read and checked before a model loads
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     all_results: dict[str, dict] = {}
-    printed: set[str] = set()
-    for model, pretrained in zip(args.model, args.pretrained):
+    for model, pretrained in zip(opts.model, opts.pretrained):
         started = time.perf_counter()
-        scorer = load_scorer(model, pretrained, device=args.device, detector=args.detector,
-                             annotations=args.annotations or (args.data if args.data else None))
+        scorer = load_scorer(model, pretrained, device=device, detector=opts.detector,
+                             annotations=opts.annotations or (opts.data if opts.data else None))
         res: dict = {}
         if "retrieval" in tasks:
-            res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], args.batch_size)
+            res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], opts.batch_size)
         if "zeroshot" in tasks:
-            res["zeroshot"] = run_zeroshot(scorer, *tasks["zeroshot"], args.batch_size)
+            res["zeroshot"] = run_zeroshot(scorer, *tasks["zeroshot"], opts.batch_size)
         if "compositional" in tasks:
-            res["compositional"] = {b.name: run_compositional(scorer, b, args.batch_size)
+            res["compositional"] = {b.name: run_compositional(scorer, b, opts.batch_size)
                                     for b in tasks["compositional"]}
         if "linear_probe" in tasks:
-            res["linear_probe"] = run_linear_probe(scorer, *tasks["linear_probe"], args.batch_size, args.seed)
+            res["linear_probe"] = run_linear_probe(scorer, *tasks["linear_probe"], opts.batch_size, opts.seed)
         res["seconds"] = time.perf_counter() - started
         res["warnings"] = result_warnings(scorer.name, res)
-        for line in res["warnings"]:
-            if line not in printed:  # a split's warning once, not once per model
-                print(line)
-                printed.add(line)
+        for line in res["warnings"]:  # a split's warning once, not once per model (or per run of a comparison)
+            warn_once(line)
         label = scorer.name
         while label in all_results:
             label += "'"
         all_results[label] = res
-    config = {k: v for k, v in vars(args).items()}
+    config = dataclasses.asdict(opts)
+    table = markdown(all_results)
     report = {"config": config, "results": all_results}
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     notes = list(dict.fromkeys(line for r in all_results.values() for line in r["warnings"]))
-    (out / "results.md").write_text(markdown(all_results) + "".join(f"\n- {line}" for line in notes)
-                                    + ("\n" if notes else ""))
-    save_config(args, out / "config.json")
+    (out / "results.md").write_text(table + "".join(f"\n- {line}" for line in notes) + ("\n" if notes else ""))
+    save_config(config, out / "config.json")
     png = bar_plot(all_results, out / "results.png")
-    print(markdown(all_results))
-    print(f"reports: {out / 'results.json'}, {out / 'results.md'}" + (f", {png}" if png else ""))
-    return report
+    reports = [out / "results.json", out / "results.md"] + ([png] if png else [])
+    return {**report, "markdown": table, "reports": [str(p) for p in reports]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    from extract.weights import WeightsNotFoundError
-    from train.benchmarks import BenchmarkFormatError
+    def job(opts: EvaluateOptions) -> None:
+        report = evaluate(opts)
+        print(report["markdown"])
+        say("reports: " + ", ".join(report["reports"]))
 
-    try:
-        evaluate(args)
-    except (BenchmarkFormatError, WeightsNotFoundError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.ranking import positive_ranks
+from extract.cli import Parser, help_description, run_job, say
 from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,
                             positive_int)
 
@@ -394,49 +395,61 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         return data["x"], data["y"]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.linear_probe", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--train", required=True, help=".npz with arrays x [N, D] and y [N]")
-    p.add_argument("--test", required=True, help=".npz with arrays x [M, D] and y [M]")
-    p.add_argument("--method", default="lbfgs", choices=METHODS)
-    p.add_argument("--out", default=None, help="write the result as JSON here")
-    p.add_argument("--val-fraction", type=fraction, default=0.2)
+def build_parser() -> Parser:
+    p = Parser(prog="python -m train.linear_probe", description=help_description(__doc__))
+    p.add_argument("--train", metavar="NPZ", help=".npz with arrays x [N, D] and y [N] (required)")
+    p.add_argument("--test", metavar="NPZ", help=".npz with arrays x [M, D] and y [M] (required)")
+    p.add_argument("--method", default="lbfgs", choices=METHODS,
+                   help="lbfgs: full-batch L-BFGS (CLIP's protocol); sgd: AdamW mini-batches for large sets")
+    p.add_argument("--out", default=None, metavar="JSON", help="write the result as JSON here")
+    p.add_argument("--val-fraction", type=fraction, default=0.2,
+                   help="share of --train held out to choose the l2 strength")
     p.add_argument("--l2", type=nonnegative_float, nargs="+", default=None,
                    help="l2 grid (default: the method's); one value skips validation")
     p.add_argument("--max-iter", type=positive_int, default=1000, help="L-BFGS iterations per fit")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the validation split (and sgd)")
+    p.add_argument("--device", default="cpu", help="torch device of the fits")
     p.add_argument("--no-normalize", dest="normalize", action="store_false",
                    help="use the features as they are (default: L2-normalise rows)")
     p.add_argument("--no-refine", dest="refine", action="store_const", const=False, default=None,
                    help="skip the fine search around the best grid value")
-    p.add_argument("--epochs", type=positive_int, default=30, help="sgd only")
-    p.add_argument("--batch-size", type=positive_int, default=256, help="sgd only")
-    p.add_argument("--lr", type=positive_float, default=1e-2, help="sgd only")
-    return parse_with_config(p, argv)
+    g = p.add_argument_group("sgd only")
+    g.add_argument("--epochs", type=positive_int, default=30, help="passes over the training set")
+    g.add_argument("--batch-size", type=positive_int, default=256, help="mini-batch size")
+    g.add_argument("--lr", type=positive_float, default=1e-2, help="AdamW learning rate")
+    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        tx, ty = load_npz(args.train)
-        vx, vy = load_npz(args.test)
-        result = linear_probe(tx, ty, vx, vy, val_fraction=args.val_fraction, l2_grid=args.l2,
-                              method=args.method, max_iter=args.max_iter, seed=args.seed, device=args.device,
-                              normalize=args.normalize, refine=args.refine, epochs=args.epochs,
-                              batch_size=args.batch_size, lr=args.lr)
-    except ValueError as e:
-        print(f"error: {e}")
-        return 2
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = parse_with_config(p, argv)
+    # not required=True in the parser: a mistyped flag is then named as such, and --config may set them
+    if not args.train or not args.test:
+        p.error("--train and --test are required, e.g. --train train.npz --test test.npz")
+    return args
+
+
+def probe_files(args: argparse.Namespace) -> dict:
+    """``python -m train.linear_probe``'s job: :func:`linear_probe` on the arrays of ``args.train`` and
+    ``args.test``; prints the result and writes ``args.out``. Raises ValueError for a missing or malformed file."""
+    tx, ty = load_npz(args.train)
+    vx, vy = load_npz(args.test)
+    result = linear_probe(tx, ty, vx, vy, val_fraction=args.val_fraction, l2_grid=args.l2,
+                          method=args.method, max_iter=args.max_iter, seed=args.seed, device=args.device,
+                          normalize=args.normalize, refine=args.refine, epochs=args.epochs,
+                          batch_size=args.batch_size, lr=args.lr)
     print(format_result(result))
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(jsonable(result) | {"train_file": str(args.train), "test_file": str(args.test)},
                                   indent=2) + "\n")
-        print(f"wrote {out}")
-    return 0
+        say(f"wrote {out}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(probe_files, parse_args(argv))
 
 
 if __name__ == "__main__":

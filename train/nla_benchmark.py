@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from adapters.contrastive import clip_loss, triplet_rows
+from extract.cli import JobFailed, Parser, help_description, run_job
+from extract.config import positive_int
 from adapters.nla import (NLAConfig, PowerCLIPLoss, PowerCLIPLossConfig, pair_scale, pair_similarities,
                           r2t_exact)
 
@@ -335,28 +337,28 @@ def figure_fused(b: int, m: int, k: int, d: int, cfg: PowerCLIPLossConfig, devic
 
 
 # ------------------------------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.nla_benchmark", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> Parser:
+    p = Parser(prog="python -m train.nla_benchmark", description=help_description(__doc__))
     p.add_argument("--only", default="a,b,c,d", help="comma list of figures to measure: a (M ratio), b (exact vs "
                                                      "NLA), c (memory), d (fused vs reference path)")
-    p.add_argument("--batch", type=int, default=128, help="(a) batch size B")
-    p.add_argument("--k", type=int, default=16, help="tree nodes per text K")
-    p.add_argument("--dim", type=int, default=512, help="embedding width d")
-    p.add_argument("--m-low", type=int, default=5)
-    p.add_argument("--m-high", type=int, default=15)
-    p.add_argument("--exact-m", type=int, default=12, help="(b) regions M")
-    p.add_argument("--exact-batch", type=int, default=32,
+    p.add_argument("--batch", type=positive_int, default=128, help="(a), (d) batch size B")
+    p.add_argument("--k", type=positive_int, default=16, help="tree nodes per text K")
+    p.add_argument("--dim", type=positive_int, default=512, help="embedding width d")
+    p.add_argument("--m-low", type=positive_int, default=5, help="(a) the smaller M")
+    p.add_argument("--m-high", type=positive_int, default=15, help="(a) the larger M")
+    p.add_argument("--exact-m", type=positive_int, default=12, help="(b) regions M")
+    p.add_argument("--exact-batch", type=positive_int, default=32,
                    help="(b) batch size: the exact loss keeps B^2 2^M K floats for its backward (B = 32, M = 12: "
                         "0.27 GB; B = 128 would need 4.3 GB)")
-    p.add_argument("--mem-batch", type=int, default=1024, help="(c) Bi = Bj")
-    p.add_argument("--mem-m", type=int, default=10, help="(c) regions M")
-    p.add_argument("--chunk-size", type=int, default=PowerCLIPLossConfig().chunk_size)
-    p.add_argument("--repeats", type=int, default=7,
+    p.add_argument("--mem-batch", type=positive_int, default=1024, help="(c) Bi = Bj")
+    p.add_argument("--mem-m", type=positive_int, default=10, help="(c), (d) regions M")
+    p.add_argument("--chunk-size", type=positive_int, default=PowerCLIPLossConfig().chunk_size,
+                   help="pair-similarity chunk (rows of the batch at a time)")
+    p.add_argument("--repeats", type=positive_int, default=7,
                    help="alternating timed rounds per ratio (the median per-round ratio is reported; (b) uses half)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures to this JSON file")
     return p
 
 
@@ -419,14 +421,20 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+class MeasurementFailed(JobFailed):
+    """The memory measurement's subprocess failed (its stderr is in the message): status 2."""
+
+    exit_code = 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def job(args: argparse.Namespace) -> None:
+        try:
+            run(args)
+        except RuntimeError as e:
+            raise MeasurementFailed(str(e)) from None
+
+    return run_job(job, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

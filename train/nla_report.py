@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +42,8 @@ import torch.nn.functional as F
 from adapters.contrastive import triplet_rows
 from adapters.nla import (MAX_EXACT_REGIONS, PowerCLIPLossConfig, leaf_embeddings, nla_t1, nla_t2,
                           node_embeddings, pair_scale, r2t_exact, region_embeddings, t2r_exact)
-from extract.config import parse_with_config, save_config
+from extract.cli import Parser, help_description, run_job, say
+from extract.config import fraction, nonnegative_int, parse_with_config, positive_float, positive_int, save_config
 from train.nla_benchmark import (MIB, load_warning, loss_step, machine_load, make_batch, peak_growth, random_tree,
                                  rss_method, time_call)
 
@@ -439,40 +439,47 @@ def _ints(text: str) -> list[int]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.nla_report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="output folder (report.json, config.json, PNGs)")
+def build_parser() -> Parser:
+    p = Parser(prog="python -m train.nla_report", description=help_description(__doc__))
+    p.add_argument("--out", metavar="DIR", help="output folder (report.json, config.json, PNGs; required)")
     p.add_argument("--cache", default=None, help="also evaluate on a `python -m extract` cache with components "
                                                  "patches,tokens,tree,regions")
-    p.add_argument("--samples", type=int, default=6400,
-                   help="(image, text) pairs per source for sections 1, 2 and 4 (batches of --batch x --batch)")
-    p.add_argument("--batch", type=int, default=8, help="batch size of the loss-level comparison")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--regions", type=int, default=10, help="M for the random source (the paper's 10)")
-    p.add_argument("--max-leaves", type=int, default=6, help="leaves per random text (2..this; K = 2P - 1 nodes)")
-    p.add_argument("--dim", type=int, default=512, help="embedding width of the random source")
-    p.add_argument("--coupling", type=float, default=0.6,
-                   help="max cosine of a leaf with its own image's region (0 = pure random vectors)")
-    p.add_argument("--taus", default="0.1,0.01,0.001")
-    p.add_argument("--alphas", default="0,0.25,0.5,0.75,1")
-    p.add_argument("--cost-m", default="2..16", help="M values of the cost sweep (e.g. 2..16 or 2,4,8)")
-    p.add_argument("--cost-batch", type=int, default=32)
-    p.add_argument("--cost-k", type=int, default=16)
-    p.add_argument("--cost-dim", type=int, default=512)
-    p.add_argument("--cost-repeats", type=int, default=3)
-    p.add_argument("--exact-budget-s", type=float, default=5.0, help="skip exact steps predicted slower than this")
-    p.add_argument("--exact-budget-gib", type=float, default=2.0, help="skip exact steps needing more memory")
-    p.add_argument("--calib-m", default="4,6,8,10", help="M values of the alpha calibration (random source)")
-    p.add_argument("--calib-tau", type=float, default=0.01)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the random batches")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", default="cpu", help="device of the cost sweep (accuracy runs on CPU in float64)")
+    g = p.add_argument_group("accuracy (sections 1, 2)")
+    g.add_argument("--samples", type=positive_int, default=6400,
+                   help="(image, text) pairs per source for sections 1, 2 and 4 (batches of --batch x --batch)")
+    g.add_argument("--batch", type=positive_int, default=8, help="batch size of the loss-level comparison")
+    g.add_argument("--regions", type=positive_int, default=10, help="M for the random source (the paper's 10)")
+    g.add_argument("--max-leaves", type=positive_int, default=6,
+                   help="leaves per random text (2..this; K = 2P - 1 nodes)")
+    g.add_argument("--dim", type=positive_int, default=512, help="embedding width of the random source")
+    g.add_argument("--coupling", type=fraction, default=0.6,
+                   help="max cosine of a leaf with its own image's region, in [0, 1) (0 = pure random vectors)")
+    g.add_argument("--taus", default="0.1,0.01,0.001", help="temperatures tau, comma-separated")
+    g.add_argument("--alphas", default="0,0.25,0.5,0.75,1", help="NLA-T2 alphas in [0, 1], comma-separated")
+    g = p.add_argument_group("cost vs M (section 3)")
+    g.add_argument("--cost-m", default="2..16", help="M values of the cost sweep (e.g. 2..16 or 2,4,8)")
+    g.add_argument("--cost-batch", type=positive_int, default=32, help="batch size B of one loss step")
+    g.add_argument("--cost-k", type=positive_int, default=16, help="tree nodes per text K")
+    g.add_argument("--cost-dim", type=positive_int, default=512, help="embedding width d")
+    g.add_argument("--cost-repeats", type=positive_int, default=3, help="timed repeats per point (the best counts)")
+    g.add_argument("--exact-budget-s", type=positive_float, default=5.0,
+                   help="skip exact steps predicted slower than this (seconds)")
+    g.add_argument("--exact-budget-gib", type=positive_float, default=2.0,
+                   help="skip exact steps needing more memory than this (GiB)")
+    g = p.add_argument_group("alpha calibration (section 4)")
+    g.add_argument("--calib-m", default="4,6,8,10", help="M values of the alpha calibration (random source)")
+    g.add_argument("--calib-tau", type=positive_float, default=0.01, help="the working tau alpha-hat is fitted at")
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_with_config(p, argv)
+    if not args.out:  # not required=True in the parser: a mistyped flag is then named as such
+        p.error("--out is required, e.g. --out runs/nla_report")
     try:
         args.tau_list, args.alpha_list = _floats(args.taus), _floats(args.alphas)
         args.cost_m_list, args.calib_m_list = _ints(args.cost_m), _ints(args.calib_m)
@@ -487,8 +494,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--regions / --calib-m: 1..{MAX_EXACT_REGIONS} (exact similarities enumerate 2^M subsets)")
     if args.max_leaves < 2 or args.batch < 2 or args.samples < args.batch ** 2:
         p.error("--max-leaves and --batch must be >= 2 and --samples >= --batch^2")
-    if not 0 <= args.coupling < 1:
-        p.error("--coupling must lie in [0, 1)")
     return args
 
 
@@ -527,7 +532,7 @@ def run(args: argparse.Namespace) -> dict:
     cache_batches_ = None
     if args.cache:  # read (and validate) the cache first: a bad --cache fails before minutes of work
         cache_batches_, info = cache_batches(args.cache, n_batches, args.batch, args.seed)
-    print(f"[1-2] accuracy on random unit vectors: {n_batches} batches of {args.batch}, M={args.regions}, "
+    say(f"[1-2] accuracy on random unit vectors: {n_batches} batches of {args.batch}, M={args.regions}, "
           f"d={args.dim}, up to {args.max_leaves} leaves")
     batches = list(random_batches(n_batches, args.batch, args.regions, args.max_leaves, args.dim, args.coupling,
                                   args.seed))
@@ -535,7 +540,7 @@ def run(args: argparse.Namespace) -> dict:
     report["sources"]["random"] = {"M": args.regions, "K_max": 2 * args.max_leaves - 1, **acc["summary"]}
     files += plot_accuracy(acc, taus, alphas, out, "")
     if cache_batches_ is not None:
-        print(f"[1-2] accuracy on cache {info['path']}: {info['batches']} batches of {info['batch']}, "
+        say(f"[1-2] accuracy on cache {info['path']}: {info['batches']} batches of {info['batch']}, "
               f"M={info['M']} (mean valid {info['mean_valid_regions']:.1f}), K={info['K']} "
               f"(mean valid {info['mean_valid_nodes']:.1f})")
         acc_c = accuracy(cache_batches_, taus, alphas, cfg)
@@ -543,7 +548,7 @@ def run(args: argparse.Namespace) -> dict:
         files += plot_accuracy(acc_c, taus, alphas, out, "cache_")
     lap("accuracy")
 
-    print(f"[3] cost of one loss step vs M = {args.cost_m_list[0]}..{args.cost_m_list[-1]} "
+    say(f"[3] cost of one loss step vs M = {args.cost_m_list[0]}..{args.cost_m_list[-1]} "
           f"(B={args.cost_batch}, K={args.cost_k}, d={args.cost_dim}, {args.device})")
     load = machine_load()
     cost = cost_vs_m(args.cost_m_list, args.cost_batch, args.cost_k, args.cost_dim, replace(cfg), args.device,
@@ -557,7 +562,7 @@ def run(args: argparse.Namespace) -> dict:
     files.append(plot_cost(cost, out))
     lap("cost")
 
-    print(f"[4] alpha calibration at tau={args.calib_tau}, M in {args.calib_m_list}")
+    say(f"[4] alpha calibration at tau={args.calib_tau}, M in {args.calib_m_list}")
     cal = []
     for i, m in enumerate(args.calib_m_list):
         bs = batches if m == args.regions else list(random_batches(
@@ -575,7 +580,7 @@ def run(args: argparse.Namespace) -> dict:
     report = _clean(report)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print_summary(report, taus, alphas)
-    print(f"wrote {out / 'report.json'} and {len(files)} plots in {report['seconds']:.1f} s")
+    say(f"wrote {out / 'report.json'} and {len(files)} plots in {report['seconds']:.1f} s")
     return report
 
 
@@ -613,13 +618,7 @@ def print_summary(report: dict, taus, alphas) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_job(run, parse_args(argv))
 
 
 if __name__ == "__main__":

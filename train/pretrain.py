@@ -1,11 +1,19 @@
 """``python -m train.pretrain``: pre-train an open_clip CLIP model from scratch with CLIP, FLIP, FILIP, CLIP-PGS
 or PowerCLIP, on one process or many.
 
+    python -m train.pretrain --method powerclip                     # the embedded toy world, a few minutes on a CPU
     python -m train.pretrain --method clip --data toy --epochs 10 --out runs/pt-clip          # CPU, one process
     torchrun --nproc_per_node 8 -m train.pretrain --method powerclip --model ViT-B-16 \\
         --data 'cc12m/{00000..01242}.tar' --train-num-samples 10968539 --batch-size 512 --precision amp_bf16
     accelerate launch --multi_gpu --num_processes 8 -m train.pretrain ...
     srun python -m train.pretrain ...   # SLURM: ranks from SLURM_PROCID / SLURM_NTASKS, MASTER_ADDR/PORT exported
+
+A run is a function of its options: ``pretrain(PretrainOptions(method="clip", data="toy", epochs=10))`` does
+what the command line with those flags does (the same checks, the same files); the command line only parses
+into :class:`PretrainOptions`. Without ``--data`` a run trains on the embedded toy world
+(``extract.toyworld.ensure``: ``runs/toy``, generated on first use) for ``TOY_EPOCHS`` epochs unless ``--epochs``
+says otherwise (``EPOCHS`` on data you name); without ``--out`` it writes ``runs/pretrain-MODEL-METHOD``. A run
+folder holding another run's settings is refused (``train.run_dir.claim``), ``--resume`` continues it.
 
 The engine follows open_clip's trainer (``open_clip_train``): AdamW (0.9, 0.98, eps 1e-6), lr 1e-3, weight
 decay 0.2 on every tensor but gains, biases and the logit scale, cosine schedule with linear warm-up, autocast
@@ -14,8 +22,8 @@ accumulation with cached features (``--accum-freq``, open_clip's method: the neg
 accumulated batch, see below), features gathered over ranks *with* gradient and a local loss (so N ranks
 give one process's loss and gradients), the logit scale clamped to ln(100) after every step.
 
-What a method is -- its batch, its change to the forward, its loss on one or many ranks -- lives in
-``adapters/pretrain/<method>.py`` (the ``PRETRAIN`` registry); this file never asks which method runs.
+What a method is -- its batch, its change to the forward, its loss on one or many ranks, its own flags --
+lives in ``adapters/pretrain/<method>.py`` (the ``PRETRAIN`` registry); this file never asks which method runs.
 
 Gradient accumulation: every micro-batch's features are first computed without gradients; then each
 micro-batch is recomputed with gradients and the loss is evaluated on the concatenation of its fresh features
@@ -26,129 +34,237 @@ extra forward pass per micro-batch.
 
 Reliability: ``--resume latest`` continues exactly where the run stopped (weights, optimizer, scheduler, data
 position; tested against an uninterrupted run after kill -9); a non-finite loss or gradient skips the step
-(logged), and ``--max-bad-steps`` of them in a row stop the run with a message, the checkpoints already written
-untouched. Checkpoints are open_clip's safetensors plus JSON (``train/pretrain_checkpoint.py``).
+(logged), and ``--max-bad-steps`` of them in a row stop the run (exit status 3) with a message naming the last
+good checkpoint, the checkpoints already written untouched. Checkpoints are open_clip's safetensors plus JSON
+(``train/pretrain_checkpoint.py``); ``--keep-checkpoints N`` keeps the N newest, the best evaluated one and the
+one ``latest`` names.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # MKL rounding independent of buffer alignment (exact resumes)
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from adapters.pretrain._base import StepContext, split_features  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
-from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,  # noqa: E402
-                            positive_int, save_config)
-from extract.source_args import add_source_args, source_options  # noqa: E402
+from extract.cli import JobFailed, Parser, check_options, from_namespace, option, progress, run_job, say  # noqa: E402
+from extract.cli import build_parser as build_cli  # noqa: E402
+from extract.config import (_config_value, fraction, nonnegative_float, nonnegative_int,  # noqa: E402
+                            parse_with_config, positive_float, positive_int, save_config)
+from extract.source_args import SourceOptions, source_options  # noqa: E402
 from extract.tensorfile import first_nonfinite  # noqa: E402
 from train import pretrain_checkpoint as ckpt  # noqa: E402
 from train.pretrain_data import SeededTransform, build_train_data, to_device  # noqa: E402
+from train.run_dir import claim, default_out  # noqa: E402
 
 PRECISIONS = {"fp32": None, "amp": torch.float16, "fp16": torch.float16, "amp_bf16": torch.bfloat16,
               "bf16": torch.bfloat16}
 EVAL_TASKS = ("retrieval", "zeroshot", "compositional", "linear_probe")
+EPOCHS = 32  # --epochs on data the user names (the papers' CC12M runs)
+TOY_EPOCHS = 5  # --epochs on the embedded toy world: a first run that ends in minutes on a laptop CPU
+DEFAULT_WORKERS = min(4, max(1, (os.cpu_count() or 2) // 2))
 
 
-class TrainingAborted(RuntimeError):
-    """Too many non-finite steps in a row; the message says what was kept and what to try."""
+class TrainingAborted(JobFailed):
+    """Too many non-finite steps in a row (or non-finite final weights); the message says what was kept and what
+    to try. Exit status 3 on the command line."""
+
+    exit_code = 3
 
 
-# --------------------------------------------------------------------------------------------- arguments
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m train.pretrain", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--method", default="clip", choices=PRETRAIN.names(), help="pre-training objective")
-    p.add_argument("--model", default="tiny",
-                   help="open_clip architecture (ViT-B-16: the papers' setting) or a plugvlm alias (tiny = plugvlm-tiny)")
-    p.add_argument("--quick-gelu", action="store_true",
-                   help="QuickGELU activations (OpenAI CLIP's); default GELU, as open_clip trains from scratch")
-    p.add_argument("--pretrained", default=None, help="initial weights (tag or file); default: random init")
-    d = p.add_argument_group("data")
-    d.add_argument("--data", required=False,
-                   help="toy-world folder, CSV/TSV (filepath,title), COCO captions JSON, or webdataset shards "
-                        "('shards/{00000..00099}.tar', a folder of .tar)")
-    d.add_argument("--split", default="train", help="toy world: the split to train on")
-    d.add_argument("--image-root", default=None, help="CSV / COCO: folder of relative image paths")
-    d.add_argument("--train-num-samples", type=positive_int, default=None, help="webdataset: samples per epoch")
-    d.add_argument("--dataset-resampled", action=argparse.BooleanOptionalAction, default=True,
-                   help="webdataset: draw shards with replacement (open_clip's --dataset-resampled)")
-    d.add_argument("--shuffle-buffer", type=positive_int, default=1000, help="webdataset: samples in the shuffle buffer")
-    d.add_argument("--workers", type=nonnegative_int, default=min(4, max(1, (os.cpu_count() or 2) // 2)),
-                   help="data-loader processes per rank (0: load in the training process)")
-    d.add_argument("--augment", default="rrc", choices=["rrc", "none"],
-                   help="rrc: open_clip's random resized crop (scale 0.9-1); none: the evaluation transform")
-    add_source_args(p)  # --csv-img-key, --csv-caption-key, --csv-separator, --csv-encoding
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--epochs", type=positive_int, default=32, help="passes over the training data")
-    o.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many optimizer steps in total")
-    o.add_argument("--batch-size", type=positive_int, default=64, help="images per rank and micro-batch")
-    o.add_argument("--accum-freq", type=positive_int, default=1, help="micro-batches per optimizer step (exact, see above)")
-    o.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate (AdamW)")
-    o.add_argument("--beta1", type=fraction, default=0.9, help="AdamW beta1")
-    o.add_argument("--beta2", type=fraction, default=0.98, help="AdamW beta2")
-    o.add_argument("--eps", type=positive_float, default=1e-6, help="AdamW epsilon")
-    o.add_argument("--wd", type=nonnegative_float, default=0.2, help="AdamW weight decay (none on biases, gains, 1-d tensors and the logit scale)")
-    o.add_argument("--warmup", type=nonnegative_int, default=10000, help="linear warm-up steps (capped at 10%% of the run)")
-    o.add_argument("--grad-clip-norm", type=positive_float, default=None, help="clip the gradient norm (default: off)")
-    o.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
-                   help="fp32, or autocast: amp (fp16 + loss scaling), amp_bf16")
-    o.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
-    o.add_argument("--local-loss", action=argparse.BooleanOptionalAction, default=True,
-                   help="each rank scores its rows against the gathered batch (with --gather-with-grad: exact)")
-    o.add_argument("--gather-with-grad", action=argparse.BooleanOptionalAction, default=True)
-    o.add_argument("--seed", type=nonnegative_int, default=0, help="seeds weights, data order and augmentation")
-    o.add_argument("--max-bad-steps", type=positive_int, default=5,
-                   help="non-finite loss/gradient steps in a row before the run stops")
-    r = p.add_argument_group("output")
-    r.add_argument("--out", default="runs/pretrain", help="run folder: checkpoints, logs, final model")
-    r.add_argument("--save-every-n-steps", type=nonnegative_int, default=1000, help="step checkpoints (0: off)")
-    r.add_argument("--save-frequency", type=nonnegative_int, default=1, help="epoch checkpoints every N epochs (0: off)")
-    r.add_argument("--keep-checkpoints", type=nonnegative_int, default=2, help="step checkpoints kept (0: all)")
-    r.add_argument("--resume", default=None, help="'latest' (this --out's newest checkpoint) or a checkpoint folder")
-    r.add_argument("--log-every-n-steps", type=positive_int, default=10)
-    r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True)
-    r.add_argument("--val-data", default=None,
-                   help="toy world for the evaluation hook (default: --data when it is a toy world)")
-    r.add_argument("--val-split", default="val")
-    r.add_argument("--eval-every-n-epochs", type=nonnegative_int, default=1, help="0: no evaluation")
-    r.add_argument("--eval-tasks", default="retrieval,zeroshot,compositional",
-                   help=f"comma list from {', '.join(EVAL_TASKS)}")
-    r.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK when available, else cpu")
-    r.add_argument("--dist-url", default="env://", help="torch.distributed init (torchrun / accelerate set env://)")
-    r.add_argument("--debug-nan-steps", default="",
-                   help="testing aid: comma list of step numbers (1-based, as in log.csv) whose loss is replaced by NaN")
+# --------------------------------------------------------------------------------------------- options
+@dataclass
+class PretrainOptions(SourceOptions):
+    """What ``python -m train.pretrain`` does, as data: ``pretrain(PretrainOptions(method="clip", data="toy"))``
+    runs what the command line with those flags runs, through the same checks.
+
+    Fields left at None are chosen by the run (and written, resolved, to ``OUT/config.json``): ``data`` the
+    embedded toy world, ``epochs`` ``TOY_EPOCHS`` there and ``EPOCHS`` elsewhere, ``out``
+    ``runs/pretrain-MODEL-METHOD``, ``val_data`` ``data`` when it is a toy world. ``method_options`` holds the
+    objectives' own flags by name (``{"mask_ratio": 0.75}``; any registered method's, the chosen method's are
+    used, its flags' defaults fill the rest). ``eval_tasks`` and ``debug_nan_steps`` may be comma strings."""
+
+    method: str = option("clip", choices=PRETRAIN.names(), help="pre-training objective (adapters/pretrain/)")
+    model: str = option("tiny", help="open_clip architecture (ViT-B-16: the papers' setting) or a plugvlm alias "
+                                     "(tiny = plugvlm-tiny)")
+    quick_gelu: bool = option(False, action="store_true",
+                              help="QuickGELU activations (OpenAI CLIP's); default GELU, as open_clip trains from "
+                                   "scratch")
+    pretrained: str | None = option(None, help="initial weights (tag or file); default: random init")
+    data: str | None = option(None, group="data",
+                              help="toy-world folder, CSV/TSV (filepath,title), COCO captions JSON, or webdataset "
+                                   "shards ('shards/{00000..00099}.tar', a folder of .tar); default: the embedded "
+                                   "toy world runs/toy, generated on first use")
+    split: str = option("train", group="data", help="toy world: the split to train on")
+    image_root: str | None = option(None, group="data", help="CSV / COCO: folder of relative image paths")
+    train_num_samples: int | None = option(None, type=positive_int, group="data",
+                                           help="webdataset: samples per epoch")
+    dataset_resampled: bool = option(True, action=argparse.BooleanOptionalAction, group="data",
+                                     help="webdataset: draw shards with replacement (open_clip's --dataset-resampled)")
+    shuffle_buffer: int = option(1000, type=positive_int, group="data",
+                                 help="webdataset: samples in the shuffle buffer")
+    workers: int = option(DEFAULT_WORKERS, type=nonnegative_int, group="data",
+                          help="data-loader processes per rank (0: load in the training process)")
+    augment: str = option("rrc", choices=["rrc", "none"], group="data",
+                          help="rrc: open_clip's random resized crop (scale 0.9-1); none: the evaluation transform")
+    epochs: int | None = option(None, type=positive_int, group="optimisation",
+                                help=f"passes over the training data (default: {EPOCHS}; {TOY_EPOCHS} on the embedded "
+                                     "toy world, i.e. when no --data is given)")
+    max_steps: int | None = option(None, type=positive_int, group="optimisation",
+                                   help="stop after this many optimizer steps in total")
+    batch_size: int = option(64, type=positive_int, group="optimisation", help="images per rank and micro-batch")
+    accum_freq: int = option(1, type=positive_int, group="optimisation",
+                             help="micro-batches per optimizer step (exact, with cached features)")
+    lr: float = option(1e-3, type=positive_float, group="optimisation", help="peak learning rate (AdamW)")
+    beta1: float = option(0.9, type=fraction, group="optimisation", help="AdamW beta1")
+    beta2: float = option(0.98, type=fraction, group="optimisation", help="AdamW beta2")
+    eps: float = option(1e-6, type=positive_float, group="optimisation", help="AdamW epsilon")
+    wd: float = option(0.2, type=nonnegative_float, group="optimisation",
+                       help="AdamW weight decay (none on biases, gains, 1-d tensors and the logit scale)")
+    warmup: int = option(10000, type=nonnegative_int, group="optimisation",
+                         help="linear warm-up steps (capped at 10%% of the run)")
+    grad_clip_norm: float | None = option(None, type=positive_float, group="optimisation",
+                                          help="clip the gradient norm (default: off)")
+    precision: str = option("fp32", choices=sorted(PRECISIONS), group="optimisation",
+                            help="fp32, or autocast: amp (fp16 + loss scaling), amp_bf16")
+    grad_checkpointing: bool = option(False, action="store_true", group="optimisation",
+                                      help="recompute activations in the backward pass")
+    local_loss: bool = option(True, action=argparse.BooleanOptionalAction, group="optimisation",
+                              help="each rank scores its rows against the gathered batch (with --gather-with-grad: "
+                                   "exact)")
+    gather_with_grad: bool = option(True, action=argparse.BooleanOptionalAction, group="optimisation",
+                                    help="gather the other ranks' features with their gradient")
+    seed: int = option(0, type=nonnegative_int, group="optimisation",
+                       help="seeds weights, data order and augmentation")
+    max_bad_steps: int = option(5, type=positive_int, group="optimisation",
+                                help="non-finite loss/gradient steps in a row before the run stops")
+    out: str | None = option(None, group="output",
+                             help="run folder: checkpoints, logs, final model (default: runs/pretrain-MODEL-METHOD)")
+    save_every_n_steps: int = option(1000, type=nonnegative_int, group="output", help="step checkpoints (0: off)")
+    save_frequency: int = option(1, type=nonnegative_int, group="output",
+                                 help="epoch checkpoints every N epochs (0: off; the last epoch is always saved)")
+    keep_checkpoints: int = option(1, type=nonnegative_int, group="output",
+                                   help="checkpoints kept, step and epoch alike: the N newest, plus the best evaluated "
+                                        "one (highest mean retrieval R@1) and the one 'latest' names (0: keep all)")
+    resume: str | None = option(None, group="output",
+                                help="'latest' (this --out's newest checkpoint) or a checkpoint folder")
+    log_every_n_steps: int = option(10, type=positive_int, group="output",
+                                    help="a log.csv row every N steps (and for the first and every skipped step)")
+    tensorboard: bool = option(True, action=argparse.BooleanOptionalAction, group="output",
+                               help="also log to TensorBoard in OUT/tb")
+    val_data: str | None = option(None, group="output",
+                                  help="toy world for the per-epoch evaluation (default: --data when it is a toy "
+                                       "world)")
+    val_split: str = option("val", group="output", help="split of --val-data to evaluate on")
+    eval_every_n_epochs: int = option(1, type=nonnegative_int, group="output",
+                                      help="evaluate the epoch checkpoint every N epochs (0: no evaluation)")
+    eval_tasks: Any = option("retrieval,zeroshot,compositional", group="output",
+                             help=f"comma list from {', '.join(EVAL_TASKS)}")
+    device: str | None = option(None, group="output", help="default: cuda:LOCAL_RANK when available, else cpu")
+    dist_url: str = option("env://", group="output",
+                           help="torch.distributed init (torchrun / accelerate set env://)")
+    debug_nan_steps: Any = option("", group="output",
+                                  help="testing aid: comma list of step numbers (1-based, as in log.csv) whose loss "
+                                       "is replaced by NaN")
+    method_options: dict = field(default_factory=dict)  # the objectives' own flags, parsed by their add_args
+
+    def __post_init__(self):
+        if isinstance(self.eval_tasks, str):
+            self.eval_tasks = [t.strip() for t in self.eval_tasks.split(",") if t.strip()]
+        self.eval_tasks = list(self.eval_tasks)
+        unknown = set(self.eval_tasks) - set(EVAL_TASKS)
+        if unknown:
+            raise ValueError(f"unknown --eval-tasks {', '.join(sorted(unknown))}; choose from {', '.join(EVAL_TASKS)}")
+        if isinstance(self.debug_nan_steps, str):
+            self.debug_nan_steps = [s for s in self.debug_nan_steps.split(",") if s.strip()]
+        try:
+            self.debug_nan_steps = sorted({int(s) for s in self.debug_nan_steps})
+        except ValueError:
+            raise ValueError(f"--debug-nan-steps: expected comma-separated step numbers, got "
+                             f"{self.debug_nan_steps!r}") from None
+        self.method_options = {str(k).replace("-", "_"): v for k, v in dict(self.method_options or {}).items()}
+
+
+def method_flags() -> dict[str, tuple[argparse.ArgumentParser, dict[str, argparse.Action]]]:
+    """Each registered objective's own flags: ``{method: (a parser holding just them, {dest: action})}``."""
+    flags = {}
+    for name in PRETRAIN.names():
+        p = argparse.ArgumentParser(add_help=False)
+        PRETRAIN.get(name).add_args(p)
+        flags[name] = (p, {a.dest: a for a in p._actions})
+    return flags
+
+
+def resolve_method_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
+    """``method``'s own options: its flags' defaults updated with ``given`` (keys are flag dests; keys of other
+    registered methods are ignored). Each value passes the check its flag makes on the command line; a key no
+    method has is a ValueError listing the accepted ones."""
+    flags = method_flags()
+    known = {d for _, actions in flags.values() for d in actions}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"method_options: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+    parser, actions = flags[method]
+    resolved = {d: a.default for d, a in actions.items()}
+    for dest, value in given.items():
+        if dest not in actions or value == actions[dest].default:
+            continue
+        try:
+            resolved[dest] = _config_value(parser, actions[dest], value)
+        except ValueError as e:
+            raise ValueError(f"method_options[{dest!r}] ({method}): {e}") from None
+    return resolved
+
+
+def run_config(opts: PretrainOptions) -> dict[str, Any]:
+    """The options as ``OUT/config.json`` records them: one key per flag (the method's own flags beside the
+    others, as on the command line, so the file also works as ``--config``). ``model.json``'s ``args`` are the
+    fields themselves (``PretrainOptions(**args)``)."""
+    config = dataclasses.asdict(opts)
+    config.update(config.pop("method_options"))
+    return config
+
+
+def build_objective(method: str, options: dict[str, Any] | None = None):
+    """The registered objective ``method``, built by its ``from_args`` from ``options`` (see
+    :func:`resolve_method_options`)."""
+    return PRETRAIN.get(method).from_args(argparse.Namespace(**resolve_method_options(method, options or {})))
+
+
+def build_parser() -> Parser:
+    """The command line: :class:`PretrainOptions`' fields, then one group per objective with its own flags."""
+    p = build_cli(PretrainOptions, "python -m train.pretrain", __doc__)
     for name in PRETRAIN.names():
         PRETRAIN.get(name).add_args(p)
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> PretrainOptions:
+    """Options from the command line (and ``--config``); argument errors exit with status 2 and one line."""
     p = build_parser()
-    args = parse_with_config(p, argv)
-    if not args.data:
-        p.error("--data is required (a toy world: python -m extract.toyworld --out toy --n 2000)")
-    args.eval_tasks = [t.strip() for t in str(args.eval_tasks).split(",") if t.strip()]
-    unknown = set(args.eval_tasks) - set(EVAL_TASKS)
-    if unknown:
-        p.error(f"unknown --eval-tasks {', '.join(sorted(unknown))}; choose from {', '.join(EVAL_TASKS)}")
-    args.debug_nan_steps = sorted({int(s) for s in str(args.debug_nan_steps).split(",") if s.strip()})
-    if args.batch_size < 1 or args.accum_freq < 1:
-        p.error("--batch-size and --accum-freq must be >= 1")
-    return args
+    ns = parse_with_config(p, argv)
+    chosen: dict[str, Any] = {}
+    for name, (_, actions) in method_flags().items():
+        for dest, action in actions.items():
+            # the chosen method's flags all; another method's only when set (a shared --extra line, a config)
+            if name == ns.method or getattr(ns, dest) != action.default:
+                chosen[dest] = getattr(ns, dest)
+    try:
+        return from_namespace(PretrainOptions, ns, method_options=chosen)
+    except ValueError as e:
+        p.error(str(e))
 
 
 # --------------------------------------------------------------------------------------------- processes
@@ -227,8 +343,9 @@ def create_model(arch: str, quick_gelu: bool, seed: int, pretrained: str | None 
     import open_clip
     from open_clip.transform import PreprocessCfg, image_transform_v2
 
-    from extract.backbone import _register_configs
+    from extract.backbone import _register_configs, quiet_open_clip
 
+    quiet_open_clip()  # open_clip's "No pretrained weights loaded" is wrong here: weights are loaded below or trained
     _register_configs()  # plugvlm-tiny and friends
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -281,7 +398,7 @@ class _Forward(torch.nn.Module):
 class Trainer:
     """Model, objective, optimizer and one optimizer step (forward, loss, backward, checks, update)."""
 
-    def __init__(self, args: argparse.Namespace, dist: Dist, model: torch.nn.Module, objective):
+    def __init__(self, args: PretrainOptions, dist: Dist, model: torch.nn.Module, objective):
         self.args, self.dist, self.objective = args, dist, objective
         self.model = model.to(dist.device)
         if args.grad_checkpointing:
@@ -419,17 +536,24 @@ class RunLog:
 
 
 # --------------------------------------------------------------------------------------------- evaluation hook
-def evaluate_checkpoint(weights: Path, arch: str, args: argparse.Namespace, device) -> dict[str, float]:
-    """Evaluate saved weights with the evaluation suite (train.evaluate) on the toy world's ``--val-split``:
-    retrieval R@k, zero-shot, compositional per type. Returns the flat headline numbers."""
+def eval_tasks(opts: PretrainOptions) -> dict:
+    """The per-epoch evaluation's data (``train.evaluate.load_tasks``), read once before training so a bad
+    ``--val-data`` fails before the first step."""
+    from train import evaluate as ev
+
+    return ev.load_tasks(ev.EvaluateOptions(data=opts.val_data, split=opts.val_split, tasks=list(opts.eval_tasks),
+                                            seed=opts.seed))
+
+
+def evaluate_checkpoint(weights: Path, arch: str, opts: PretrainOptions, device, tasks: dict | None = None
+                        ) -> dict[str, float]:
+    """Evaluate saved weights with the evaluation suite (``train.evaluate``'s functions) on the toy world's
+    ``val_split``: retrieval R@k, zero-shot, compositional per type. ``tasks``: from :func:`eval_tasks` (read
+    here when None). Returns the flat headline numbers."""
     from adapters.scoring import load_scorer
     from train import evaluate as ev
 
-    ns = argparse.Namespace(data=args.val_data, split=args.val_split, tasks=list(args.eval_tasks), retrieval_data=None,
-                            cache=None, zeroshot_data=None, labels=None, templates="imagenet80", benchmark=[],
-                            image_root=None, probe_data=None, probe_test=0.3, seed=args.seed, annotations=None,
-                            detector=None)
-    tasks = ev.load_tasks(ns)
+    tasks = eval_tasks(opts) if tasks is None else tasks
     scorer = load_scorer(arch, str(weights), device=device)
     res: dict[str, Any] = {}
     if "retrieval" in tasks:
@@ -439,214 +563,378 @@ def evaluate_checkpoint(weights: Path, arch: str, args: argparse.Namespace, devi
     if "compositional" in tasks:
         res["compositional"] = {bm.name: ev.run_compositional(scorer, bm, 128) for bm in tasks["compositional"]}
     if "linear_probe" in tasks:
-        res["linear_probe"] = ev.run_linear_probe(scorer, *tasks["linear_probe"], 128, args.seed)
+        res["linear_probe"] = ev.run_linear_probe(scorer, *tasks["linear_probe"], 128, opts.seed)
     return ev.headline(res)
 
 
-# --------------------------------------------------------------------------------------------- driver
-def _describe(args, arch: str, objective, data, step: int, epoch: float, samples: int, metrics=None) -> dict:
+def retrieval_score(metrics: dict[str, float]) -> float | None:
+    """What "best checkpoint" means: the mean of the evaluation's retrieval R@1 (T2I and I2T); None without
+    retrieval numbers."""
+    r1 = [v for k, v in metrics.items() if k.startswith("retrieval") and k.endswith("R@1")]
+    return sum(r1) / len(r1) if r1 else None
+
+
+# --------------------------------------------------------------------------------------------- a run
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _is_toyworld(path: str | None) -> bool:
+    return bool(path) and Path(path).is_dir() and (Path(path) / "annotations.json").is_file()
+
+
+def resolve_options(opts: PretrainOptions, dist: Dist) -> tuple[PretrainOptions, list[str]]:
+    """The options with data, epochs, out and val_data filled in where they were left to the run
+    (:class:`PretrainOptions`), and one line per choice made, for the run's first lines. The embedded toy world
+    is generated here when it is needed."""
+    notes, changes = [], {}
+    if opts.data is None:
+        from extract import toyworld
+
+        # module attributes read now, not bound as defaults, so a test can make the default world small
+        where, n, seed = toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED
+        if dist.is_main:
+            toyworld.ensure(where, n, seed, say=say)
+        dist.barrier()
+        changes["data"] = str(where)
+        notes.append(f"data: the embedded toy world {where} ({n} scenes, seed {seed}; no --data given)")
+    if opts.epochs is None:
+        changes["epochs"] = TOY_EPOCHS if opts.data is None else EPOCHS
+        notes.append(f"epochs: {changes['epochs']} (the default " + (
+            f"on the embedded toy world, {EPOCHS} on data you name" if opts.data is None else "")
+            + "; --epochs N to change it)")
+    if opts.out is None:
+        changes["out"] = str(default_out("pretrain", opts.model, opts.method))
+        notes.append(f"out: {changes['out']} (no --out given)")
+    data = changes.get("data", opts.data)
+    if opts.val_data is None and _is_toyworld(data):
+        changes["val_data"] = data
+    return dataclasses.replace(opts, **changes), notes
+
+
+def _describe(opts: PretrainOptions, arch: str, objective, data, step: int, epoch: float, samples: int,
+              metrics=None) -> dict:
+    """model.json: what the weights are (see train/pretrain_checkpoint.py)."""
     import open_clip
 
-    return {"model": arch, "model_cfg": open_clip.get_model_config(arch), "quick_gelu": bool(args.quick_gelu),
+    return {"model": arch, "model_cfg": open_clip.get_model_config(arch), "quick_gelu": bool(opts.quick_gelu),
             "method": objective.name, "method_config": objective.config(), "step": step, "epoch": epoch,
             "samples_seen": samples, "data": {**data.description, "skipped": data.report.counts()},
-            "args": {k: v for k, v in vars(args).items()},
+            "args": dataclasses.asdict(opts),  # PretrainOptions(**args) is this run's options
             "versions": {"open_clip": open_clip.__version__, "torch": torch.__version__},
             "metrics": metrics or {},
             "load": {"open_clip": f"open_clip.create_model_and_transforms({arch!r}"
-                                  + (", force_quick_gelu=True" if args.quick_gelu else "") + ", pretrained=PATH)",
+                                  + (", force_quick_gelu=True" if opts.quick_gelu else "") + ", pretrained=PATH)",
                      "plugvlm": f"extract.backbone.load_backbone({arch!r}, PATH)"}}
 
 
-def train(args: argparse.Namespace) -> dict:
-    """Run (or resume) a pre-training run; returns a summary dict. Raises TrainingAborted on divergence."""
-    dist = init_distributed(args.device, args.dist_url)
-    out = Path(args.out)
-    arch = resolve_architecture(args.model)
-    say = print if dist.is_main else (lambda *a, **k: None)
-    objective = PRETRAIN.get(args.method).from_args(args)
-    model, train_tf, eval_tf, tokenizer = create_model(arch, args.quick_gelu, args.seed, args.pretrained)
-    fixed = bool(getattr(objective, "needs_fixed_geometry", False))
-    if fixed and args.augment != "none":
-        say(f"note: {args.method} with these settings needs the evaluation geometry; training without augmentation")
-    transform = SeededTransform(eval_tf if (fixed or args.augment == "none") else train_tf,
-                                random=not (fixed or args.augment == "none"))
+class PretrainRun:
+    """One pre-training run, in the order :func:`pretrain` calls its steps: ``__init__`` (model, objective,
+    :meth:`open_data`, optimizer), :meth:`resume`, :meth:`start`, then per epoch :meth:`train_epoch` (each step:
+    :meth:`train_step`) and :meth:`end_epoch` (:meth:`checkpoint`, :meth:`evaluate`), and :meth:`finish` (the
+    final weights).
 
-    resume_path = ckpt.find_resume(out, args.resume) if args.resume else None
-    resume_state = json.loads((resume_path / "state.json").read_text()) if resume_path else None
-    data = build_train_data(args.data, batch_size=args.batch_size, rank=dist.rank, world_size=dist.world_size,
-                            accum_freq=args.accum_freq, seed=args.seed, tokenizer=tokenizer, objective=objective,
-                            transform=transform, workers=args.workers, split=args.split, image_root=args.image_root,
-                            source_options=source_options(args),
-                            train_num_samples=args.train_num_samples, resampled=args.dataset_resampled,
-                            shuffle_buffer=args.shuffle_buffer,
-                            resume_state=resume_state)
-    objective.setup(model, {"source": args.data, "data": args.data, "model": args.model, "image_ids": data.image_ids,
-                            "grid": tuple(model.visual.grid_size)})
-    trainer = Trainer(args, dist, model, objective)
-    total_steps = data.steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    warmup = min(args.warmup, max(1, total_steps // 10))  # 10k warm-up steps on a 500-step toy run would be all of it
-    if args.val_data is None and Path(args.data).is_dir() and (Path(args.data) / "annotations.json").is_file():
-        args.val_data = args.data
+    Where the run stands -- ``step`` (optimizer steps done, so the k-th step is numbered k everywhere),
+    ``epoch`` (epochs done), ``in_epoch`` (steps done in the current one), ``samples``, ``bad_in_row`` -- is
+    what a checkpoint stores and :meth:`resume` restores."""
 
-    step = epoch = start_in_epoch = bad_in_row = 0
-    samples = 0
-    if resume_path is not None:
-        state = ckpt.load_checkpoint(resume_path, trainer.model, trainer.optimizer, trainer.param_names, trainer.scaler)
-        step, epoch, start_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
-        samples, bad_in_row = state["samples_seen"], state["bad_in_row"]
-        if state.get("global_batch") != args.batch_size * dist.world_size * args.accum_freq:
-            say(f"note: the checkpoint was trained with a global batch of {state.get('global_batch')}; the data order "
-                "after this resume differs from an uninterrupted run's")
-        say(f"resumed from {resume_path} at step {step} (epoch {epoch}, step {start_in_epoch} of "
-            f"{data.steps_per_epoch})")
-    elif args.resume:
-        say(f"note: --resume {args.resume}: no checkpoint in {out / 'checkpoints'} yet; starting a new run")
+    def __init__(self, opts: PretrainOptions, dist: Dist):
+        """Setup: the model, the objective, the data, the optimizer and the evaluation's data."""
+        self.opts, self.dist = opts, dist
+        self.say = say if dist.is_main else _silent
+        self.warn = print if dist.is_main else _silent  # warnings stay under --quiet
+        self.out = Path(opts.out)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.arch = resolve_architecture(opts.model)
+        self.objective = build_objective(opts.method, opts.method_options)
+        model, train_tf, eval_tf, tokenizer = create_model(self.arch, opts.quick_gelu, opts.seed, opts.pretrained)
+        fixed = bool(getattr(self.objective, "needs_fixed_geometry", False))
+        if fixed and opts.augment != "none":
+            self.say(f"note: {opts.method} with these settings needs the evaluation geometry; training without "
+                     "augmentation")
+        plain = fixed or opts.augment == "none"
+        self.resume_path = ckpt.find_resume(self.out, opts.resume) if opts.resume else None
+        self.data = self.open_data(tokenizer, SeededTransform(eval_tf if plain else train_tf, random=not plain))
+        self.objective.setup(model, {"source": opts.data, "data": opts.data, "model": opts.model,
+                                     "image_ids": self.data.image_ids, "grid": tuple(model.visual.grid_size)})
+        self.evaluates = bool(dist.is_main and opts.eval_every_n_epochs and opts.val_data)
+        self.tasks = eval_tasks(opts) if self.evaluates else None  # a bad --val-data fails before training
+        self.trainer = Trainer(opts, dist, model, self.objective)
+        self.total_steps = self.data.steps_per_epoch * opts.epochs
+        if opts.max_steps is not None:
+            self.total_steps = min(self.total_steps, opts.max_steps)
+        # 10k warm-up steps on a 500-step toy run would be all of it
+        self.warmup = min(opts.warmup, max(1, self.total_steps // 10))
+        self.global_batch = opts.batch_size * dist.world_size * opts.accum_freq
+        self.step = self.epoch = self.in_epoch = self.samples = self.bad_in_row = 0
+        self.bad_steps: list[int] = []
+        self.last_ckpt: Path | None = None
+        self.evals: dict[str, dict] = {}  # checkpoint name -> its evaluation (OUT/eval/<name>.json)
+        self.log: RunLog | None = None
+        self.pbar = None
 
-    ckpt_dir = out / "checkpoints"
-    if dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_partial(ckpt_dir) if ckpt_dir.is_dir() else None
-        save_config(args, out / "config.json")
-    dist.barrier()
-    log = RunLog(out, args.tensorboard, dist.is_main)
-    global_batch = args.batch_size * dist.world_size * args.accum_freq
-    say(f"{objective.describe()} on {arch}: {data.description.get('images', data.description.get('samples_per_epoch'))} "
-        f"samples/epoch, {data.steps_per_epoch} steps/epoch of {global_batch} ({dist.world_size} rank(s) x "
-        f"{args.accum_freq} x {args.batch_size}), {total_steps} steps, device {dist.device}, {args.precision}")
+    # -- data
+    def open_data(self, tokenizer, transform: SeededTransform):
+        """This rank's training data (``train.pretrain_data``), positioned where the resumed checkpoint stopped."""
+        o, dist = self.opts, self.dist
+        resume_state = json.loads((self.resume_path / "state.json").read_text()) if self.resume_path else None
+        return build_train_data(o.data, batch_size=o.batch_size, rank=dist.rank, world_size=dist.world_size,
+                                accum_freq=o.accum_freq, seed=o.seed, tokenizer=tokenizer, objective=self.objective,
+                                transform=transform, workers=o.workers, split=o.split, image_root=o.image_root,
+                                source_options=source_options(o), train_num_samples=o.train_num_samples,
+                                resampled=o.dataset_resampled, shuffle_buffer=o.shuffle_buffer,
+                                resume_state=resume_state)
 
-    def state_for(step_, epoch_, in_epoch):
-        return {"step": step_, "epoch": epoch_, "step_in_epoch": in_epoch, "samples_seen": samples,
-                "bad_in_row": bad_in_row, "global_batch": global_batch, "world_size": dist.world_size,
-                "data_state": data.resume_state(step_), "method": args.method, "model": arch,
-                "data_skipped": data.report.counts()}
+    # -- resume
+    def resume(self) -> None:
+        """Continue from ``--resume``'s checkpoint: weights, optimizer, scaler, RNG, position; the evaluations
+        already made (which the best checkpoint is chosen from)."""
+        if self.resume_path is None:
+            if self.opts.resume:
+                self.say(f"note: --resume {self.opts.resume}: no checkpoint in {self.ckpt_dir} yet; starting a new run")
+            return
+        t = self.trainer
+        state = ckpt.load_checkpoint(self.resume_path, t.model, t.optimizer, t.param_names, t.scaler)
+        self.step, self.epoch, self.in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        self.samples, self.bad_in_row = state["samples_seen"], state["bad_in_row"]
+        self.last_ckpt = self.resume_path
+        if state.get("global_batch") != self.global_batch:
+            self.say(f"note: the checkpoint was trained with a global batch of {state.get('global_batch')}; the data "
+                     "order after this resume differs from an uninterrupted run's")
+        self.say(f"resumed from {self.resume_path} at step {self.step} (epoch {self.epoch}, step {self.in_epoch} of "
+                 f"{self.data.steps_per_epoch})")
+        for path in sorted((self.out / "eval").glob("*.json")):
+            try:
+                self.evals[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass  # a report cut by the kill: that epoch just does not compete for "best"
 
-    def save(name, step_, epoch_, in_epoch, metrics=None) -> Path | None:
-        """Checkpoint ``name``, only from a good state: after a step that was not skipped, with finite weights
-        (a run of skipped steps, or weights blown up to inf, must never overwrite what --resume would use)."""
-        if bad_in_row or first_nonfinite(trainer.model.state_dict()) is not None:
-            say(f"\nwarning: not writing checkpoint {name}: "
-                + (f"the last {bad_in_row} step(s) were skipped as non-finite" if bad_in_row else "the weights are not finite")
-                + (f"; the last good one is {last_ckpt}" if last_ckpt else "; no good checkpoint exists yet"))
-            return None
-        if not dist.is_main:
-            return None
-        path = ckpt.save_checkpoint(ckpt_dir, name, trainer.model, trainer.optimizer, trainer.param_names,
-                                    trainer.scaler, state_for(step_, epoch_, in_epoch),
-                                    _describe(args, arch, objective, data, step_, epoch_ + in_epoch / data.steps_per_epoch,
-                                              samples, metrics))
-        ckpt.prune_steps(ckpt_dir, args.keep_checkpoints)
-        return path
+    # -- start
+    def start(self, notes: Sequence[str] = ()) -> None:
+        """The run folder (config.json, leftovers of a killed run removed), the logs, and the run's first lines:
+        what was chosen for the user and what will run."""
+        o, d = self.opts, self.data
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.ckpt_dir.is_dir():
+                ckpt.clean_partial(self.ckpt_dir)
+            save_config(run_config(o), self.out / "config.json")
+        self.dist.barrier()
+        self.log = RunLog(self.out, o.tensorboard, self.dist.is_main)
+        for line in notes:
+            self.say(line)
+        self.say(f"objective: {self.objective.describe()}")
+        samples = d.description.get("images", d.description.get("samples_per_epoch"))
+        self.say(f"{self.arch} on {o.data}: {samples} samples/epoch, {d.steps_per_epoch} steps/epoch of "
+                 f"{self.global_batch} ({self.dist.world_size} rank(s) x {o.accum_freq} x {o.batch_size}), "
+                 f"{self.total_steps} steps, device {self.dist.device}, {o.precision}")
+        evaluation = (f"evaluated on {o.val_data} ({o.val_split}) every {o.eval_every_n_epochs} epoch(s)"
+                      if self.evaluates else "no per-epoch evaluation")
+        kept = "all kept" if o.keep_checkpoints == 0 else f"the newest {o.keep_checkpoints} and the best kept"
+        self.say(f"writing {self.out}: checkpoints {kept}, {evaluation}")
+        self.pbar = progress(total=self.total_steps, initial=self.step, desc=o.method, unit="step",
+                             disable=not self.dist.is_main)
+        self.t_last = time.perf_counter()
 
-    evals: dict[str, dict] = {}
-    last_ckpt: Path | None = resume_path
-    bad_steps: list[int] = []
-    t_last = time.perf_counter()
-    pbar = tqdm(total=total_steps, initial=step, desc=f"{args.method}", unit="step", disable=not dist.is_main,
-                dynamic_ncols=True)
-    try:
-        while epoch < args.epochs and step < total_steps:
-            in_epoch = start_in_epoch
-            t_data = time.perf_counter()
-            for micro in data.epoch_batches(epoch, start_in_epoch):
-                if step >= total_steps:
-                    break
-                micro = [to_device(m, dist.device) for m in micro]
-                data_time = time.perf_counter() - t_data
-                ctx = trainer.context(step, epoch, args.epochs)
-                lr = cosine_lr(args.lr, warmup, total_steps, step)
-                metrics, ok = trainer.step(micro, ctx, lr)
-                step += 1
-                in_epoch += 1
-                samples += global_batch
-                now = time.perf_counter()
-                batch_time, t_last = now - t_last, now
-                # Steps are numbered from 1 everywhere (console, log.csv, checkpoint names): step k is the k-th update.
-                # The row is written before a possible abort, so the last bad step is in the log too.
-                if dist.is_main and (step % args.log_every_n_steps == 0 or step == 1 or not ok):
-                    row = {"step": step, "epoch": epoch + in_epoch / data.steps_per_epoch, "lr": lr, **metrics,
-                           "skipped_step": int(not ok), "samples_per_second": global_batch / max(batch_time, 1e-9),
-                           "batch_time": batch_time, "data_time": data_time,
-                           "data_skipped": sum(sum(v.values()) for k, v in data.report.counts().items() if k != "converted")}
-                    log.write(step, row)
-                    pbar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}")
-                pbar.update(1)
-                if ok:
-                    bad_in_row = 0
-                else:
-                    bad_in_row += 1
-                    bad_steps.append(step)
-                    say(f"\nwarning: step {step}: non-finite loss or gradient ({metrics.get('loss')}); step skipped "
-                        f"({bad_in_row} in a row, --max-bad-steps {args.max_bad_steps})")
-                    if bad_in_row >= args.max_bad_steps:
-                        kept = (f"the last good checkpoint is {last_ckpt}" if last_ckpt else
-                                "no checkpoint was written (one is written only after a good step with finite weights)")
-                        raise TrainingAborted(
-                            f"stopped: {bad_in_row} steps in a row had a NaN/inf loss or gradient (steps "
-                            f"{', '.join(map(str, bad_steps[-bad_in_row:]))}); {kept}. "
-                            + ("Resume with --resume latest after " if last_ckpt else "Start again after ")
-                            + "lowering --lr, setting --grad-clip-norm 1.0, or switching --precision to amp_bf16 / fp32; "
-                            "check the data with python -m extract.check_data.")
-                if args.save_every_n_steps and step % args.save_every_n_steps == 0 and in_epoch < data.steps_per_epoch:
-                    last_ckpt = save(f"step_{step:08d}", step, epoch, in_epoch) or last_ckpt
-                    dist.barrier()
-                t_data = time.perf_counter()
-            if in_epoch < data.steps_per_epoch:  # stopped by --max-steps inside the epoch
+    # -- one epoch, one step
+    def running(self) -> bool:
+        return self.epoch < self.opts.epochs and self.step < self.total_steps
+
+    def train_epoch(self) -> bool:
+        """The current epoch's steps from where the run stands, up to its end or the step budget. Returns True
+        when the epoch was completed."""
+        t_data = time.perf_counter()
+        for micro in self.data.epoch_batches(self.epoch, self.in_epoch):
+            if self.step >= self.total_steps:
                 break
-            epoch += 1
-            start_in_epoch = 0
-            if (args.save_frequency and epoch % args.save_frequency == 0) or epoch == args.epochs:
-                last_ckpt = save(f"epoch_{epoch:04d}", step, epoch, 0) or last_ckpt
-            if (dist.is_main and args.eval_every_n_epochs and args.val_data and last_ckpt is not None
-                    and (epoch % args.eval_every_n_epochs == 0 or epoch == args.epochs)
-                    and last_ckpt.name == f"epoch_{epoch:04d}"):
-                evals[f"epoch_{epoch:04d}"] = res = evaluate_checkpoint(last_ckpt / "model.safetensors", arch, args,
-                                                                        dist.device)
-                log.write(step, res, prefix="eval")
-                (out / "eval").mkdir(exist_ok=True)
-                (out / "eval" / f"epoch_{epoch:04d}.json").write_text(json.dumps(res, indent=2) + "\n")
-                say("\n" + f"epoch {epoch} eval: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()
-                                                              if k.startswith("retrieval") and k.endswith("R@1")))
-            dist.barrier()
-            t_last = time.perf_counter()  # checkpoint and evaluation time is not a step's time
+            micro = [to_device(m, self.dist.device) for m in micro]
+            self.train_step(micro, data_time=time.perf_counter() - t_data)
+            t_data = time.perf_counter()
+        return self.in_epoch >= self.data.steps_per_epoch
+
+    def train_step(self, micro: list[dict], data_time: float) -> None:
+        """One optimizer step, its log row, the bad-step count (raises TrainingAborted) and step checkpoints."""
+        o = self.opts
+        ctx = self.trainer.context(self.step, self.epoch, o.epochs)
+        lr = cosine_lr(o.lr, self.warmup, self.total_steps, self.step)
+        metrics, ok = self.trainer.step(micro, ctx, lr)
+        self.step += 1
+        self.in_epoch += 1
+        self.samples += self.global_batch
+        now = time.perf_counter()
+        batch_time, self.t_last = now - self.t_last, now
+        # Steps are numbered from 1 everywhere (console, log.csv, checkpoint names): step k is the k-th update.
+        # The row is written before a possible abort, so the last bad step is in the log too.
+        if self.dist.is_main and (self.step % o.log_every_n_steps == 0 or self.step == 1 or not ok):
+            skipped = sum(sum(v.values()) for k, v in self.data.report.counts().items() if k != "converted")
+            epoch = self.epoch + self.in_epoch / self.data.steps_per_epoch
+            self.log.write(self.step, {"step": self.step, "epoch": epoch, "lr": lr, **metrics,
+                                       "skipped_step": int(not ok),
+                                       "samples_per_second": self.global_batch / max(batch_time, 1e-9),
+                                       "batch_time": batch_time, "data_time": data_time, "data_skipped": skipped})
+            self.pbar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}")
+        self.pbar.update(1)
+        self.count_bad(ok, metrics)
+        if o.save_every_n_steps and self.step % o.save_every_n_steps == 0 and self.in_epoch < self.data.steps_per_epoch:
+            self.checkpoint(f"step_{self.step:08d}")
+            self.dist.barrier()
+
+    def count_bad(self, ok: bool, metrics: dict) -> None:
+        """Skipped (non-finite) steps in a row; ``--max-bad-steps`` of them stop the run naming what is kept."""
+        if ok:
+            self.bad_in_row = 0
+            return
+        o = self.opts
+        self.bad_in_row += 1
+        self.bad_steps.append(self.step)
+        self.warn(f"warning: step {self.step}: non-finite loss or gradient ({metrics.get('loss')}); step skipped "
+                  f"({self.bad_in_row} in a row, --max-bad-steps {o.max_bad_steps})")
+        if self.bad_in_row < o.max_bad_steps:
+            return
+        kept = (f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt else
+                "no checkpoint was written (one is written only after a good step with finite weights)")
+        raise TrainingAborted(
+            f"stopped: {self.bad_in_row} steps in a row had a NaN/inf loss or gradient (steps "
+            f"{', '.join(map(str, self.bad_steps[-self.bad_in_row:]))}); {kept}. "
+            + ("Resume with --resume latest after " if self.last_ckpt else "Start again after ")
+            + "lowering --lr, setting --grad-clip-norm 1.0, or switching --precision to amp_bf16 / fp32; "
+            "check the data with python -m extract.check_data.")
+
+    # -- checkpoints and evaluation
+    def checkpoint(self, name: str) -> Path | None:
+        """Checkpoint ``name`` at the current position, only from a good state: after a step that was not
+        skipped, with finite weights (a run of skipped steps, or weights blown up to inf, must never overwrite
+        what --resume would use). Then the old ones beyond ``--keep-checkpoints`` go."""
+        t = self.trainer
+        if self.bad_in_row or first_nonfinite(t.model.state_dict()) is not None:
+            self.warn(f"warning: not writing checkpoint {name}: " + (
+                f"the last {self.bad_in_row} step(s) were skipped as non-finite" if self.bad_in_row
+                else "the weights are not finite") + (
+                f"; the last good one is {self.last_ckpt}" if self.last_ckpt else "; no good checkpoint exists yet"))
+            return None
+        if not self.dist.is_main:
+            return None
+        spe = self.data.steps_per_epoch
+        state = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.in_epoch, "samples_seen": self.samples,
+                 "bad_in_row": self.bad_in_row, "global_batch": self.global_batch,
+                 "world_size": self.dist.world_size, "data_state": self.data.resume_state(self.step),
+                 "method": self.opts.method, "model": self.arch, "data_skipped": self.data.report.counts()}
+        description = _describe(self.opts, self.arch, self.objective, self.data, self.step,
+                                self.epoch + self.in_epoch / spe, self.samples)
+        self.last_ckpt = ckpt.save_checkpoint(self.ckpt_dir, name, t.model, t.optimizer, t.param_names, t.scaler,
+                                              state, description)
+        self.prune()
+        return self.last_ckpt
+
+    def best(self) -> str | None:
+        """The evaluated checkpoint with the highest :func:`retrieval_score` that still exists."""
+        scored = [(s, name) for name, m in self.evals.items()
+                  if (s := retrieval_score(m)) is not None and (self.ckpt_dir / name).is_dir()]
+        return max(scored)[1] if scored else None
+
+    def prune(self) -> None:
+        ckpt.prune(self.ckpt_dir, self.opts.keep_checkpoints, keep_also=[self.best()])
+
+    def end_epoch(self) -> None:
+        """After a completed epoch: its checkpoint (every ``--save-frequency`` epochs, and the last) and its
+        evaluation (every ``--eval-every-n-epochs``, and the last)."""
+        o = self.opts
+        self.epoch += 1
+        self.in_epoch = 0
+        name = f"epoch_{self.epoch:04d}"
+        last = self.epoch == o.epochs
+        if (o.save_frequency and self.epoch % o.save_frequency == 0) or last:
+            self.checkpoint(name)
+        if (self.evaluates and self.last_ckpt is not None and self.last_ckpt.name == name
+                and (self.epoch % o.eval_every_n_epochs == 0 or last)):
+            self.evaluate(name)
+        self.dist.barrier()
+        self.t_last = time.perf_counter()  # checkpoint and evaluation time is not a step's time
+
+    def evaluate(self, name: str) -> dict[str, float]:
+        """Evaluate checkpoint ``name`` into ``OUT/eval/<name>.json`` and the logs; mark the best one."""
+        res = evaluate_checkpoint(self.ckpt_dir / name / "model.safetensors", self.arch, self.opts, self.dist.device,
+                                  self.tasks)
+        self.evals[name] = res
+        self.log.write(self.step, res, prefix="eval")
+        (self.out / "eval").mkdir(exist_ok=True)
+        (self.out / "eval" / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
+        best = self.best()
+        if best is not None:
+            ckpt.mark_best(self.ckpt_dir, best)
+        self.say(f"epoch {self.epoch} eval: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()
+                                                          if k.startswith("retrieval") and k.endswith("R@1"))
+                 + (f" (best so far: {best})" if best else ""))
+        self.prune()
+        return res
+
+    # -- the end
+    def close(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+        if self.log is not None:
+            self.log.close()
+
+    def finish(self) -> dict:
+        """The final weights (``OUT/model.safetensors`` + ``model.json``) and data report; returns the summary."""
+        last_eval = self.evals[max(self.evals)] if self.evals else {}
+        if first_nonfinite(self.trainer.model.state_dict()) is not None:  # a "good" last step can overflow to inf
+            raise TrainingAborted("stopped: the final weights are not finite, so they were not saved; "
+                                  + (f"the last good checkpoint is {self.last_ckpt}" if self.last_ckpt
+                                     else "no good checkpoint exists") + ". Lower --lr or set --grad-clip-norm 1.0.")
+        best = self.best()
+        weights = self.out / "model.safetensors"
+        if self.dist.is_main:
+            epochs = self.epoch + self.in_epoch / self.data.steps_per_epoch
+            ckpt.save_final(self.out, self.trainer.model, _describe(self.opts, self.arch, self.objective, self.data,
+                                                                    self.step, epochs, self.samples, last_eval))
+            self.data.report.to_json(self.out / "data_report.json")
+            self.say(f"done: {self.step} steps, {self.samples} samples; weights {weights} (+ model.json)"
+                     + (f"; best evaluated checkpoint {self.ckpt_dir / best}" if best else ""))
+            self.say(f"data: {self.data.report.summary()}")
+        self.dist.barrier()
+        return {"step": self.step, "epoch": self.epoch, "samples": self.samples, "out": str(self.out),
+                "weights": str(weights), "eval": last_eval, "best": str(self.ckpt_dir / best) if best else None,
+                "bad_steps": self.bad_steps, "options": self.opts}
+
+
+def pretrain(opts: PretrainOptions) -> dict:
+    """Run (or resume) the pre-training ``opts`` describes; returns ``{"step", "epoch", "samples", "out",
+    "weights", "eval" (the last evaluation's headline numbers), "best" (the best evaluated checkpoint or None),
+    "bad_steps", "options" (resolved)}``. Raises ValueError for bad options (the command line's checks) or a run
+    folder holding another run, TrainingAborted when training diverges."""
+    check_options(opts, build_parser())
+    opts = dataclasses.replace(opts, method_options=resolve_method_options(opts.method, opts.method_options))
+    build_objective(opts.method, opts.method_options)  # its own checks too, before a file is written
+    dist = init_distributed(opts.device, opts.dist_url)
+    opts, notes = resolve_options(opts, dist)
+    # continuing a checkpoint checks its own settings; "--resume latest" with nothing to resume is a new run
+    resuming = bool(opts.resume) and ckpt.find_resume(Path(opts.out), opts.resume) is not None
+    claim(Path(opts.out), run_config(opts), resume=resuming)
+    dist.barrier()  # every rank has checked the folder before rank 0 writes its config.json
+    run = PretrainRun(opts, dist)
+    run.resume()
+    run.start(notes)
+    try:
+        while run.running():
+            if not run.train_epoch():  # stopped by --max-steps inside the epoch
+                break
+            run.end_epoch()
     finally:
-        pbar.close()
-        log.close()
-    final_metrics = evals[max(evals)] if evals else {}
-    if first_nonfinite(trainer.model.state_dict()) is not None:  # a "good" last step can still overflow a weight to inf
-        raise TrainingAborted("stopped: the final weights are not finite, so they were not saved; "
-                              + (f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no good checkpoint exists")
-                              + ". Lower --lr or set --grad-clip-norm 1.0.")
-    if dist.is_main:
-        path = ckpt.save_final(out, trainer.model, _describe(args, arch, objective, data, step,
-                                                             epoch + start_in_epoch / data.steps_per_epoch,
-                                                             samples, final_metrics))
-        data.report.to_json(out / "data_report.json")
-        say(f"done: {step} steps, {samples} samples; weights {path} (+ model.json); data: {data.report.summary()}")
-    dist.barrier()
-    return {"step": step, "epoch": epoch, "samples": samples, "out": str(out), "eval": final_metrics,
-            "bad_steps": bad_steps}
+        run.close()
+    return run.finish()
+
+
+train = pretrain  # the name this job had before it took options (train.demo, older scripts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    from extract.text_components import SpacyModelNotFoundError
-    from extract.weights import WeightsNotFoundError
-
+    opts = parse_args(argv)
     try:
-        train(args)
-    except TrainingAborted as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError, WeightsNotFoundError, SpacyModelNotFoundError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return run_job(pretrain, opts)
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,12 +30,15 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from extract.config import parse_with_config
+from extract.cli import Parser, check_options, option, parse_options, run_job, say
+from extract.cli import build_parser as build_cli
+from extract.config import positive_int
 
 CAPTIONS = ["a small red circle to the left of a large blue square", "a green star above a purple hexagon",
             "three objects: a small yellow triangle, a large red circle and a blue star; the triangle is left of the "
@@ -47,20 +50,28 @@ TARGETS = {"clip / open_clip throughput": (">=", 0.95), "powerclip / clip step":
            "powerclip M=15 / M=5 step": ("<=", 1.5)}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.pretrain_benchmark", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="ViT-B-16", help="open_clip architecture or plugvlm alias (tiny)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration and round")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration before the rounds")
-    p.add_argument("--rounds", type=int, default=5, help="rounds; the figures are medians over them")
-    p.add_argument("--num-masks", type=int, default=10, help="PowerCLIP's M")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "amp", "amp_bf16"])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", default=None, help="also write the figures to this file")
-    return parse_with_config(p, argv)
+@dataclass
+class BenchmarkOptions:
+    """What ``python -m train.pretrain_benchmark`` measures, as data: ``benchmark(BenchmarkOptions(model="tiny"))``."""
+
+    model: str = option("ViT-B-16", help="open_clip architecture or plugvlm alias (tiny)")
+    batch_size: int = option(8, type=positive_int, help="images per step")
+    steps: int = option(1, type=positive_int, help="timed steps per configuration and round")
+    warmup: int = option(1, type=positive_int, help="untimed steps per configuration before the rounds")
+    rounds: int = option(5, type=positive_int, help="rounds; the figures are medians over them")
+    num_masks: int = option(10, type=positive_int, help="PowerCLIP's M")
+    device: str = option("cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    precision: str = option("fp32", choices=["fp32", "amp", "amp_bf16"], help="fp32 or autocast")
+    threads: int | None = option(None, type=positive_int, help="torch CPU threads (default: torch's)")
+    json: str | None = option(None, help="also write the figures to this file")
+
+
+def build_parser() -> Parser:
+    return build_cli(BenchmarkOptions, "python -m train.pretrain_benchmark", __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> BenchmarkOptions:
+    return parse_options(BenchmarkOptions, build_parser(), argv)
 
 
 def _synthetic(batch: int, image_size, tok, generator) -> dict:
@@ -81,33 +92,34 @@ class _Loader:
         return iter(self.batches)
 
 
-def run(args: argparse.Namespace) -> dict:
+def benchmark(args: BenchmarkOptions) -> dict:
+    """Time every configuration (module docstring); returns the figures (``step_seconds``, ``rounds``, ``ratios``,
+    the settings, and ``markdown``: the two tables), also written to ``args.json`` when set."""
     from open_clip.loss import ClipLoss
     from open_clip_train.data import DataInfo
     from open_clip_train.scheduler import cosine_lr as oc_cosine_lr
     from open_clip_train.train import train_one_epoch
 
-    from adapters.registry import PRETRAIN
-    from train.pretrain import Dist, Trainer, _Forward, create_model, parse_args as pretrain_args, resolve_architecture
+    from train.pretrain import (Dist, PretrainOptions, Trainer, _Forward, build_objective, create_model,
+                                resolve_architecture)
     from train.pretrain_data import to_device
 
+    check_options(args, build_parser())
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     arch = resolve_architecture(args.model)
     model, _, _, tok = create_model(arch, False, 0)
     model.output_dict = True  # what open_clip's trainer expects from model(images, texts)
-    base = pretrain_args(["--data", "unused", "--model", args.model, "--precision", args.precision,
-                          "--batch-size", str(args.batch_size), "--num-masks", str(args.num_masks),
-                          "--pgs-min-ratio", "0.5", "--pgs-max-ratio", "0.5", "--mask-ratio", "0.5"])
-    trainer = Trainer(base, Dist(device=device), model, PRETRAIN.get("clip").from_args(base))
+    base = PretrainOptions(data="unused", model=args.model, precision=args.precision, batch_size=args.batch_size)
+    trainer = Trainer(base, Dist(device=device), model, build_objective("clip"))
     size = tuple(model.visual.image_size) if isinstance(model.visual.image_size, (tuple, list)) \
         else (model.visual.image_size,) * 2
     g = torch.Generator().manual_seed(0)
     batches = [_synthetic(args.batch_size, size, tok, g) for _ in range(2)]
 
-    def prepared_objective(name: str, pargs: argparse.Namespace):
-        obj = PRETRAIN.get(name).from_args(pargs)
+    def prepared_objective(name: str, options: dict):
+        obj = build_objective(name, options)
         obj.setup(model, {})
         prepared = []
         for b in batches:  # the data workers' share (phrase trees), outside the timed step
@@ -115,11 +127,12 @@ def run(args: argparse.Namespace) -> dict:
             prepared.append(to_device({"image": b["image"], "text": extra.pop("text", b["text"]), **extra}, device))
         return obj, prepared
 
-    objectives = {name: prepared_objective(name, base) for name in ("clip", "flip", "clip-pgs", "powerclip")}
+    # the ratios' settings: FLIP and CLIP-PGS both at 0.5 (CLIP-PGS_0.5), PowerCLIP at --num-masks
+    settings = {"clip": {}, "flip": {"mask_ratio": 0.5}, "clip-pgs": {"pgs_min_ratio": 0.5, "pgs_max_ratio": 0.5},
+                "powerclip": {"num_masks": args.num_masks}}
+    objectives = {name: prepared_objective(name, options) for name, options in settings.items()}
     for m in (5, 15):  # Fig. 9: the same step with fewer / more masks
-        objectives[f"powerclip-M{m}"] = prepared_objective("powerclip", pretrain_args(
-            ["--data", "unused", "--model", args.model, "--precision", args.precision,
-             "--batch-size", str(args.batch_size), "--num-masks", str(m)]))
+        objectives[f"powerclip-M{m}"] = prepared_objective("powerclip", {"num_masks": m})
 
     def ours(name: str, steps: int, start: int) -> float:
         obj, prepared = objectives[name]
@@ -151,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
 
     configs = ["open_clip", "clip", "flip", "clip-pgs", "powerclip", "powerclip-M5", "powerclip-M15"]
     runners = {"open_clip": lambda n, s: theirs(n), **{c: (lambda n, s, c=c: ours(c, n, s)) for c in configs[1:]}}
-    print(f"{arch}, batch {args.batch_size}, {args.precision} on {device} ({torch.get_num_threads()} CPU threads): "
+    say(f"{arch}, batch {args.batch_size}, {args.precision} on {device} ({torch.get_num_threads()} CPU threads): "
           f"warm-up {args.warmup}, then {args.rounds} rounds x {args.steps} steps per configuration")
     for c in configs:
         runners[c](args.warmup, 0)
@@ -159,31 +172,36 @@ def run(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         for c in configs:
             times[c].append(runners[c](args.steps, 1000 * (r + 1)))
-        print(f"  round {r + 1}: " + ", ".join(f"{c} {times[c][-1]:.3f} s" for c in configs))
+        say(f"  round {r + 1}: " + ", ".join(f"{c} {times[c][-1]:.3f} s" for c in configs))
     step = {c: statistics.median(v) for c, v in times.items()}
     ratios = {"clip / open_clip throughput": step["open_clip"] / step["clip"],
               "powerclip / clip step": step["powerclip"] / step["clip"],
               "clip-pgs / flip step (0.5)": step["clip-pgs"] / step["flip"],
               "flip 0.5 / clip step": step["flip"] / step["clip"],
               "powerclip M=15 / M=5 step": step["powerclip-M15"] / step["powerclip-M5"]}
-    print("\n| configuration | s / step (median) | samples / s |\n|---|---|---|")
-    for c in configs:
-        print(f"| {c} | {step[c]:.3f} | {args.batch_size / step[c]:.1f} |")
-    print("\n| ratio | measured | target |\n|---|---|---|")
+    lines = ["| configuration | s / step (median) | samples / s |", "|---|---|---|"]
+    lines += [f"| {c} | {step[c]:.3f} | {args.batch_size / step[c]:.1f} |" for c in configs]
+    lines += ["", "| ratio | measured | target |", "|---|---|---|"]
     for k, v in ratios.items():
         op, bound = TARGETS[k]
         ok = v >= bound if op == ">=" else v <= bound
-        print(f"| {k} | {v:.3f} | {op} {bound} {'(met)' if ok else '(NOT met)'} |")
+        lines.append(f"| {k} | {v:.3f} | {op} {bound} {'(met)' if ok else '(NOT met)'} |")
     result = {"model": arch, "batch_size": args.batch_size, "device": str(device), "precision": args.precision,
-              "threads": torch.get_num_threads(), "step_seconds": step, "rounds": times, "ratios": ratios}
+              "threads": torch.get_num_threads(), "step_seconds": step, "rounds": times, "ratios": ratios,
+              "markdown": "\n".join(lines) + "\n"}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
+run = benchmark  # the name this job had before it took options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    def job(opts: BenchmarkOptions) -> None:
+        print("\n" + benchmark(opts)["markdown"])
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ A checkpoint is a folder ``OUT/checkpoints/<name>/`` (``step_00001000`` every ``
 Folders are written under a temporary name, fsynced and renamed (atomic on POSIX); ``checkpoints/latest``
 names the newest and is replaced atomically after the rename. A kill -9 at any moment therefore leaves the
 previous checkpoints intact and ``--resume latest`` never sees half a checkpoint; leftovers are removed by the
-next run. The final weights are also written as ``OUT/model.safetensors`` + ``OUT/model.json``.
+next run. ``checkpoints/best`` names the checkpoint whose per-epoch evaluation scored highest (mean retrieval
+R@1); :func:`prune` keeps the newest ``--keep-checkpoints`` and never deletes those two. The final weights are
+also written as ``OUT/model.safetensors`` + ``OUT/model.json``.
 
 Both safetensors files carry the digest of their tensors (``extract.tensorfile``); :func:`load_checkpoint` and
 ``extract.backbone.load_backbone`` check it, so a damaged copy or NaN weights are refused naming the file.
@@ -29,7 +31,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -39,7 +41,8 @@ from extract.weights import SIDECAR_FORMAT
 
 FORMAT_VERSION = 1
 LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_\d+$")
+BEST = "best"
+_CHECKPOINT_DIR = re.compile(r"^(step|epoch)_\d+$")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -195,14 +198,31 @@ def clean_partial(ckpt_dir: Path) -> int:
     return removed
 
 
-def prune_steps(ckpt_dir: Path, keep: int) -> list[str]:
-    """Delete all but the ``keep`` newest ``step_*`` checkpoints (epoch checkpoints are kept, as open_clip
-    keeps its epoch files); the one ``latest`` names is never deleted. Returns the removed names."""
-    if keep <= 0:
+def _position(folder: Path) -> int:
+    """How far into training a checkpoint is (its step); -1 when its state.json cannot be read."""
+    try:
+        return int(json.loads((folder / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def prune(ckpt_dir: Path, keep: int, keep_also: Iterable[str | None] = ()) -> list[str]:
+    """Delete all but the ``keep`` newest checkpoints, step and epoch ones alike (newest = furthest into
+    training), never the one ``latest`` names nor those in ``keep_also`` (the best evaluated one); ``keep`` 0
+    keeps all. Returns the removed names, oldest first."""
+    if keep <= 0 or not ckpt_dir.is_dir():
         return []
-    latest = (ckpt_dir / LATEST).read_text().strip() if (ckpt_dir / LATEST).is_file() else None
-    steps = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-    removed = [n for n in steps[:-keep] if n != latest]
-    for n in removed:
-        shutil.rmtree(ckpt_dir / n, ignore_errors=True)
+    spared = {n for n in keep_also if n}
+    for pointer in (LATEST, BEST):
+        if (ckpt_dir / pointer).is_file():
+            spared.add((ckpt_dir / pointer).read_text().strip())
+    found = sorted((_position(p), p.name) for p in ckpt_dir.iterdir() if p.is_dir() and _CHECKPOINT_DIR.match(p.name))
+    removed = [name for _, name in found[:-keep] if name not in spared]
+    for name in removed:
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
     return removed
+
+
+def mark_best(ckpt_dir: Path, name: str) -> None:
+    """Point ``checkpoints/best`` at checkpoint ``name`` (atomically, as ``latest``)."""
+    atomic_write_text(ckpt_dir / BEST, name + "\n")

@@ -13,37 +13,55 @@ single-object scenes, the toy world's hard negatives per type). Output in ``--ou
 """
 from __future__ import annotations
 
-import argparse
-import csv
+import dataclasses
 import json
 import math
+import csv
+import shlex
+import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from extract.config import nonnegative_int, parse_with_config, positive_float, positive_int, save_config
+from extract.cli import Parser, check_options, option, parse_options, run_job, say, set_verbosity, verbosity
+from extract.cli import build_parser as build_cli
+from extract.config import nonnegative_int, positive_float, positive_int, save_config
+from train.run_dir import claim
 
 DEFAULT_METHODS = ("clip", "flip", "clip-pgs", "filip", "powerclip")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m train.pretrain_compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="runs/compare")
-    p.add_argument("--data", default=None, help="a toy-world folder (default: generate one in OUT/toyworld)")
-    p.add_argument("--n", type=positive_int, default=2000, help="toy-world scenes to generate when --data is not given")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the toy world and every run")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
-    p.add_argument("--minutes-per-method", type=positive_float, default=3.0, help="training wall-clock per method")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="batch of every run")
-    p.add_argument("--workers", type=nonnegative_int, default=1, help="data-loader processes")
-    p.add_argument("--calibration-steps", type=positive_int, default=12)
-    p.add_argument("--extra", default="", help="more train.pretrain flags for every run, e.g. '--lr 5e-4'")
-    args = parse_with_config(p, argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    return args
+@dataclass
+class CompareOptions:
+    """What ``python -m train.pretrain_compare`` does, as data: ``compare(CompareOptions(data="toy"))``.
+    ``methods`` may be a comma string or a list."""
+
+    out: str = option("runs/compare", help="output folder: a run folder per method, compare.{md,json}, eval/")
+    data: str | None = option(None, help="a toy-world folder (default: generate one in OUT/toyworld)")
+    n: int = option(2000, type=positive_int, help="toy-world scenes to generate when --data is not given")
+    seed: int = option(0, type=nonnegative_int, help="seeds the toy world and every run")
+    methods: Any = option(",".join(DEFAULT_METHODS), help="comma list of registered pre-training methods")
+    minutes_per_method: float = option(3.0, type=positive_float, help="training wall-clock per method")
+    model: str = option("tiny", help="open_clip architecture or plugvlm alias of every run")
+    batch_size: int = option(64, type=positive_int, help="batch of every run")
+    workers: int = option(1, type=nonnegative_int, help="data-loader processes")
+    calibration_steps: int = option(12, type=positive_int, help="steps of each method's timing run")
+    extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --num-masks 5'")
+
+    def __post_init__(self):
+        if isinstance(self.methods, str):
+            self.methods = [m.strip() for m in self.methods.split(",") if m.strip()]
+        self.methods = list(self.methods)
+
+
+def build_parser() -> Parser:
+    return build_cli(CompareOptions, "python -m train.pretrain_compare", __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
+    return parse_options(CompareOptions, build_parser(), argv)
 
 
 def _step_seconds(log_csv: Path) -> float:
@@ -54,57 +72,71 @@ def _step_seconds(log_csv: Path) -> float:
     return statistics.median(tail)
 
 
-def run(args: argparse.Namespace) -> dict:
+def _fresh(run_dir: Path) -> Path:
+    """A run folder of this comparison, emptied: the comparison's folder was claimed with these settings, so what
+    is there is an earlier run of it, whose step counts (timed anew) would make train.pretrain refuse it."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return run_dir
+
+
+def compare(opts: CompareOptions) -> dict:
+    """Calibrate, train and evaluate every method of ``opts.methods`` (module docstring); returns ``{"runs",
+    "results", "markdown"}`` and writes ``compare.{md,json}`` and ``eval/`` under ``opts.out``."""
+    from adapters.registry import PRETRAIN
     from extract import toyworld
     from train import evaluate as ev
-    from train.pretrain import main as pretrain_main
+    from train import pretrain as pt
 
-    out = Path(args.out)
+    check_options(opts, build_parser())
+    unknown = [m for m in opts.methods if m not in PRETRAIN]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(PRETRAIN.names())}")
+    level = verbosity()
+    base = pt.parse_args(shlex.split(opts.extra)) if opts.extra.strip() else pt.PretrainOptions()
+    set_verbosity(level)  # parsing --extra must not undo this command's --quiet / --verbose
+    out = Path(opts.out)
+    claim(out, dataclasses.asdict(opts))
     out.mkdir(parents=True, exist_ok=True)
-    save_config(args, out / "config.json")
-    data = Path(args.data) if args.data else out / "toyworld"
-    if not args.data and not (data / "annotations.json").is_file():
-        toyworld.generate(data, args.n, args.seed)
-    common = ["--data", str(data), "--model", args.model, "--batch-size", str(args.batch_size), "--workers",
-              str(args.workers), "--seed", str(args.seed), "--no-tensorboard", *args.extra.split()]
+    save_config(dataclasses.asdict(opts), out / "config.json")
+    data = Path(opts.data) if opts.data else out / "toyworld"
+    if not opts.data and not (data / "annotations.json").is_file():
+        toyworld.generate(data, opts.n, opts.seed)
+    common = dict(data=str(data), model=opts.model, batch_size=opts.batch_size, workers=opts.workers, seed=opts.seed,
+                  tensorboard=False, save_every_n_steps=0, save_frequency=0, eval_every_n_epochs=0)
     # Calibrate every method first, back to back, so a machine that gets busier or quieter later shifts them alike.
-    per_step = {}
-    for method in args.methods:
-        calib = out / "calibration" / method
-        code = pretrain_main(common + ["--method", method, "--out", str(calib), "--max-steps", str(args.calibration_steps),
-                                       "--log-every-n-steps", "1", "--save-every-n-steps", "0", "--save-frequency", "0",
-                                       "--eval-every-n-epochs", "0"])
-        if code != 0:
-            raise RuntimeError(f"calibration of {method} failed (exit {code})")
+    per_step, images = {}, 0
+    for method in opts.methods:
+        calib = _fresh(out / "calibration" / method)
+        pt.pretrain(dataclasses.replace(base, method=method, out=str(calib), epochs=base.epochs or pt.EPOCHS,
+                                        max_steps=opts.calibration_steps, log_every_n_steps=1, **common))
         per_step[method] = _step_seconds(calib / "log.csv")
         images = json.loads((calib / "model.json").read_text())["data"]["images"]
-    steps_per_epoch = max(1, images // args.batch_size)
+    steps_per_epoch = max(1, images // opts.batch_size)
     runs = {}
-    for method in args.methods:
-        steps = max(1, int(args.minutes_per_method * 60 / per_step[method]))
+    for method in opts.methods:
+        steps = max(1, int(opts.minutes_per_method * 60 / per_step[method]))
         epochs = math.ceil(steps / steps_per_epoch)  # schedules by epoch (CLIP-PGS's alpha) see the real count
-        run_dir = out / method
+        run_dir = _fresh(out / method)
         t0 = time.perf_counter()
-        code = pretrain_main(common + ["--method", method, "--out", str(run_dir), "--max-steps", str(steps),
-                                       "--epochs", str(epochs), "--save-every-n-steps", "0", "--save-frequency", "0",
-                                       "--eval-every-n-epochs", "0"])
-        if code != 0:
-            raise RuntimeError(f"training {method} failed (exit {code})")
+        summary = pt.pretrain(dataclasses.replace(base, method=method, out=str(run_dir), max_steps=steps,
+                                                  epochs=epochs, **common))
         desc = json.loads((run_dir / "model.json").read_text())
         runs[method] = {"calibrated_seconds_per_step": per_step[method], "steps": desc["step"], "epochs": desc["epoch"],
-                        "train_seconds": time.perf_counter() - t0, "weights": str(run_dir / "model.safetensors")}
-        print(f"{method}: {per_step[method]:.3f} s/step -> {desc['step']} steps ({desc['epoch']:.1f} epochs) in "
-              f"{runs[method]['train_seconds']:.0f} s")
-    arch = args.model
-    ns = ev.parse_args(["--data", str(data), "--out", str(out / "eval"), "--tasks", "retrieval,zeroshot,compositional",
-                        *sum((["--model", arch, "--pretrained", runs[m]["weights"]] for m in args.methods), [])])
-    report = ev.evaluate(ns)
-    results = dict(zip(args.methods, report["results"].values()))
+                        "train_seconds": time.perf_counter() - t0, "weights": summary["weights"]}
+        say(f"{method}: {per_step[method]:.3f} s/step -> {desc['step']} steps ({desc['epoch']:.1f} epochs) in "
+            f"{runs[method]['train_seconds']:.0f} s")
+    report = ev.evaluate(ev.EvaluateOptions(data=str(data), out=str(out / "eval"),
+                                            tasks=["retrieval", "zeroshot", "compositional"],
+                                            model=[opts.model] * len(opts.methods),
+                                            pretrained=[runs[m]["weights"] for m in opts.methods]))
+    results = dict(zip(opts.methods, report["results"].values()))
     table = _table(runs, results)
     (out / "compare.md").write_text(table)
     (out / "compare.json").write_text(json.dumps({"runs": runs, "results": results}, indent=2, default=str) + "\n")
-    print("\n" + table)
-    return {"runs": runs, "results": results}
+    return {"runs": runs, "results": results, "markdown": table}
+
+
+run = compare  # the name this job had before it took options
 
 
 def _table(runs: dict, results: dict) -> str:
@@ -124,8 +156,10 @@ def _table(runs: dict, results: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    def job(opts: CompareOptions) -> None:
+        print("\n" + compare(opts)["markdown"])
+
+    return run_job(job, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""ComAlign (Abdollah et al. 2024, ``papers/comalign.txt`` §III): contextualise entity, relation and global
+"""ComAlign (Abdollah et al. 2024, §III): contextualise entity, relation and global
 components of each modality with a small transformer, then align them component type by component type.
 
 Inputs (cached by ``python -m extract``, §III-A/B): per image the frozen backbone's embeddings of up to E entity

@@ -1,13 +1,13 @@
 """PowerCLIP NLA head: powerset alignment of image regions and phrase-tree nodes on cached features.
 
-PowerCLIP (powerclip.txt §3-4) pre-trains CLIP with an extra loss that aligns every subset of image regions
+PowerCLIP (PowerCLIP paper §3-4) pre-trains CLIP with an extra loss that aligns every subset of image regions
 with every node of the caption's parse tree. This head brings that objective to a frozen backbone: light
 projections over the cached patch tokens and token embeddings are trained with
 
     loss = CLIP(global image, global text) + lam * [triplet(S) + triplet(S^T)]       (§3.4 eq. 8, §4.4 eq. 16)
 
 where S_ij = w_t2r * NLA-T1_ij + w_r2t * NLA-T2_ij approximates T2R / R2T (eq. 6-7) in time linear in the
-number of regions (adapters/nla.py; design.md §3). Embeddings follow §3.2-3.3:
+number of regions (adapters/nla.py). Embeddings follow §3.2-3.3:
 
 - region r_m = normalise(mean of the projected patch tokens inside region mask m) (eq. 2), masks from the
   cache (random boxes = PowerCLIP-R, ground-truth boxes, or SAM2 masks = PowerCLIP-S, on the patch grid);
@@ -52,7 +52,7 @@ _BLOCK_ELEMENTS = 1 << 24
 
 @dataclass
 class PowerCLIPHeadConfig:
-    """Head + loss settings. Loss defaults are the paper's (powerclip.txt §5.1, supplement App. F: lam 0.1,
+    """Head + loss settings. Loss defaults are the paper's (PowerCLIP paper §5.1, supplement App. F: lam 0.1,
     softplus / tanh NLAs, tau 0.01, alpha 0.75); margin, weights and normalisation as in
     adapters.nla.PowerCLIPLossConfig (the margin is on the normalised scale of S). The logit scale starts at
     100, the value CLIP backbones end pre-training at, and is learnt, capped at 100 like open_clip's.

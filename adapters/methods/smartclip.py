@@ -1,9 +1,9 @@
-"""SmartCLIP head: a caption-conditioned binary mask over the embedding dimensions (smartclip.txt §5).
+"""SmartCLIP head: a caption-conditioned binary mask over the embedding dimensions (SmartCLIP paper §5).
 
 A caption usually names only some of the concepts in its image, so SmartCLIP aligns the caption with the
 *part* of the image embedding its concepts occupy: a mask network reads the caption's token states and
 chooses dimensions ``m(t) in {0, 1}^D``, and the image embedding is compared only on those
-(smartclip.txt §3 eq. 1, §5 eq. 5-7):
+(SmartCLIP paper §3 eq. 1, §5 eq. 5-7):
 
     score(i, j) = cos(z_I^(i) * m(z_T^(j)), z_T^(j))
 
@@ -42,8 +42,8 @@ from adapters.registry import ADAPTERS
 
 @dataclass
 class SmartCLIPConfig:
-    """SmartCLIP hyper-parameters. Defaults: the official code's settings where they exist (issue 7 /
-    design.md §3: lambda_sparse 2, lambda_align 10, logit scale 100; smartclip.txt §6.1: one block).
+    """SmartCLIP hyper-parameters. Defaults: the official code's settings where they exist (the official
+    code: lambda_sparse 2, lambda_align 10, logit scale 100; SmartCLIP paper §6.1: one block).
 
     The sparsity term is the *mean* |m| over dimensions (eq. 8 writes the L1 norm; with the sum, lambda 2
     over 512 dimensions would outweigh the alignment term ~100x, and the weight would depend on the width).
@@ -93,7 +93,7 @@ class _Attention(nn.Module):
 
 
 class MaskNetwork(nn.Module):
-    """Token states [B, L, D] + mask [B, L] -> mask logits [B, D] (smartclip.txt §6.1: one pre-norm
+    """Token states [B, L, D] + mask [B, L] -> mask logits [B, D] (SmartCLIP paper §6.1: one pre-norm
     transformer block, then attention pooling with one learnt query down to the embedding width)."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: float, init_logit: float):
@@ -162,7 +162,7 @@ class SmartCLIPHead(AdapterHead):
     image_keys: ClassVar[tuple[str, ...]] = ("image_embed",)
     text_keys: ClassVar[tuple[str, ...]] = ("text_embed", "token_embed", "token_mask")
 
-    #: learning rate of the head (the official mask-network lr, smartclip.txt §6.1)
+    #: learning rate of the head (the official mask-network lr, SmartCLIP paper §6.1)
     head_lr: ClassVar[float] = 1e-3
     #: ``--unfreeze``: the official full fine-tune. The loop unfreezes the backbone, trains it at
     #: ``backbone_lr`` and the head at ``head_lr`` (two AdamW param groups), computes this head's keys live

@@ -165,3 +165,31 @@ def test_a_warning_is_printed_once_per_process(capsys):
     assert cli.warn_once("warning: split too small") and not cli.warn_once("warning: split too small")
     assert cli.warn_once("warning: another")
     assert capsys.readouterr().out.splitlines() == ["warning: split too small", "warning: another"]
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_option_says_what_it_does(name):
+    """--help has a line of help for every option, and names a default only once."""
+    import importlib
+
+    module = importlib.import_module("extract.pipeline" if name == "extract" else name)
+    if not hasattr(module, "build_parser"):
+        pytest.skip(f"{name} passes its arguments on (no parser of its own)")
+    parser = module.build_parser()
+    missing = [a.option_strings or a.dest for a in parser._actions if not (a.help or "").strip()]
+    assert not missing, (name, missing)
+    formatter = parser._get_formatter()
+    doubled = [a.option_strings for a in parser._actions
+               if formatter._get_help_string(a).count("(default:") > 1]
+    assert not doubled, (name, doubled)
+
+
+def test_no_job_builds_a_command_line_to_call_another():
+    """Jobs compose as functions: no module outside tests parses an argv list it built itself (issue 15)."""
+    import re
+
+    calls = re.compile(r"\b(parse_args|main)\(\s*\[|\bargv \+= \[|\bargv = \[\"--")
+    offenders = [f"{path.relative_to(ROOT)}:{n}" for package in ("adapters", "extract", "train", "serve")
+                 for path in (ROOT / package).rglob("*.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
+    assert not offenders, offenders

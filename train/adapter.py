@@ -946,6 +946,10 @@ def begin(run: Run) -> None:
     if data.live is not None:
         tuned = (f" (backbone lr {opts.backbone_lr:g}, head lr {opts.lr:g}"
                  + (f", text context {env.backbone.context_length}" if opts.context_length else "") + ")")
+    info = env.base_info["describe"]  # what is loaded, said once (open_clip's own "no pretrained weights" is muted)
+    weights = {"random": "random weights", "file": f"weights {info.get('weights_file')}"}.get(
+        info.get("weights"), f"open_clip weights '{info.get('pretrained')}'")
+    env.say(f"backbone: {opts.base} ({info.get('model')}, {weights})")
     env.say(f"{opts.method} on {opts.base}{' (fine-tuning the backbone)' if data.live is not None else ''}: "
             f"{len(data.train_rows)} training captions of {n_images} images, {held}; {data.steps_per_epoch} "
             f"steps/epoch x {opts.epochs} epochs, global batch {data.global_batch} on {env.ctx.world} process(es), "

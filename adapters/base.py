@@ -44,7 +44,7 @@ class AdapterHead(nn.Module):
 
     name: ClassVar[str] = "base"
     Config: ClassVar[type] = type(None)
-    #: extraction components the cache must hold (subset of extract.pipeline.COMPONENTS)
+    #: extraction components the cache must hold (subset of extract.extract_options.COMPONENTS)
     components: ClassVar[tuple[str, ...]] = ()
     #: extraction options this method needs beyond the defaults, e.g. {"regions": "random"}
     extract_options: ClassVar[dict[str, Any]] = {}

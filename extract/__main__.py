@@ -6,7 +6,20 @@ import os
 # mode must be chosen before torch loads MKL, hence here, before the imports below.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-from extract.pipeline import main  # noqa: E402
+
+
+def main() -> int:
+    """Parse first (no torch: --help and argument errors answer at once), then import the pipeline and run."""
+    import sys
+
+    from extract.extract_options import parse_args
+
+    opts = parse_args(sys.argv[1:])
+    from extract.cli import run_job
+    from extract.pipeline import run
+
+    return run_job(run, opts)
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -224,7 +224,7 @@ class AdapterOptions(SourceOptions):
 def _extract_actions() -> list[argparse.Action]:
     """python -m extract's options that pass through: all but those an adapter run sets itself (its own fields,
     some named differently: --extract-batch-size, --extract-precision) and the per-cache ``split``."""
-    from extract.pipeline import build_parser as extract_parser
+    from extract.extract_options import build_parser as extract_parser
 
     own = {f.name for f in dataclasses.fields(AdapterOptions)} | {"split", "help", "config", "quiet", "verbose"}
     return [a for a in extract_parser()._actions if a.dest not in own and a.option_strings]
@@ -1166,7 +1166,7 @@ def check_batch_fits(opts: AdapterOptions, world: int) -> None:
 
 
 def _default_workers() -> int:
-    from extract.pipeline import DEFAULT_WORKERS
+    from extract.extract_options import DEFAULT_WORKERS
 
     return DEFAULT_WORKERS
 

@@ -51,7 +51,7 @@ def extraction_options(opts, data, split: str | None = None, *, device: str | No
     ``opts`` (a ``train.adapter.AdapterOptions``): its backbone, components, pass-through extraction options,
     data-source options, batch size and precision into ``opts.cache_dir``; ``data`` / ``split`` name the source,
     ``device`` / ``workers`` say how it runs (neither changes the cache; default workers: extract's)."""
-    from extract.pipeline import DEFAULT_WORKERS, ExtractOptions
+    from extract.extract_options import DEFAULT_WORKERS, ExtractOptions
     from extract.source_args import source_flags
 
     fields = {k: v for k, v in opts.extract_options.items() if v is not None}

@@ -224,3 +224,11 @@ class AdapterScorer:
     @torch.no_grad()
     def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
         return self.head.score_directed(image_reps, text_reps, direction)
+
+    @torch.no_grad()
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> torch.Tensor:
+        return self.head.first_stage_image(image_reps, direction)
+
+    @torch.no_grad()
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> torch.Tensor:
+        return self.head.first_stage_text(text_reps, direction)

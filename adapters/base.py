@@ -18,7 +18,8 @@ saves ``config`` + ``state_dict`` in the checkpoint. Every ``Config`` field also
 
 Optional hooks with defaults: ``score_directed`` (+ ``directional``) for heads whose text->image and
 image->text scores differ, ``fit_inference`` for inference-only parameters fitted on the validation split,
-``param_groups`` for the optimizer.
+``param_groups`` for the optimizer. Required for serving: ``first_stage_image`` / ``first_stage_text``, one
+vector per item for the inner-product first stage that ``score`` then re-ranks.
 
 Representations (``Reps``) are dicts of tensors whose first dimension indexes items, as in
 :mod:`adapters.scoring`, so evaluation can chunk and concatenate them without knowing what is inside.
@@ -81,6 +82,21 @@ class AdapterHead(nn.Module):
         compared) or ``"i2t"`` (each image ranks the texts, a row is compared). Only heads whose directions
         differ (``directional = True``, e.g. ComAlign eq. 10-11) override it; by default both are ``score``."""
         return self.score(image_reps, text_reps)
+
+    # -- serving: the first stage ------------------------------------------------------------------------
+    # A served collection is searched in two stages (``serve``): an inner-product index (FAISS) over one vector
+    # per item finds K candidates, then ``score`` / ``score_directed`` re-ranks them exactly. These two methods
+    # give those vectors: ``<first_stage_image(i, d), first_stage_text(t, d)>`` must rank the candidates of
+    # direction ``d`` ("t2i": a text's images, "i2t": an image's texts) as closely to the head's score as one
+    # vector per item can. The default is the base backbone's global cosine (``image_embed`` / ``text_embed``
+    # are cached for every head); a head overrides them with what its own score is made of.
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[I, F] vectors of images for the inner-product first stage of ``direction``."""
+        raise NotImplementedError(f"{self.name}: no first-stage vectors (first_stage_image / first_stage_text)")
+
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[T, F] vectors of texts for the inner-product first stage of ``direction``."""
+        raise NotImplementedError(f"{self.name}: no first-stage vectors (first_stage_image / first_stage_text)")
 
     def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """Training objective on a batch of B matching pairs (pair b = image b, caption b); on many ranks the

@@ -27,6 +27,9 @@ class Scorer(Protocol):
     components are computed from the decoded image (crops, detections) and the image's id (ground-truth
     boxes); ``directional = True`` with ``score_directed(image_reps, text_reps, "t2i" | "i2t")`` when the two
     retrieval directions score differently (ComAlign eq. 10-11).
+    ``first_stage_image(image_reps, direction)`` / ``first_stage_text(text_reps, direction)`` (for serving): one
+    vector per item whose inner products find a query's candidates (stage 1), which ``score`` re-ranks (stage 2);
+    ``direction`` "t2i" or "i2t" (see :class:`adapters.base.AdapterHead`).
     ``ensemble(text_reps, groups)`` (optional): merge the texts of each group (prompt templates of one class)
     into one representation per group, in group order; without it, zero-shot averages scores over templates.
     """
@@ -80,6 +83,13 @@ class BackboneScorer:
 
     def score(self, image_reps: Reps, text_reps: Reps) -> torch.Tensor:
         return image_reps["embed"] @ text_reps["embed"].T
+
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> torch.Tensor:
+        """The serving first stage: the normalised global embeddings, whose inner product is ``score``."""
+        return image_reps["embed"]
+
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> torch.Tensor:
+        return text_reps["embed"]
 
     def ensemble(self, text_reps: Reps, groups: torch.Tensor) -> Reps:
         """groups [T] int: group of each text (0..G-1) -> one normalised mean embedding per group [G, D]."""

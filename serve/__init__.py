@@ -1,1 +1,34 @@
-"""plugvlm serving: FAISS retrieval, compositional re-ranking and heatmaps."""
+"""plugvlm serving: FAISS retrieval over a collection with compositional re-ranking (issue 16), and the Gradio app
+on top of it (issue 17).
+
+Two stages, as clip-retrieval's back-end plus what none has::
+
+    query -> encode once -> stage 1: FAISS top-K on first-stage vectors (single-threaded per request)
+          -> stage 2: the model's own Scorer re-scores the K candidates from their cached component features
+          -> hits with both scores and both ranks
+
+Modules: ``layout`` (the index directory: files, manifest, atomic replacement, build lock), ``faiss_index``
+(index types, the ``auto`` choice, tuning, recall at build, on-disk IVF), ``index`` (``python -m serve.index``:
+build and ``--add``), ``search`` (``Searcher``: open, search_text / search_image, re-ranking, filters, paging),
+``query`` (``python -m serve.query``), ``benchmark`` (``python -m serve.benchmark``).
+
+The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
+
+- ``manifest.json`` (written last; its presence means the directory is complete): ``format`` "plugvlm-index",
+  ``version`` 1, ``model`` (what was given: ``model``, ``pretrained``; ``kind`` backbone | pretrain | adapter;
+  ``name``; ``fingerprint``: SHA-256 identifying the model's weights -- a query with another model is refused,
+  naming both; ``first_stage_dim``), ``data`` (``spec`` resolved, ``fingerprint``: the feature cache's data
+  fingerprint), ``cache`` (``path``, ``fingerprint``: the feature cache holding every item's component arrays,
+  which stage 2 reads), ``collection`` (``images``, ``captions``), ``indexes``: ``{"image": {...}, "text":
+  {...}}`` (``text`` only when the source has captions), each with ``file``, ``metadata``, ``key`` (the FAISS
+  factory string), ``kind`` (flat | hnsw | ivf-flat | ivf-pq), ``params`` (nprobe / efSearch), ``ntotal``,
+  ``bytes``, ``recall_at_10`` against exact search measured at build (null for flat), ``recall_queries``,
+  ``build_seconds``, ``ondisk``; and ``created``, ``build_seconds``, ``versions``.
+- ``image.index`` / ``text.index``: FAISS inner-product indices over first-stage vectors (float32, stored as
+  the scorer gives them), FAISS id = row. ``image.index`` holds ``scorer.first_stage_image(reps, "t2i")`` of
+  every image (queried by ``first_stage_text(reps, "t2i")`` of a text); ``text.index`` holds
+  ``first_stage_text(reps, "i2t")`` of every caption (queried by ``first_stage_image(reps, "i2t")``).
+- ``image.parquet``: ``row`` (int64, = FAISS id), ``image_id``, ``path``, ``captions`` (list of str),
+  ``cache_row`` (the image's row in the cache). ``text.parquet``: ``row``, ``caption_id``, ``text``,
+  ``image_row`` (row in image.parquet), ``image_id``, ``cache_row``. Never pickle.
+"""

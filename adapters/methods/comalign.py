@@ -252,6 +252,27 @@ class ComAlign(AdapterHead):
                            direction) for a in range(0, n_img, step)]
         return torch.cat(parts) if parts else torch.zeros(0, n_txt, device=text_reps["global"].device)
 
+    def _first_stage(self, reps: Reps, direction: str) -> Tensor:
+        """[B, 2D] = [sqrt(w_global) global, sqrt(w_base) base] with the fusion weights of ``direction``: the inner
+        product of an image's and a text's vectors is exactly the global + base part of eq. 10 (t2i) or 11 (i2t);
+        the fine-grained terms (FGM over entities and relations) are added by the re-ranking stage. Both parts
+        are unit vectors, so every item has the same norm and an index that normalises would rank alike. With
+        both weights 0 (a fusion of fine terms only) the base cosine stands in."""
+        if direction not in ("t2i", "i2t"):
+            raise ValueError(f"direction must be 't2i' or 'i2t', got {direction!r}")
+        names = T2I_WEIGHTS if direction == "t2i" else I2T_WEIGHTS
+        weights = dict(zip(names, (self.fusion_t2i if direction == "t2i" else self.fusion_i2t).tolist()))
+        wg, wb = max(weights["global"], 0.0), max(weights["base"], 0.0)
+        if wg == 0.0 and wb == 0.0:
+            wb = 1.0
+        return torch.cat([wg ** 0.5 * reps["global"].float(), wb ** 0.5 * reps["base"].float()], dim=-1)
+
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
+        return self._first_stage(image_reps, direction)
+
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> Tensor:
+        return self._first_stage(text_reps, direction)
+
     def score(self, image_reps: Reps, text_reps: Reps) -> Tensor:
         """Direction-free score: the mean of eq. 10 and eq. 11 (used where no direction applies, e.g. zero-shot)."""
         return 0.5 * (self.score_directed(image_reps, text_reps, "t2i") + self.score_directed(image_reps, text_reps, "i2t"))

@@ -185,6 +185,14 @@ class PowerCLIPHead(AdapterHead):
     def global_scores(self, image_reps: Reps, text_reps: Reps) -> Tensor:
         return image_reps["global"].float() @ text_reps["global"].float().T
 
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[I, D] the global term of the score (unit g_I); the NLA term is added by the re-ranking stage."""
+        return image_reps["global"].float()
+
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[T, D] unit g_T: ``<g_I, g_T>`` is the score's first term."""
+        return text_reps["global"].float()
+
     def score(self, image_reps: Reps, text_reps: Reps) -> Tensor:
         """[I, T] = global cosine + beta * normalised NLA similarity (module docstring)."""
         out = self.global_scores(image_reps, text_reps)

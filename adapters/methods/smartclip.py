@@ -204,12 +204,12 @@ class SmartCLIPHead(AdapterHead):
         """Exact [I, T] masked cosines cos(z_I^(i) * m_j, z_T^(j)) (eq. 5-7's sim)."""
         return masked_cosine(image_reps["embed"], text_reps["embed"], text_reps["mask"], self.config.eps)
 
-    def first_stage_image(self, image_reps: Reps) -> Tensor:
-        """[I, D] vectors to index for inner-product search (unit z_I)."""
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[I, D] vectors to index for inner-product search (unit z_I), either direction."""
         return image_reps["embed"]
 
-    def first_stage_text(self, text_reps: Reps) -> Tensor:
-        """[T, D] queries q_j = m_j * z_T^(j) (z_T unit) for an inner-product first stage.
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> Tensor:
+        """[T, D] q_j = m_j * z_T^(j) (z_T unit) for an inner-product first stage, either direction.
 
         <z_I, q_j> = score(i, j) * ||z_I * m_j|| / ||z_I||: the exact score times the share of the image's
         norm on the text's dimensions (at most 1), so a text's candidate images are found by inner product

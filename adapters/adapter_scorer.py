@@ -216,6 +216,34 @@ class AdapterScorer:
         arrays = self.extractor.text_arrays(texts)
         return self.head.encode_text(to_tensors({k: arrays[k] for k in self.head.text_keys}, self.device))
 
+    # -- from a feature cache (train.evaluate --cache, serving's second stage) ------------------------------
+    def cache_keys(self, side: str) -> tuple[str, ...]:
+        """The cache arrays the head reads per item of ``side`` ("image" or "text")."""
+        if side not in ("image", "text"):
+            raise ValueError(f"side must be 'image' or 'text', got {side!r}")
+        return tuple(self.head.image_keys if side == "image" else self.head.text_keys)
+
+    @torch.no_grad()
+    def encode_arrays(self, arrays: dict[str, np.ndarray], side: str) -> Reps:
+        """Arrays of ``side`` as a cache holds them (``cache.gather(key, rows)`` for each of :meth:`cache_keys`) ->
+        head representations: what :meth:`encode_pil` / :meth:`encode_texts` give for items whose live arrays are
+        these (fp16 features, as the pipeline writes them)."""
+        keys = self.cache_keys(side)
+        encode = self.head.encode_image if side == "image" else self.head.encode_text
+        return encode(to_tensors({k: arrays[k] for k in keys}, self.device))
+
+    def cache_settings_diff(self, settings: dict) -> list[str]:
+        """Differences (``key: checkpoint's -> cache's``) between the extraction settings this head was trained
+        with and a feature cache's ``settings``: empty when the cache holds exactly the arrays live extraction
+        gives this head. What the settings say about the data (which records, the summary naming them) and the
+        shard size (how rows are grouped in files) are not compared: a cache of other data is what evaluation
+        and serving read."""
+        from extract.cache import settings_diff
+
+        ignored = ("data", "summary", "shard_size")
+        trained = {k: v for k, v in self.meta["extraction"]["settings"].items() if k not in ignored}
+        return settings_diff(trained, {k: v for k, v in settings.items() if k not in ignored})
+
     # -- scoring -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def score(self, image_reps: Reps, text_reps: Reps) -> torch.Tensor:

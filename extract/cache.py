@@ -257,40 +257,20 @@ class CacheDir:
                 try:
                     yield
                 finally:
-                    f.seek(0)
-                    f.truncate()
-                    f.flush()
-                    fcntl.flock(f, fcntl.LOCK_UN)
+                    release_flock(f)
             else:
                 self._wait_for_leader(f, lock_path, run, timeout, poll)
                 yield
 
     def _take_lock(self, f, lock_path: Path, run: str, timeout: float, say, poll: float) -> None:
-        start = last_said = time.monotonic()
-        said = False
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            now = time.monotonic()
-            if now - start >= timeout:
-                raise CacheBusyError(
-                    f"{lock_path} is held by {_holder_text(_read_holder(lock_path))}: another run is building "
-                    f"this cache. Gave up waiting after {timeout:.0f} s (PLUGVLM_CACHE_LOCK_TIMEOUT); rerun the "
-                    "same command once it has finished and its cache is reused.")
-            if not said or now - last_said >= LOCK_REMINDER_S:
-                say(f"waiting for {lock_path}: held by {_holder_text(_read_holder(lock_path))}, another run building "
-                    f"this cache; it is reused when that run finishes (giving up after {timeout:.0f} s)")
-                said, last_said = True, now
-            time.sleep(poll)
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S %z"), "since_unix": time.time()}
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(holder))
-        f.flush()
+        take_flock(f, lock_path, run, timeout=timeout, say=say, poll=poll,
+                   busy=lambda holder: CacheBusyError(
+                       f"{lock_path} is held by {holder}: another run is building this cache. Gave up waiting after "
+                       f"{timeout:.0f} s (PLUGVLM_CACHE_LOCK_TIMEOUT); rerun the same command once it has finished "
+                       "and its cache is reused."),
+                   waiting=lambda holder: (
+                       f"waiting for {lock_path}: held by {holder}, another run building this cache; it is reused "
+                       f"when that run finishes (giving up after {timeout:.0f} s)"))
 
     def _wait_for_leader(self, f, lock_path: Path, run: str, timeout: float, poll: float) -> None:
         # The leader may itself wait up to `timeout` for another run; allow it that, plus time to get there.
@@ -362,6 +342,55 @@ class CacheDir:
                     **extra}
         atomic_write_text(self.path / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
         return manifest
+
+
+def take_flock(f, lock_path: Path, run: str, *, timeout: float, busy: Callable[[str], Exception],
+               waiting: Callable[[str], str] | None = None, say: Callable[[str], None] = print,
+               poll: float = 0.5) -> None:
+    """Take an exclusive ``flock`` on ``f`` (the open file ``lock_path``, mode ``a+``), then describe the holder in
+    it (pid, host, ``run``, since when) for whoever finds it held.
+
+    timeout: seconds to wait (0: one try). Still held then: raise ``busy(holder)``, ``holder`` being who holds it
+        ("pid 12 on host h since ... (3 min ago)"). While waiting, ``say(waiting(holder))`` once and again every
+        :data:`LOCK_REMINDER_S`.
+
+    The kernel drops an flock when its process dies (kill -9 included): a crashed holder never leaves it taken.
+    Release with :func:`release_flock`. Shared by the feature cache's build lock and the search index's.
+    """
+    start = last_said = time.monotonic()
+    said = False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - start >= timeout:
+            raise busy(lock_holder(lock_path))
+        if waiting is not None and (not said or now - last_said >= LOCK_REMINDER_S):
+            say(waiting(lock_holder(lock_path)))
+            said, last_said = True, now
+        time.sleep(poll)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
+              "since": time.strftime("%Y-%m-%d %H:%M:%S %z"), "since_unix": time.time()}
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps(holder))
+    f.flush()
+
+
+def release_flock(f) -> None:
+    """Clear the holder description :func:`take_flock` wrote and release the lock."""
+    f.seek(0)
+    f.truncate()
+    f.flush()
+    fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def lock_holder(lock_path: Path) -> str:
+    """Who holds ``lock_path``, as its holder described itself: "pid 12 on host h since ... (3 min ago)"."""
+    return _holder_text(_read_holder(lock_path))
 
 
 def _read_holder(lock_path: Path) -> dict | None:

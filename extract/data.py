@@ -12,8 +12,10 @@ Sources (``open_source`` picks one from a spec):
 - :class:`COCOSource`   -- COCO captions JSON (``images`` + ``annotations``).
 - :class:`ToyWorldSource` -- the generated toy world (its COCO JSON plus scene annotations).
 - :class:`WebDatasetSource` -- local webdataset ``.tar`` shards, read in streaming mode.
+- :class:`ImageFolderSource` -- a plain folder of images without captions (for search indices: images are
+  found by text, nothing is trained on them).
 
-The first three are *indexed*: ``records()`` lists the images and their captions without decoding
+All but the webdataset source are *indexed*: ``records()`` lists the images and their captions without decoding
 anything, and ``load(record)`` decodes one, which :class:`SampleDataset` uses to feed a multi-worker
 ``torch.utils.data.DataLoader`` whose workers return skip markers instead of raising.
 """
@@ -23,6 +25,7 @@ import codecs
 import csv
 import difflib
 import json
+import os
 import re
 import tarfile
 from abc import ABC, abstractmethod
@@ -41,6 +44,7 @@ __all__ = [
     "CSVSource",
     "Caption",
     "DataSource",
+    "ImageFolderSource",
     "ImageRecord",
     "IndexedSource",
     "Item",
@@ -114,8 +118,11 @@ def _checked_caption(report: SkipReport, caption_id: str, raw: object, location:
 class DataSource(ABC):
     """Iterate good samples; everything refused is recorded in ``report``, nothing raises per item.
 
-    ``max_pixels`` and ``unusual`` are passed to :func:`extract.images.decode_image`.
+    ``max_pixels`` and ``unusual`` are passed to :func:`extract.images.decode_image`. ``has_captions`` is False
+    for a source of images alone (:class:`ImageFolderSource`), whose samples have no captions.
     """
+
+    has_captions = True
 
     def __init__(self, name: str, max_pixels: int | None = None, unusual: Unusual = "convert"):
         self.name = name
@@ -566,6 +573,56 @@ def _existing_file(path: str | Path, what: str) -> Path:
     return path
 
 
+# --------------------------------------------------------------------------- a folder of images
+
+
+class ImageFolderSource(IndexedSource):
+    """Every image under a folder, recursively, without captions: what people index first for search.
+
+    Images are the files with an :data:`IMAGE_SUFFIXES` extension (any case), in sorted path order; files and
+    folders whose name starts with a dot (``.thumbnails``, ``.ipynb_checkpoints``) are passed over. Image id:
+    the path relative to the folder, with ``/`` separators (``cats/001.jpg``); location: the file's path.
+    Every sample has ``captions == ()``; an image that fails to decode is reported and skipped as in the other
+    sources. A folder without any image raises ValueError.
+    """
+
+    has_captions = False
+
+    def __init__(self, root: str | Path, max_pixels: int | None = None, unusual: Unusual = "convert"):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder {self.root} not found (check the path, or the current directory)")
+        # the folder's own name, not the spelling of the path (the cache fingerprint covers the resolved paths)
+        super().__init__(self.root.resolve().name or str(self.root), self.root, max_pixels, unusual)
+
+    def _index(self, builder: _RecordBuilder) -> None:  # records() is overridden: nothing to declare
+        raise NotImplementedError
+
+    def records(self) -> list[ImageRecord]:
+        if self._records is None:
+            found = [ImageRecord(rel, str(self.root / rel), (), str(self.root / rel)) for rel in image_files(self.root)]
+            if not found:
+                raise ValueError(f"{self.root} holds no image ({', '.join(sorted(IMAGE_SUFFIXES))}, searched "
+                                 "recursively)")
+            self._records = found
+        return list(self._records)
+
+
+def image_files(root: str | Path, first_only: bool = False) -> list[str]:
+    """Relative ``/``-separated paths of the image files under ``root`` (see :class:`ImageFolderSource`), sorted;
+    with ``first_only`` at most one (a cheap "has images?" probe of a large folder)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = os.path.relpath(folder, root)
+        for name in sorted(files):
+            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES:
+                found.append(name if rel == "." else f"{Path(rel).as_posix()}/{name}")
+                if first_only:
+                    return found
+    return sorted(found)
+
+
 # --------------------------------------------------------------------------- webdataset shards
 
 
@@ -767,7 +824,9 @@ def open_source(spec: str | Path, **options: Any) -> DataSource:
     ``.csv`` / ``.tsv`` -> :class:`CSVSource`; ``.json`` -> :class:`COCOSource`; a folder with
     ``meta.json`` and ``annotations.json`` -> :class:`ToyWorldSource` (option ``split``); a shard
     file (``.tar``, ``.tar.gz``, ``.tgz``), a brace pattern or a folder of shards ->
-    :class:`WebDatasetSource`. The CSV options (``CSV_OPTIONS``: ``img_key``, ``caption_key``,
+    :class:`WebDatasetSource`; any other folder holding images (at any depth) ->
+    :class:`ImageFolderSource` (images without captions; options other than ``max_pixels`` and
+    ``unusual`` do not apply to it and are ignored). The CSV options (``CSV_OPTIONS``: ``img_key``, ``caption_key``,
     ``sep``, ``encoding``, i.e. :func:`extract.source_args.source_options`) reach CSV/TSV tables
     only, so a command can pass its ``--csv-*`` flags whatever the spec (as open_clip does).
     """
@@ -780,6 +839,8 @@ def open_source(spec: str | Path, **options: Any) -> DataSource:
             return ToyWorldSource(path, **options)
         if expand_shards(path):
             return WebDatasetSource(path, **options)
+        if image_files(path, first_only=True):
+            return ImageFolderSource(path, **{k: v for k, v in options.items() if k in ("max_pixels", "unusual")})
     elif _is_brace_pattern(text) or text.lower().endswith(SHARD_SUFFIXES):
         return WebDatasetSource(text, **options)
     elif path.suffix.lower() in (".csv", ".tsv"):
@@ -790,8 +851,8 @@ def open_source(spec: str | Path, **options: Any) -> DataSource:
     raise ValueError(
         f"{text!r} {problem}. Give a .csv/.tsv caption table (columns "
         f"filepath,title), a COCO captions .json, a toy world folder (with meta.json and "
-        f"annotations.json), or webdataset shards: a .tar file, a folder of .tar files or a pattern "
-        f"like 'shards/{{000..009}}.tar'"
+        f"annotations.json), webdataset shards (a .tar file, a folder of .tar files or a pattern "
+        f"like 'shards/{{000..009}}.tar') or a folder of images (no captions: for search indices)"
     )
 
 

@@ -94,6 +94,18 @@ class SourceOptions:
                                     "dropped)")
 
 
+@dataclass
+class BoxOptions:
+    """Where an adapter trained on boxes gets the boxes of images it has not seen (jobs that score new data with an
+    adapter inherit these two fields: ``train.evaluate``, ``serve.index``)."""
+
+    annotations: str | None = option(None, group="adapters",
+                                     help="boxes for adapters trained on ground-truth boxes: objects.json or a "
+                                          "toy-world folder (default: --data when it is a toy world)")
+    detector: str | None = option(None, group="adapters",
+                                  help="YOLO weights: detect boxes for adapters instead of annotations")
+
+
 def add_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--csv-img-key``, ``--csv-caption-key``, ``--csv-separator`` and ``--csv-encoding`` to ``parser`` as one
     argument group ("data source"). Values are checked while parsing, so a bad separator or an unknown encoding is

@@ -17,18 +17,31 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
 - ``manifest.json`` (written last; its presence means the directory is complete): ``format`` "plugvlm-index",
   ``version`` 1, ``model`` (what was given: ``model``, ``pretrained``; ``kind`` backbone | pretrain | adapter;
   ``name``; ``fingerprint``: SHA-256 identifying the model's weights -- a query with another model is refused,
-  naming both; ``first_stage_dim``), ``data`` (``spec`` resolved, ``fingerprint``: the feature cache's data
-  fingerprint), ``cache`` (``path``, ``fingerprint``: the feature cache holding every item's component arrays,
-  which stage 2 reads), ``collection`` (``images``, ``captions``), ``indexes``: ``{"image": {...}, "text":
-  {...}}`` (``text`` only when the source has captions), each with ``file``, ``metadata``, ``key`` (the FAISS
-  factory string), ``kind`` (flat | hnsw | ivf-flat | ivf-pq), ``params`` (nprobe / efSearch), ``ntotal``,
-  ``bytes``, ``recall_at_10`` against exact search measured at build (null for flat), ``recall_queries``,
-  ``build_seconds``, ``ondisk``; and ``created``, ``build_seconds``, ``versions``.
+  naming both (``serve.layout.model_fingerprint``); ``first_stage_dim``; ``annotations`` / ``detector``: the
+  boxes given for an adapter trained on ground-truth boxes), ``data`` (``spec`` resolved, ``split``, ``source``,
+  ``fingerprint``: the feature cache's data fingerprint), ``cache`` (``path``, ``fingerprint``: the feature cache
+  holding every item's component arrays, which stage 2 reads), ``collection`` (``images``, ``captions``),
+  ``indexes``: ``{"image": {...}, "text": {...}}`` (``text`` only when the source has captions), each with
+  ``file``, ``metadata``, ``key`` (the FAISS factory string), ``kind`` (flat | hnsw | ivf-flat | ivf-pq),
+  ``params`` (nprobe / efSearch), ``ntotal``, ``bytes``, ``recall_at_10`` against exact search measured at build
+  (null for flat), ``recall_queries``, ``build_seconds``, ``ondisk``; and ``created``, ``build_seconds``,
+  ``versions``.
+- Added by ``serve.index`` beyond that: ``parts`` (one per source, in row order, the first being ``data`` /
+  ``cache``; more after ``--add``): ``data``, ``cache``, ``images``, ``captions``, ``image_rows`` / ``caption_rows``
+  ([start, end) of its rows); ``files`` (every file's byte size, checked on open); ``options`` (the budgets it
+  was built under); ``created_first`` (after ``--add``). Per index: ``queries`` (what the recall / latency queries
+  were), ``ms_per_query`` (single-threaded, at ``params``), ``tuning`` (each setting tried: params, ms, recall),
+  ``tried`` (each candidate index built, with its figures); on-disk IVF: ``ivfdata`` (``image.ivfdata``, opened
+  with ``faiss.IO_FLAG_ONDISK_SAME_DIR``) and ``trained`` (the empty trained index, for ``--add``).
 - ``image.index`` / ``text.index``: FAISS inner-product indices over first-stage vectors (float32, stored as
   the scorer gives them), FAISS id = row. ``image.index`` holds ``scorer.first_stage_image(reps, "t2i")`` of
   every image (queried by ``first_stage_text(reps, "t2i")`` of a text); ``text.index`` holds
   ``first_stage_text(reps, "i2t")`` of every caption (queried by ``first_stage_image(reps, "i2t")``).
 - ``image.parquet``: ``row`` (int64, = FAISS id), ``image_id``, ``path``, ``captions`` (list of str),
   ``cache_row`` (the image's row in the cache). ``text.parquet``: ``row``, ``caption_id``, ``text``,
-  ``image_row`` (row in image.parquet), ``image_id``, ``cache_row``. Never pickle.
+  ``image_row`` (row in image.parquet), ``image_id``, ``cache_row``. Both also ``part`` (int32: the index in
+  ``parts`` of the source the row came from, whose cache ``cache_row`` is a row of). Never pickle.
+- Beside the folder while a build runs: ``INDEX_DIR.lock`` (its flock), ``INDEX_DIR.tmp-<pid>`` (the new folder
+  being written); see ``serve.layout`` for the atomic replacement and ``read_manifest`` / ``open_index`` /
+  ``read_metadata`` / ``check_alignment`` for reading it back checked.
 """

@@ -24,6 +24,7 @@ from PIL import Image
 from extract.data import (
     COCOSource,
     CSVSource,
+    ImageFolderSource,
     Item,
     SampleDataset,
     SkipReport,
@@ -616,6 +617,69 @@ def test_open_source_rejects_what_it_cannot_read(tmp_path):
     for spec in (tmp_path / "data.parquet", tmp_path):
         with pytest.raises(ValueError, match=r"\.csv/\.tsv.*COCO.*toy world.*\.tar"):
             open_source(spec)
+
+
+# --------------------------------------------------------------------------- a folder of images
+
+
+def write_photo_folder(root: Path, images: dict[str, bytes]) -> None:
+    """Images at two depths (one with an upper-case extension), a bad one, and what is no image: a hidden file,
+    a hidden folder, a text file."""
+    write_images(root, {k: v for k, v in images.items() if k in ("good_a.jpg", "cmyk.jpg", "corrupt.jpg")})
+    write_images(root / "b" / "c", {"deep.PNG": images["good_b.png"]})
+    write_images(root / ".thumbnails", {"t.jpg": images["good_a.jpg"]})
+    (root / ".hidden.jpg").write_bytes(images["good_a.jpg"])
+    (root / "notes.txt").write_text("not an image")
+
+
+def test_image_folder_source(tmp_path, images):
+    root = tmp_path / "photos"
+    write_photo_folder(root, images)
+    source = open_source(root, split="test", image_root="x", img_key="k")  # other sources' options are ignored
+    assert isinstance(source, ImageFolderSource) and not source.has_captions and source.name == "photos"
+    records = source.records()
+    assert [r.image_id for r in records] == ["b/c/deep.PNG", "cmyk.jpg", "corrupt.jpg", "good_a.jpg"]
+    assert all(r.captions == () and Path(r.source) == root / r.image_id for r in records)
+    assert run(source) == {"b/c/deep.PNG": (), "cmyk.jpg": (), "good_a.jpg": ()}
+    assert skip_set(source.report) == {("image", "corrupt.jpg", str(root / "corrupt.jpg"),
+                                        "corrupt or unrecognised image data")}
+    assert {(n.image_id, n.note) for n in source.report.notes} == {("cmyk.jpg", "CMYK converted to RGB")}
+    got, report = through_loader(ImageFolderSource(root))  # DataLoader workers: the same samples and refusals
+    assert got == run(ImageFolderSource(root)) and skip_set(report) == skip_set(source.report)
+
+
+def test_image_folder_is_chosen_only_for_plain_folders(tmp_path, images):
+    write_toy_world(tmp_path / "toy", images)  # a toy world holds images too
+    assert isinstance(open_source(tmp_path / "toy"), ToyWorldSource)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(shards / "000.tar", shard_samples(images)[:2])
+    write_images(shards, {"stray.jpg": images["good_a.jpg"]})  # shards win over a stray image
+    assert isinstance(open_source(shards), WebDatasetSource)
+    (tmp_path / "none" / "sub").mkdir(parents=True)
+    (tmp_path / "none" / "sub" / "readme.txt").write_text("no images here")
+    with pytest.raises(ValueError, match="folder of images"):
+        open_source(tmp_path / "none")
+    with pytest.raises(ValueError, match="holds no image"):
+        ImageFolderSource(tmp_path / "none").records()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ImageFolderSource(tmp_path / "absent")
+
+
+def test_a_caption_less_folder_is_cached_as_image_arrays_only(tmp_path, images):
+    """The extraction pipeline on images without captions: image arrays, no caption arrays, the bad image
+    skipped and reported."""
+    from extract.pipeline import build_cache
+
+    root = tmp_path / "photos"
+    write_photo_folder(root, images)
+    cache = build_cache(root, tmp_path / "cache", base="tiny", components=["patches", "regions"], workers=0)
+    assert cache.num_images == 3 and cache.num_captions == 0
+    assert cache.image_ids() == ["b/c/deep.PNG", "cmyk.jpg", "good_a.jpg"]
+    assert set(cache.keys) == {"image_embed", "patch_tokens", "region_masks", "region_valid", "caption_image"}
+    assert cache.gather("image_embed", [0, 2]).shape == (2, 64) and len(cache.caption_image_index()) == 0
+    report = json.loads((cache.path / "report.json").read_text())
+    assert report["counts"]["image"] == {"corrupt or unrecognised image data": 1}
 
 
 # --------------------------------------------------------------------------- DataLoader

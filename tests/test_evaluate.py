@@ -236,3 +236,35 @@ def test_linear_probe_with_non_finite_embeddings_is_a_named_skip(world):
     train_set, test_set = _toy_counting(world, "train"), _toy_counting(world, "test")
     out = run_linear_probe(Partly(), train_set, test_set, batch_size=1000, seed=0)
     assert out["nonfinite_embeddings"] == 2 and "nan-model gave 2 non-finite image embedding" in out["skipped"]
+
+
+def test_an_adapter_is_evaluated_from_a_cache_extracted_with_its_settings(tmp_path_factory, tmp_path, capsys):
+    """--model ADAPTER --cache CACHE scores the head on the cached arrays (checked against the head applied to them
+    directly, per query); a cache extracted with other settings is refused, naming both."""
+    from adapters.scoring import load_scorer
+    from extract.cache import FeatureCache
+    from extract.pipeline import build_cache
+    from test_serve_search import serve_setup
+
+    s = serve_setup(tmp_path_factory)  # ComAlign on a 120-scene toy world, its test split cached with its settings
+    assert main(["--model", str(s.run), "--tasks", "retrieval", "--cache", str(s.cache.path), "--annotations",
+                 str(s.world), "--out", str(tmp_path / "ok")]) == 0
+    got = json.loads((tmp_path / "ok" / "results.json").read_text())["results"]["tiny + comalign"]["retrieval"]
+    scorer = load_scorer(str(s.run), annotations=str(s.world))
+    cache = FeatureCache.open(s.cache.path)
+    reps = {side: scorer.encode_arrays({k: cache.gather(k, np.arange(n)) for k in scorer.cache_keys(side)}, side)
+            for side, n in (("image", cache.num_images), ("text", cache.num_captions))}
+    caption_image = cache.caption_image_index()
+    t2i, _ = brute_force(scorer.score_directed(reps["image"], reps["text"], "t2i").numpy(), caption_image)
+    _, i2t = brute_force(scorer.score_directed(reps["image"], reps["text"], "i2t").numpy(), caption_image)
+    assert got["images"] == 12 and got["captions"] == cache.num_captions and got["cache"] == str(cache.path)
+    for k in (1, 5, 10):
+        assert got["text_to_image"][f"R@{k}"] == pytest.approx(100 * (t2i <= k).mean(), abs=1e-6)
+        assert got["image_to_text"][f"R@{k}"] == pytest.approx(100 * (i2t[i2t > 0] <= k).mean(), abs=1e-6)
+    capsys.readouterr()
+    other = build_cache(s.world, tmp_path / "other", split="test", components=["patches"], workers=0)
+    assert main(["--model", str(s.run), "--tasks", "retrieval", "--cache", str(other.path), "--annotations",
+                 str(s.world), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert f"--cache {other.path}" in err and "than tiny + comalign was trained on" in err
+    assert "components: ['entities', 'relations'] -> ['patches']" in err

@@ -34,7 +34,7 @@ from adapters.scoring import cat_reps, load_scorer, num_items, take_reps
 from extract.cli import Parser, check_options, option, parse_options, progress, run_job, say, warn_once
 from extract.cli import build_parser as build_cli
 from extract.config import fraction, nonnegative_int, positive_int, save_config
-from extract.source_args import SourceOptions
+from extract.source_args import BoxOptions, SourceOptions
 from extract.images import BadImage, decode_image
 from train.retrieval import retrieval_metrics
 from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
@@ -44,7 +44,7 @@ TASKS = ("retrieval", "zeroshot", "compositional", "linear_probe")
 
 
 @dataclass
-class EvaluateOptions(SourceOptions):
+class EvaluateOptions(SourceOptions, BoxOptions):
     """What ``python -m train.evaluate`` does, as data: ``evaluate(EvaluateOptions(model=["tiny"], data="toy"))``
     runs the same evaluation as the command line with those flags. ``tasks`` may be a comma string or a list;
     ``pretrained`` pairs with ``model`` in order (missing entries: the alias's default)."""
@@ -62,8 +62,9 @@ class EvaluateOptions(SourceOptions):
     retrieval_data: str | None = option(None, help="any extract data source for retrieval (CSV/TSV, COCO JSON, "
                                                    "webdataset shards)", group="data")
     cache: str | None = option(None, group="data",
-                               help="a python -m extract cache of the retrieval data: its global features are used "
-                                    "instead of re-encoding (bare backbones whose weights match the cache's)")
+                               help="a python -m extract cache of the retrieval data, read instead of re-encoding "
+                                    "it: a bare backbone reads its global features (same weights as the cache's), an "
+                                    "adapter its head's arrays (a cache extracted with the adapter's own settings)")
     zeroshot_data: str | None = option(None, help="image folder or filepath,label CSV", group="data")
     labels: str | None = option(None, help="class-name file for --zeroshot-data (txt or JSON)", group="data")
     templates: str = option("imagenet80", choices=sorted(TEMPLATE_SETS), group="data",
@@ -75,11 +76,6 @@ class EvaluateOptions(SourceOptions):
                                                             "(--retrieval-data CSV/COCO and --benchmark files)")
     probe_data: str | None = option(None, help="classification set for the linear probe", group="data")
     probe_test: float = option(0.3, type=fraction, help="held-out fraction of --probe-data", group="data")
-    annotations: str | None = option(None, group="adapters",
-                                     help="boxes for adapters trained on ground-truth boxes: objects.json or a "
-                                          "toy-world folder (default: --data when it is a toy world)")
-    detector: str | None = option(None, group="adapters",
-                                  help="YOLO weights: detect boxes for adapters instead of annotations")
     out: str = option("runs/eval", help="report folder: results.{json,md,png}, config.json", group="run")
     device: str | None = option(None, help="torch device (default: cuda when available, else cpu)", group="run")
     batch_size: int = option(128, type=positive_int, help="images / captions encoded at once", group="run")
@@ -252,15 +248,36 @@ def encode_texts(scorer, texts: Sequence[str], batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------- tasks
-def run_retrieval_cached(scorer, cache) -> dict:
-    """Retrieval from a feature cache's global embeddings (fp16 on disk, scored in fp32): only for a bare
-    backbone identical to the one that built the cache (same architecture, preprocessing and weights hash)."""
+def run_retrieval_cached(scorer, cache, batch_size: int = 1024) -> dict:
+    """Retrieval from a feature cache (fp16 on disk, scored in fp32) instead of re-encoding the data.
+
+    A bare backbone scores the cache's global embeddings: it must be the backbone that built the cache (same
+    architecture, preprocessing and weights hash). An adapter scores its head's arrays (``image_keys`` /
+    ``text_keys``) read from the cache: the cache must have been extracted with the adapter's own extraction
+    settings (its checkpoint's ``extraction.settings``; the data aside), so it holds exactly the arrays live
+    extraction would give the head, and the head's directions are ranked as in :func:`retrieval_from_reps`.
+    Other scorers are refused. Both refusals name the two sides."""
+    from adapters.adapter_scorer import AdapterScorer
     from adapters.scoring import BackboneScorer
     from extract.cache import settings_diff
     from train.retrieval import feature_score_fn
 
+    if isinstance(scorer, AdapterScorer):
+        diff = scorer.cache_settings_diff(cache.settings)
+        if diff:
+            ours = scorer.meta.get("extraction", {}).get("path", "its training cache")
+            raise ValueError(f"--cache {cache.path} ({cache.settings.get('summary', '')}) was extracted with other "
+                             f"settings than {scorer.name} was trained on ({ours}); checkpoint's -> cache's:\n  "
+                             + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
+                             "(python -m extract with its --components and extraction flags), or drop --cache")
+        image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
+        text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
+        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()))
+        out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
+        return out
     if not isinstance(scorer, BackboneScorer):
-        raise ValueError(f"--cache holds bare-backbone features; {scorer.name} scores with its own method")
+        raise ValueError(f"--cache is read by bare backbones and adapters; {scorer.name} scores with its own method: "
+                         "evaluate it without --cache")
     theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
     if theirs != ours:
         raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
@@ -270,6 +287,12 @@ def run_retrieval_cached(scorer, cache) -> dict:
     out = retrieval_metrics(feature_score_fn(image, text), cache.num_images, torch.from_numpy(cache.caption_image_index()))
     out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
     return out
+
+
+def _cached_reps(scorer, cache, side: str, n: int, batch_size: int):
+    """An adapter's representations of every cache row of ``side`` ("image" / "text"), in batches."""
+    return cat_reps([scorer.encode_arrays({k: cache.gather(k, np.arange(a, min(a + batch_size, n)))
+                                           for k in scorer.cache_keys(side)}, side) for a in range(0, n, batch_size)])
 
 
 def run_retrieval(scorer, source, batch_size: int) -> dict:

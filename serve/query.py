@@ -1,0 +1,164 @@
+"""``python -m serve.query``: search an index directory for a text (images) or an image (captions), with the
+model's own re-ranking, and print the hits as a table or JSON.
+
+    python -m serve.query runs/index "a red cube left of a blue ball" --k 10 --rerank 100
+    python -m serve.query runs/index --image photo.png --k 5 --json
+    python -m serve.query runs/index "a red circle" --where image_id=00012 --where image_id=00013
+    python -m serve.query runs/index "a red circle" --k 10 --offset 10          # the second page of ten
+
+The model is the one the index was built with (``--model`` names another only to be refused if it differs).
+Columns: the final rank, the rank the first stage gave (before re-ranking), the first-stage score, the re-ranked
+score (with ``--rerank``), the hit's id and its image file or caption text; notes (a clamped ``--k``, a
+``--rerank`` a bare backbone ignores, a truncated query) follow the table, or sit in the JSON's ``notes``.
+``--json`` prints one JSON object on stdout and nothing else (messages from loading the model go to stderr).
+
+Bad input (an empty query, a corrupt image, ``--k 0``, a missing, half-written or tampered index, another
+model) is one ``error:`` line and exit status 2; ``--debug`` (or PLUGVLM_DEBUG=1) shows the traceback instead.
+Nothing is written anywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from extract.cli import Parser, build_parser as build_cli, check_options, option, parse_options, run_job
+from extract.config import nonnegative_int, positive_int
+
+
+@dataclass
+class QueryOptions:
+    """What ``python -m serve.query`` does, as data: ``query(QueryOptions(index="runs/index", query="a red
+    circle", rerank=100))`` runs the same search as the command line and returns ``(searcher, hits)``."""
+
+    index: str | None = option(None, positional=True, nargs="?",
+                               help="index directory written by python -m serve.index")
+    query: str | None = option(None, positional=True, nargs="?",
+                               help="the text to search images for (leave out with --image)")
+    image: str | None = option(None, metavar="PATH", help="an image file: search captions for it instead")
+    k: int = option(10, type=positive_int, help="hits to print (more than the collection holds: clamped, noted)")
+    rerank: int | None = option(None, type=positive_int, metavar="K",
+                                help="re-score the first K candidates with the model's own score (default: no "
+                                     "re-ranking; a bare backbone has no second stage and ignores it, noted)")
+    where: list = option(default_factory=list, action="append", metavar="COLUMN=VALUE",
+                         help="keep hits whose metadata column (image.parquet / text.parquet) equals VALUE; repeat "
+                              "a column for any of several values, different columns must all match")
+    offset: int = option(0, type=nonnegative_int, help="skip this many hits first (paging: --offset 10 --k 10 is "
+                                                       "the second page of ten)")
+    json: bool = option(False, action="store_true", help="print the hits as one JSON object instead of a table")
+    model: str | None = option(None, group="model",
+                               help="the model to query with (default: the index's; one with other weights is "
+                                    "refused, naming both)")
+    pretrained: str | None = option(None, group="model", help="weights for --model: tag, checkpoint path or 'none'")
+    annotations: str | None = option(None, group="model",
+                                     help="boxes for image queries of adapters trained on ground-truth boxes: "
+                                          "objects.json or a toy-world folder (default: the indexed toy world's)")
+    detector: str | None = option(None, group="model",
+                                  help="YOLO weights: detect boxes of query images for such adapters instead")
+    device: str = option("cpu", group="model", help="torch device for encoding the query and re-ranking")
+    debug: bool = option(False, action="store_true", help="show the traceback of an error (also PLUGVLM_DEBUG=1)")
+
+
+def build_parser() -> Parser:
+    return build_cli(QueryOptions, "python -m serve.query", __doc__)
+
+
+def _check(ns) -> None:
+    if not ns.index:
+        raise ValueError("give the index directory (written by python -m serve.index) first")
+    if (ns.query is None) == (ns.image is None):
+        raise ValueError("give either a text query or --image PATH (one of them)")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> QueryOptions:
+    return parse_options(QueryOptions, build_parser(), argv, check=_check)
+
+
+def query(opts: QueryOptions):
+    """Open the index and search (see the module docstring): ``(searcher, hits)``. The query itself (empty text,
+    an unreadable image) and the filters are checked before the model loads, so those fail in milliseconds."""
+    from extract.images import BadCaption, BadImage, decode_image, validate_caption
+    from serve.search import QueryError, Searcher, parse_where
+
+    check_options(opts, build_parser())
+    if not opts.index:
+        raise QueryError("give the index directory (written by python -m serve.index)")
+    if (opts.query is None) == (opts.image is None):
+        raise QueryError("give either a text query or --image PATH (one of them)")
+    where = parse_where(opts.where) if opts.where else None
+    if opts.query is not None:
+        try:
+            validate_caption(opts.query)
+        except BadCaption as e:
+            raise QueryError("bad query: " + str(e).replace("caption", "query")) from None
+    else:
+        try:
+            decode_image(opts.image)
+        except BadImage as e:
+            raise QueryError(f"query image {opts.image}: {e}") from None
+    searcher = Searcher.open(opts.index, opts.model, pretrained=opts.pretrained, device=opts.device,
+                             annotations=opts.annotations, detector=opts.detector)
+    search = searcher.search_text if opts.query is not None else searcher.search_image
+    hits = search(opts.query if opts.query is not None else opts.image, k=opts.k, rerank=opts.rerank, where=where,
+                  offset=opts.offset)
+    return searcher, hits
+
+
+def as_json(searcher, hits) -> dict:
+    """The JSON ``--json`` prints: the search (query, direction, k, rerank, offset, notes, hits) and the index."""
+    return {**hits.to_dict(), "model": searcher.scorer.name, "index": str(searcher.index_dir),
+            "collection": {"images": searcher.num_images, "captions": searcher.num_captions},
+            "has_second_stage": searcher.has_second_stage}
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def table(searcher, hits) -> str:
+    """The hits as an aligned text table, a title line above and the notes below."""
+    images = hits.direction == "t2i"
+    what = "images" if images else "captions"
+    rerank = f"; first {hits.rerank} re-ranked" if hits.rerank else ""
+    lines = [f"{what} for {_cut(hits.query, 80)!r} ({searcher.scorer.name}; {searcher.index_dir}: "
+             f"{searcher.num_images} images, {searcher.num_captions} captions{rerank})"]
+    heads = ["rank", "stage-1 rank", "stage-1 score"] + (["re-ranked score"] if hits.rerank else [])
+    heads += ["image_id", "path"] if images else ["caption_id", "image_id", "text"]
+    rows = []
+    for h in hits:
+        row = [str(h.rank_after), str(h.rank_before), f"{h.score:.4f}"]
+        if hits.rerank:
+            row.append(f"{h.rerank_score:.4f}")
+        row += [h.id, h.path] if images else [h.id, str(h.metadata.get("image_id", "")), _cut(h.text, 90)]
+        rows.append(row)
+    numeric = len(heads) - (2 if images else 3)  # right-aligned numbers, left-aligned ids and text
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
+    for row in [heads] + rows:
+        cells = [c.rjust(w) if j < numeric else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    if not rows:
+        lines.append(f"(no {what})")
+    lines += [f"note: {n}" for n in hits.notes]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+
+    def job(opts: QueryOptions) -> None:
+        if opts.json:
+            # stdout carries the JSON alone: what loading the model prints goes to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                searcher, hits = query(opts)
+            print(json.dumps(as_json(searcher, hits), indent=2, default=str))
+        else:
+            searcher, hits = query(opts)
+            print(table(searcher, hits))
+
+    return run_job(job, opts, debug=opts.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

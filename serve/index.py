@@ -55,8 +55,10 @@ class IndexOptions(SourceOptions, BoxOptions):
     pretrained: str | None = option(None, help="weights for --model: tag, checkpoint path or 'none' (default: the "
                                                "alias's)")
     data: str | None = option(None, help="the collection: a folder of images, a toy world, CSV/TSV, COCO JSON or "
-                                         ".tar shards (anything python -m extract reads)")
-    out: str | None = option(None, help="the index folder: replaced atomically by a build, extended by --add")
+                                         ".tar shards (anything python -m extract reads; default: the embedded toy "
+                                         "world, runs/toy, generated on first use)")
+    out: str | None = option(None, help="the index folder: replaced atomically by a build, extended by --add "
+                                        "(default: runs/index-<model>)")
     add: bool = option(False, action="store_true",
                        help="add the images (and captions) of --data to the existing index --out, without rebuilding "
                             "it (same model only)")
@@ -92,9 +94,37 @@ def build_parser() -> Parser:
 
 
 def _required(ns) -> None:
-    if not ns.model or not ns.data or not ns.out:
-        raise ValueError("--model, --data and --out are required, e.g. python -m serve.index --model tiny --data "
-                         "runs/toy --out runs/index")
+    if not ns.model:
+        raise ValueError("--model is required, e.g. python -m serve.index --model tiny (a backbone alias, a "
+                         "pre-trained checkpoint or an adapter run folder)")
+    if ns.add and not (ns.data and ns.out):
+        raise ValueError("--add needs --data (the source to add) and --out (the index it goes into)")
+
+
+def default_out(model: str) -> str:
+    """``runs/index-<model>`` for a model alias, or for a checkpoint its run folder's name (``runs/demo/adapters/
+    comalign/adapter.safetensors`` -> ``runs/index-comalign``)."""
+    from train.run_dir import default_out as run_folder
+
+    path = Path(model)
+    if path.suffix == ".safetensors":
+        path = path.parent
+    name = path.name if path.exists() else model
+    return str(run_folder("index", name))
+
+
+def with_defaults(opts: IndexOptions) -> IndexOptions:
+    """``opts`` with the embedded defaults filled in: no ``data`` -> the toy world (generated on first use, the
+    path said), no ``out`` -> :func:`default_out`."""
+    if opts.data is None:
+        from extract import toyworld
+
+        toyworld.ensure(toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED, say=say)
+        opts = dataclasses.replace(opts, data=str(toyworld.DEFAULT_PATH))
+    if opts.out is None:
+        opts = dataclasses.replace(opts, out=default_out(opts.model))
+        say(f"index folder: {opts.out} (--out to choose another)")
+    return opts
 
 
 def parse_args(argv: Sequence[str] | None = None) -> IndexOptions:
@@ -111,12 +141,12 @@ def _model_kind(opts: IndexOptions, scorer) -> str:
     from adapters.scoring import is_adapter_path, pretrained_checkpoint
     from extract.weights import checkpoint_sidecar
 
-    if is_adapter_path(opts.model) or getattr(scorer, "head", None) is not None:
-        return "adapter"
     weights = scorer.backbone.weights
+    if getattr(scorer, "head", None) is not None:
+        return "adapter"
     if pretrained_checkpoint(opts.model) or (weights.kind == "file" and checkpoint_sidecar(weights.path)):
         return "pretrain"
-    return "backbone"
+    return "adapter" if is_adapter_path(opts.model) else "backbone"
 
 
 def load_model(opts: IndexOptions):
@@ -278,7 +308,7 @@ class Part:
 
     def entry(self) -> dict:
         c = self.cache
-        return {"data": self.data, "cache": {"path": str(c.path), "fingerprint": c.fingerprint},
+        return {"data": self.data, "cache": {"path": str(Path(c.path).absolute()), "fingerprint": c.fingerprint},
                 "images": c.num_images, "captions": c.num_captions,
                 "image_rows": [self.image_start, self.image_start + c.num_images],
                 "caption_rows": [self.caption_start, self.caption_start + c.num_captions]}
@@ -532,6 +562,7 @@ def build_index(opts: IndexOptions) -> dict:
     docstring; the directory's contract is in :mod:`serve`)."""
     check_options(opts, build_parser())
     _required(opts)
+    opts = with_defaults(opts)
     out = Path(opts.out).absolute()
     started = time.perf_counter()
     recover(out)
@@ -633,6 +664,7 @@ def summary(manifest: dict, out: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: IndexOptions) -> None:
+        opts = with_defaults(opts)
         print(summary(build_index(opts), opts.out))
 
     return run_job(job, parse_args(argv))

@@ -48,6 +48,10 @@ class QueryOptions:
     offset: int = option(0, type=nonnegative_int, help="skip this many hits first (paging: --offset 10 --k 10 is "
                                                        "the second page of ten)")
     json: bool = option(False, action="store_true", help="print the hits as one JSON object instead of a table")
+    recall: bool = option(False, action="store_true",
+                          help="instead of a query: R@1/5/10 of the served results on the indexed collection itself "
+                               "(each caption searching the images, each image the captions), first stage and "
+                               "re-ranked with K = 10, 50, 100, next to train.evaluate's figures on the same cache")
     model: str | None = option(None, group="model",
                                help="the model to query with (default: the index's; one with other weights is "
                                     "refused, naming both)")
@@ -68,6 +72,10 @@ def build_parser() -> Parser:
 def _check(ns) -> None:
     if not ns.index:
         raise ValueError("give the index directory (written by python -m serve.index) first")
+    if ns.recall:
+        if ns.query is not None or ns.image is not None:
+            raise ValueError("--recall measures the index on its own collection: give no query or --image with it")
+        return
     if (ns.query is None) == (ns.image is None):
         raise ValueError("give either a text query or --image PATH (one of them)")
 
@@ -106,6 +114,28 @@ def query(opts: QueryOptions):
     return searcher, hits
 
 
+RECALL_RERANKS = (10, 50, 100)
+
+
+def recall(opts: QueryOptions) -> tuple[object, str]:
+    """``--recall``: (searcher, the Markdown table of ``serve.search.recall_table``): served R@k, first stage and
+    re-ranked with each K of :data:`RECALL_RERANKS`, and ``train.evaluate``'s retrieval figures computed from the
+    index's feature cache (``run_retrieval_cached``: the same arrays, so with an exact index and K covering the
+    collection the rows agree; a collection of several parts has no single cache and gets no evaluation row)."""
+    from serve.search import Searcher, recall_table
+    from train.evaluate import run_retrieval_cached
+
+    check_options(opts, build_parser())
+    searcher = Searcher.open(opts.index, opts.model, pretrained=opts.pretrained, device=opts.device,
+                             annotations=opts.annotations, detector=opts.detector)
+    evaluation = None
+    if len(searcher.manifest.get("parts") or [None]) == 1:
+        from extract.cache import FeatureCache
+
+        evaluation = run_retrieval_cached(searcher.scorer, FeatureCache.open(searcher.manifest["cache"]["path"]))
+    return searcher, recall_table(searcher, RECALL_RERANKS, evaluation=evaluation)
+
+
 def as_json(searcher, hits) -> dict:
     """The JSON ``--json`` prints: the search (query, direction, k, rerank, offset, notes, hits) and the index."""
     return {**hits.to_dict(), "model": searcher.scorer.name, "index": str(searcher.index_dir),
@@ -115,6 +145,16 @@ def as_json(searcher, hits) -> dict:
 
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _shown_path(path: str | None) -> str:
+    """A hit's image file as a person reads it: relative to the current folder when it lies inside it."""
+    if not path:
+        return ""
+    import os
+
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def table(searcher, hits) -> str:
@@ -131,7 +171,7 @@ def table(searcher, hits) -> str:
         row = [str(h.rank_after), str(h.rank_before), f"{h.score:.4f}"]
         if hits.rerank:
             row.append(f"{h.rerank_score:.4f}")
-        row += [h.id, h.path] if images else [h.id, str(h.metadata.get("image_id", "")), _cut(h.text, 90)]
+        row += [h.id, _shown_path(h.path)] if images else [h.id, str(h.metadata.get("image_id", "")), _cut(h.text, 90)]
         rows.append(row)
     numeric = len(heads) - (2 if images else 3)  # right-aligned numbers, left-aligned ids and text
     widths = [max(len(x) for x in col) for col in zip(heads, *rows)]
@@ -148,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
 
     def job(opts: QueryOptions) -> None:
+        if opts.recall:
+            searcher, markdown = recall(opts)
+            entry = searcher.manifest["indexes"]["image"]
+            print(f"served R@k of {opts.index} ({searcher.scorer.name}; {entry['key']}; {searcher.num_images} images, "
+                  f"{searcher.num_captions} captions; each caption / image of the collection is a query):")
+            print(markdown, end="")
+            return
         if opts.json:
             # stdout carries the JSON alone: what loading the model prints goes to stderr
             with contextlib.redirect_stdout(sys.stderr):

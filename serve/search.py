@@ -678,9 +678,9 @@ def _default_boxes(model: str, manifest: dict, caches: list | None) -> tuple[Any
     """(annotations for ``load_scorer``, a reason image queries cannot be served or None) for an adapter trained on
     ground-truth boxes when the caller gave neither annotations nor a detector: the indexed toy world's boxes,
     else the annotations file its cache was extracted with; else none ({}: texts still work)."""
-    from adapters.scoring import is_adapter_path
+    from adapters.scoring import is_adapter_path, pretrained_checkpoint
 
-    if not is_adapter_path(model):
+    if not is_adapter_path(model) or pretrained_checkpoint(model):  # a pre-trained model.safetensors needs no boxes
         return None, None
     from adapters.checkpoint import read_meta
 

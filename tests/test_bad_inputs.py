@@ -37,7 +37,7 @@ def full_corpus(corpus, tmp_path_factory, tiny_toy_cache):
 
 
 # --------------------------------------------------------------------------------------------- data sources
-DATA_COMMANDS = ["check_data", "extract", "evaluate", "adapter", "pretrain"]
+DATA_COMMANDS = ["check_data", "extract", "evaluate", "adapter", "pretrain", "index"]
 
 
 def _run(command: str, spec: Path, tmp_path: Path) -> int:
@@ -55,6 +55,11 @@ def _run(command: str, spec: Path, tmp_path: Path) -> int:
         from train.evaluate import main
 
         return main(["--model", "tiny", "--retrieval-data", str(spec), "--tasks", "retrieval", "--out", str(out)])
+    if command == "index":
+        from serve.index import main
+
+        return main(["--model", "tiny", "--data", str(spec), "--out", str(out / "index"), "--cache-dir",
+                     str(out / "cache"), "--workers", "0"])
     if command == "adapter":
         from train.adapter import main
 

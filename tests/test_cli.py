@@ -134,7 +134,8 @@ ENTRY_POINTS = ["extract", "extract.check_data", "extract.toyworld", "extract.ba
                 "train.adapter", "train.adapter_compare", "train.adapter_benchmark", "train.pretrain",
                 "train.pretrain_compare", "train.pretrain_benchmark", "train.evaluate", "train.demo",
                 "train.linear_probe", "train.nla_report", "train.nla_benchmark", "train.retrieval_benchmark",
-                "extract.text_components", "train.clip_benchmark_interop", "serve.query", "serve.index"]
+                "extract.text_components", "train.clip_benchmark_interop", "serve.query", "serve.index",
+                "serve.benchmark"]
 # libraries a command imports only when it runs: loading them costs seconds, which --help must not
 HEAVY = {"open_clip", "spacy", "ultralytics", "sam2", "gradio", "faiss", "matplotlib", "accelerate", "transformers",
          "timm", "tensorboard", "webdataset", "sklearn", "cv2", "pandas", "torchvision"}

@@ -18,8 +18,21 @@ def test_demo_end_to_end(tmp_path, capsys):
     argv = ["--out", str(out), *SMALL]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "[4/4]" in printed and printed.count("frozen base vs base + adapter") == 1
+    assert "[4/5]" in printed and printed.count("frozen base vs base + adapter") == 1
     report = json.loads((out / "demo_report.json").read_text())
+    # it ends serving the adapter best on the validation split: an index of the test split and one query whose
+    # hits carry both stages' ranks and scores, and the printed table is the one `serve.query` prints
+    served = report["served"]
+    val = {m: r["val"]["retrieval T2I R@1"] for m, r in report["adapters"]["methods"].items()}
+    assert val[served["method"]] == max(val.values())
+    from serve.search import Searcher
+
+    searcher = Searcher.open(out / "index")
+    assert searcher.has_second_stage and searcher.num_images == served["images"] == 8  # the test split of 80 scenes
+    again = searcher.search_text(served["query"], k=5, rerank=50)
+    assert [h["row"] for h in served["hits"]["hits"]] == [h.row for h in again]
+    assert [h.rerank_score for h in again] == sorted((h.rerank_score for h in again), reverse=True)
+    assert printed.count(served["table"]) == 1 and "stage-1 rank" in served["table"]
     assert report["pretrained"] == str(out / "base" / "model.safetensors")
     assert json.loads((out / "base" / "model.json").read_text())["method"] == "clip"
     results = json.loads((out / "adapters" / "results.json").read_text())
@@ -31,8 +44,8 @@ def test_demo_end_to_end(tmp_path, capsys):
     # a second run reuses the toy world and the base (same settings) instead of redoing them
     assert main(argv + ["--methods", ADAPTERS.names()[0]]) == 0
     printed = capsys.readouterr().out
-    assert "reused" in printed.split("[2/4]")[1].split("[3/4]")[0]
-    assert "reusing" in printed.split("[3/4]")[1].split("[4/4]")[0]
+    assert "reused" in printed.split("[2/5]")[1].split("[3/5]")[0]
+    assert "reusing" in printed.split("[3/5]")[1].split("[4/5]")[0]
 
 
 def test_demo_log_reads_well(tmp_path):

@@ -57,6 +57,47 @@ def reconstruct(index_dir: Path, side: str) -> np.ndarray:
     return index.reconstruct_n(0, index.ntotal)
 
 
+def test_defaults_and_relative_paths(world, work, monkeypatch, capsys):
+    """Relative --data / --cache-dir / --out (as the README types them) give an index that opens from any folder,
+    with its cache found; no --out: runs/index-<model>."""
+    from serve.search import Searcher
+
+    folder = work / "relative"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    os.symlink(world, folder / "world")
+    assert main(["--model", "tiny", "--data", "world", "--cache-dir", "cache", "--workers", "0", "-q"]) == 0
+    assert "-> runs/index-tiny" in capsys.readouterr().out
+    monkeypatch.chdir(work)
+    searcher = Searcher.open(folder / "runs" / "index-tiny")
+    assert Path(searcher.manifest["cache"]["path"]).is_absolute() and searcher.num_images == 12
+    assert len(searcher.search_text("a red circle", k=3)) == 3
+
+
+def test_a_pretrained_checkpoint_is_indexed_and_searched(world, work):
+    """--model OUT/model.safetensors of python -m train.pretrain: indexed as kind "pretrain", opened by the
+    Searcher from the manifest alone (its weights file is not an adapter checkpoint), ranked as the model ranks."""
+    from adapters.scoring import load_scorer
+    from serve.search import Searcher
+    from train.pretrain import main as pretrain
+
+    run = work / "pretrained"
+    assert pretrain(["--data", str(world), "--out", str(run), "--batch-size", "16", "--workers", "0", "--epochs", "1",
+                     "--no-tensorboard", "--eval-every-n-epochs", "0", "-q"]) == 0
+    weights = run / "model.safetensors"
+    manifest = build_index(options(world, work, "pretrained-index", model=str(weights)))
+    assert manifest["model"]["kind"] == "pretrain"
+    searcher = Searcher.open(work / "pretrained-index")
+    assert not searcher.has_second_stage
+    hits = searcher.search_text("a red circle", k=12)
+    scorer = load_scorer(str(weights))
+    cache = FeatureCache(manifest["cache"]["path"])
+    image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images)).astype(np.float32))
+    text = scorer.encode_texts(["a red circle"])["embed"]
+    expected = torch.argsort(image @ text[0], descending=True, stable=True).tolist()
+    assert [h.row for h in hits] == expected
+
+
 # --------------------------------------------------------------------------------------------- exactness
 def test_toy_test_split_flat_search_equals_brute_force_over_the_model_scores(tiny_index, world):
     manifest = layout.read_manifest(tiny_index)

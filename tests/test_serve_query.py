@@ -86,6 +86,25 @@ def test_filters_and_pages_from_the_command_line(setup, capsys):
     assert "re-ranked score" not in out
 
 
+def test_recall_prints_the_served_and_evaluated_rows_and_they_agree(setup, capsys):
+    """--recall: the first stage, re-ranked with K = 10, 50, 100 and train.evaluate from the same cache; the flat
+    index with K covering the 12 images re-ranks every image, so K=50 and K=100 equal the evaluation row in T2I."""
+    rc, out, err = _run(capsys, [setup.adapter_index, "--recall"])
+    assert rc == 0, err
+    rows = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith("| |")}
+    assert list(rows) == ["served, first stage", "served, re-ranked K=10", "served, re-ranked K=50",
+                          "served, re-ranked K=100", "train.evaluate"]
+    t2i = slice(0, 3)
+    assert rows["served, re-ranked K=50"][t2i] == rows["served, re-ranked K=100"][t2i] == rows["train.evaluate"][t2i]
+    assert all(0 <= v <= 100 for r in rows.values() for v in r)
+    rc, out, err = _run(capsys, [setup.backbone_index, "--recall"])  # a bare backbone: no second stage
+    assert rc == 0 and "re-ranked" not in out and "| served, first stage |" in out
+    first, evaluated = (line.split("|")[2:] for line in out.splitlines()
+                        if line.startswith(("| served, first stage", "| train.evaluate")))
+    assert first == evaluated
+
+
 # --------------------------------------------------------------------------------------------- bad input
 def _bomb(path: Path) -> Path:
     Image.new("1", (12000, 12000)).save(path, "PNG")  # 144 Mpx from a few kB: refused from its header
@@ -129,7 +148,8 @@ def test_flags_the_parser_refuses(setup, capsys):
                           ([QUERY, "--rerank", "-3"], "--rerank: expected an integer >= 1"),
                           ([QUERY, "--offset", "-1"], "--offset: expected an integer >= 0"),
                           ([], "give either a text query or --image PATH"),
-                          ([QUERY, "--image", "x.png"], "give either a text query or --image PATH")):
+                          ([QUERY, "--image", "x.png"], "give either a text query or --image PATH"),
+                          ([QUERY, "--recall"], "--recall measures the index on its own collection")):
         with pytest.raises(SystemExit) as e:
             main([str(setup.adapter_index), *argv])
         err = capsys.readouterr().err

@@ -5,11 +5,14 @@ tiny backbone on it with CLIP's objective (``train.pretrain.pretrain``; a few mi
 ``--pretrained`` names weights, then trains every registered adapter on that frozen base
 (``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method) and
 prints the side-by-side table of the frozen base vs base + each adapter on the test split: retrieval R@k and
-accuracy per hard-negative type.
+accuracy per hard-negative type. It ends by serving the best adapter (the highest held-out T2I R@1, chosen on the
+validation split, not the test split): ``serve.index`` builds the search index of the test split with it, and
+one example query shows the first-stage hits next to the adapter's own re-ranking.
 
 Everything lands in ``--out``: ``toyworld/``, ``base/`` (the pre-trained backbone, open_clip-loadable
 ``model.safetensors`` + ``model.json``, and its last checkpoint), ``adapters/`` (cache, one run folder per
-method, ``results.{json,md,png}``), ``demo_report.json`` and the resolved ``config.json``. Rerunning reuses the
+method, ``results.{json,md,png}``), ``index/`` (the search index of the best adapter: ``python -m serve.query
+OUT/index "..."`` searches it), ``demo_report.json`` and the resolved ``config.json``. Rerunning reuses the
 toy world, the base and the feature cache when their settings are unchanged; the adapters are trained again.
 """
 from __future__ import annotations
@@ -82,6 +85,40 @@ def _pretrain_base(opts: DemoOptions, world: Path, out: Path) -> str:
     return str(path)
 
 
+#: the demo's example query: a relation caption of the toy world, where binding attributes and order matters
+EXAMPLE_QUERY = "a purple circle to the right of a red circle"
+
+
+def best_adapter(methods: dict) -> str | None:
+    """The method with the highest held-out (validation) T2I R@1 in ``compare``'s results; None without any."""
+    scored = {m: r["val"]["retrieval T2I R@1"] for m, r in methods.items()
+              if r.get("checkpoint") and "retrieval T2I R@1" in (r.get("val") or {})}
+    return max(scored, key=scored.get) if scored else None
+
+
+def serve_best(opts: DemoOptions, result: dict, world: Path, out: Path) -> dict | None:
+    """Index the toy world's test split with the best adapter (``serve.index``) and run :data:`EXAMPLE_QUERY`
+    with re-ranking; returns what it did, with the hits, for the report."""
+    from serve.index import IndexOptions, build_index
+    from serve.query import table
+    from serve.search import Searcher
+
+    method = best_adapter(result["methods"])
+    if method is None:
+        say("[5/5] serving skipped: no adapter with held-out figures")
+        return None
+    checkpoint = result["methods"][method]["checkpoint"]
+    say(f"[5/5] serving {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
+    manifest = build_index(IndexOptions(model=checkpoint, data=str(world), out=str(out / "index"), kind="flat",
+                                        cache_dir=str(out / "adapters" / "cache"), device=opts.device,
+                                        workers=opts.workers, seed=opts.seed))
+    searcher = Searcher.open(out / "index", device=opts.device or "cpu")
+    hits = searcher.search_text(EXAMPLE_QUERY, k=5, rerank=50)
+    return {"method": method, "index": str(out / "index"), "images": manifest["collection"]["images"],
+            "captions": manifest["collection"]["captions"], "query": EXAMPLE_QUERY,
+            "hits": hits.to_dict(), "table": table(searcher, hits)}
+
+
 def demo(opts: DemoOptions) -> dict:
     """Run the demo (module docstring); returns its report (also written to ``OUT/demo_report.json``) with the
     table as ``markdown``."""
@@ -93,7 +130,7 @@ def demo(opts: DemoOptions) -> dict:
     started = time.perf_counter()
     pretrain_base = opts.pretrained is None and opts.base.startswith("tiny")
     # the backbone first: missing weights must fail before any other work
-    say(f"[1/4] backbone: {opts.base} (weights: "
+    say(f"[1/5] backbone: {opts.base} (weights: "
         f"{'pre-trained on the toy world next' if pretrain_base else opts.pretrained or 'the alias default'})")
     backbone = load_backbone(opts.base, "none" if pretrain_base else opts.pretrained, device="cpu")
     info = backbone.describe()
@@ -103,26 +140,27 @@ def demo(opts: DemoOptions) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
-    say(f"[2/4] toy world: {opts.n} scenes, seed {opts.seed}")
+    say(f"[2/5] toy world: {opts.n} scenes, seed {opts.seed}")
     world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line), replace=True)
 
     pretrained = opts.pretrained
     if pretrain_base:
-        say(f"[3/4] pre-training the {opts.base} base on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
+        say(f"[3/5] pre-training the {opts.base} base on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
         pretrained = _pretrain_base(opts, world, out / "base")
     else:
-        say("[3/4] pre-training skipped: using the given weights")
+        say("[3/5] pre-training skipped: using the given weights")
 
     methods = ADAPTERS.names() if opts.methods == "all" else opts.methods
-    say(f"[4/4] adapters on the frozen base: {methods if isinstance(methods, str) else ', '.join(methods)}")
+    say(f"[4/5] adapters on the frozen base: {methods if isinstance(methods, str) else ', '.join(methods)}")
     copts = CompareOptions(data=str(world), out=str(out / "adapters"), base=opts.base, pretrained=pretrained,
                            methods=methods, epochs=opts.epochs, batch_size=opts.batch_size, seed=opts.seed,
                            workers=opts.workers, device=opts.device)
     for method in copts.methods:  # the demo retrains its adapters each time: its own earlier runs make way
         shutil.rmtree(out / "adapters" / method, ignore_errors=True)
     result = compare(copts)
+    served = serve_best(opts, result, world, out)
     report = {"backbone": info, "pretrained": pretrained, "toyworld": str(world), "adapters": result,
-              "seconds": time.perf_counter() - started}
+              "served": served, "seconds": time.perf_counter() - started}
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
 
@@ -134,6 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if table:
             print("\nfrozen base vs base + adapter (toy world test split; retrieval R@k and hard-negative accuracy, %):")
             print(table)
+        if report.get("served"):
+            served = report["served"]
+            print(f"the best adapter, {served['method']}, serving the test split ({served['images']} images; "
+                  f"first 50 re-ranked by its own score):")
+            print(served["table"])
+            print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, "
             "adapters/results.{json,md,png}")
 

@@ -108,6 +108,12 @@ class BenchmarkOptions:
     kinds: str = option(",".join((*KINDS, AUTO)), type=_kind_list,
                         help="index kinds to build at every N (comma list; auto is always measured at the largest N, "
                              "which sections 3-5 search)")
+    largest_kinds: str | None = option(None, type=_kind_list,
+                                       help="index kinds built at the largest N instead of --kinds (e.g. leave out "
+                                            "hnsw: 1M vectors take it minutes to build on 2 cores)")
+    pq_m: int | None = option(None, type=positive_int,
+                              help="sub-quantizers of the ivf-pq kind (default: serve.index's choice, the most that "
+                                   "fit --max-memory: 256 for 512-d, whose OPQ training takes many minutes on 2 cores)")
     queries: int = option(200, type=positive_int, help="held-out queries (recall, latency percentiles)")
     max_latency_ms: float = option(5.0, type=positive_float, help="latency budget nprobe / efSearch are tuned to "
                                                                   "(ms per query, one thread), as serve.index")
@@ -486,7 +492,8 @@ def measure_size(n: int, d: int, opts: BenchmarkOptions, scratch: Path, kinds: l
                        "flat_ms": flat_ms}
     for kind in kinds:
         try:
-            key = fi.key_for_kind(kind, n, d, fi.parse_memory(opts.max_memory))
+            key = (fi.pq_key_for(n, d, opts.pq_m) if kind == "ivf-pq" and opts.pq_m else
+                   fi.key_for_kind(kind, n, d, fi.parse_memory(opts.max_memory)))
         except ValueError as e:
             out["kinds"][kind] = {"kind": kind, "skipped": str(e)}
             continue
@@ -861,9 +868,9 @@ def run(opts: BenchmarkOptions) -> dict:
 
     faiss = import_faiss()
     faiss_before, torch_before = faiss.omp_get_max_threads(), torch.get_num_threads()
-    if opts.build_threads:
-        faiss.omp_set_num_threads(opts.build_threads)
     torch.set_num_threads(opts.torch_threads)
+    # after torch's: where torch and FAISS share one OpenMP runtime, torch's setting would become FAISS's too
+    faiss.omp_set_num_threads(opts.build_threads or faiss_before)
     context = machine()
     sizes, kinds = _ints(opts.sizes), [k for k in opts.kinds.split(",") if k != AUTO]
     auto_everywhere = AUTO in opts.kinds.split(",")
@@ -886,7 +893,9 @@ def run(opts: BenchmarkOptions) -> dict:
         search_input = None
         for n in sizes:
             is_largest = n == largest and search_input is None
-            size, vectors, queries = measure_size(n, d, opts, scratch, kinds, auto_everywhere or is_largest,
+            here = ([k for k in opts.largest_kinds.split(",") if k != AUTO] if n == largest and opts.largest_kinds
+                    is not None else kinds)
+            size, vectors, queries = measure_size(n, d, opts, scratch, here, auto_everywhere or is_largest,
                                                   keep_vectors=is_largest)
             results["sizes"].append(size)
             if is_largest:

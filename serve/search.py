@@ -216,7 +216,9 @@ def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
     faiss = layout.import_faiss()
     entry = layout.index_entry(manifest, name, index_dir)
     index = layout.open_index(index_dir, name, manifest)
-    table = layout.read_metadata(index_dir, name, manifest)
+    # One chunk per column: parquet reads a table in row-group chunks, and taking the hits' rows from a chunked
+    # 1M-row table cost 5.6 ms per query here, 0.04 ms after combining (more than the FAISS search itself).
+    table = layout.read_metadata(index_dir, name, manifest).combine_chunks()
     index_path, meta_path = index_dir / entry["file"], index_dir / entry["metadata"]
     problems = []
     if index.metric_type != faiss.METRIC_INNER_PRODUCT:

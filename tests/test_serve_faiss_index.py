@@ -55,7 +55,9 @@ def pq_index(data):
     return fi.build(data[0][:2000], PQ_KEY)
 
 
-@pytest.mark.parametrize("key,floor", [("HNSW32", 0.95), ("IVF64,Flat", 0.95), (PQ_KEY, 0.6)])
+# IVF-PQ: 8 codes of 8 bits for 32 dims; 0.5665 measured with OPQ trained 10 iterations (FAISS's 50 gave 0.60 here,
+# at 6x the training time on real sizes: serve.faiss_index.new_index)
+@pytest.mark.parametrize("key,floor", [("HNSW32", 0.95), ("IVF64,Flat", 0.95), (PQ_KEY, 0.55)])
 def test_approximate_indices_reach_their_recall_floor(data, pq_index, key, floor):
     """Recall@10 against torch's exact top-10, at the setting tune() picks under a generous budget; the floor
     of IVF-PQ is lower: 8 bytes per 32-d vector keep about a tenth of the information."""
@@ -151,14 +153,15 @@ def test_auto_rule_at_a_few_points():
     assert fi.auto_keys(200_000, 512, 4 * G, flat_ms=30.0, max_latency_ms=5) == [
         "IVF2048,Flat", "HNSW32", "OPQ256_768,IVF2048_HNSW32,PQ256x8"]
     # 1M x 512 in 4G: raw vectors and HNSW fit (M = 244 -> 32)
-    assert fi.auto_keys(1_000_000, 512, 4 * G) == ["IVF16384,Flat", "HNSW32", "OPQ256_768,IVF16384_HNSW32,PQ256x8"]
+    assert fi.auto_keys(1_000_000, 512, 4 * G) == ["IVF4096,Flat", "HNSW32", "OPQ256_768,IVF4096_HNSW32,PQ256x8"]
     # 1M x 512 in 1G: neither HNSW (M < 8) nor raw vectors fit: OPQ + IVF + PQ, m the largest that fits
-    assert fi.auto_keys(1_000_000, 512, 1 * G) == ["OPQ256_768,IVF16384_HNSW32,PQ256x8"]
-    assert fi.auto_keys(100_000_000, 512, 16 * G) == ["OPQ128_640,IVF65536_HNSW32,PQ128x8"]
-    assert fi.auto_keys(100_000_000, 512, 2 * G) == ["OPQ8_56,IVF65536_HNSW32,PQ8x8"]
+    assert fi.auto_keys(1_000_000, 512, 1 * G) == ["OPQ256_768,IVF4096_HNSW32,PQ256x8"]
+    assert fi.auto_keys(100_000_000, 512, 16 * G) == ["OPQ128_640,IVF32768_HNSW32,PQ128x8"]
+    assert fi.auto_keys(100_000_000, 512, 2 * G) == ["OPQ8_56,IVF32768_HNSW32,PQ8x8"]
     with pytest.raises(ValueError, match="fits --max-memory"):
         fi.auto_keys(100_000_000, 512, 256 << 20)
-    assert [fi.nb_clusters(n) for n in (100, 10_000, 1_000_000, 50_000_000)] == [32, 512, 16_384, 65_536]
+    assert [fi.nb_clusters(n) for n in (100, 10_000, 1_000_000, 50_000_000, 400_000_000)] == [
+        32, 512, 4096, 32_768, 2 ** 17]
     assert fi.nb_clusters(5) == 5  # never more lists than vectors
 
 

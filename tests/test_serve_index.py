@@ -329,7 +329,7 @@ def test_two_builds_at_once_one_wins_the_other_refuses(world, work, capsys):
 
 # --------------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("argv,message", [
-    (["--data", "{world}", "--out", "{work}/x"], "--model, --data and --out are required"),
+    (["--data", "{world}", "--out", "{work}/x"], "--model is required"),
     (["--model", "tiny", "--data", "{work}/absent", "--out", "{work}/x"], "does not exist"),
     (["--model", "tiny", "--data", "{world}", "--out", "{work}/not-an-index"], "is not a plugvlm index"),
     (["--model", "tiny", "--data", "{world}", "--out", "{work}/absent-index", "--add"], "absent-index does not exist"),

@@ -81,10 +81,14 @@ def clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor
     return 0.5 * (F.cross_entropy(logits_i.float(), labels) + F.cross_entropy(logits_t.float(), labels))
 
 
-def triplet_rows(scores: Tensor, positives: Tensor, margin: float, *, hardest: bool = True) -> Tensor:
+def triplet_rows(scores: Tensor, positives: Tensor, margin: float, *, hardest: bool = True,
+                 semihard: bool = False) -> Tensor:
     """Row-wise triplet margin loss (PowerCLIP eq. 9): for each row r with positive column positives[r],
     ``relu(margin - s[r, pos] + s[r, neg])`` over the negatives, the hardest one (default, VSE++) or summed;
-    mean over rows. scores [R, C]."""
+    mean over rows. scores [R, C]. ``semihard`` (with ``hardest``): the hardest negative among those scoring
+    below the positive (FaceNet's semi-hard negatives), so a "negative" that outscores its positive -- often a
+    second true match where captions fit several images -- is not pushed away; a row whose negatives all
+    outscore the positive takes its easiest one (as FaceNet's reference loss does)."""
     rows = torch.arange(len(scores), device=scores.device)
     pos = scores[rows, positives]
     neg_mask = torch.ones_like(scores, dtype=torch.bool)
@@ -92,6 +96,10 @@ def triplet_rows(scores: Tensor, positives: Tensor, margin: float, *, hardest: b
     hinge = (margin - pos[:, None] + scores).clamp_min(0)
     if hardest:
         worst = scores.masked_fill(~neg_mask, float("-inf")).amax(dim=1)
+        if semihard:
+            below = neg_mask & (scores < pos[:, None])
+            easiest = scores.masked_fill(~neg_mask, float("inf")).amin(dim=1)
+            worst = torch.where(below.any(dim=1), scores.masked_fill(~below, float("-inf")).amax(dim=1), easiest)
         per_row = (margin - pos + worst).clamp_min(0)
         per_row = torch.where(torch.isfinite(worst), per_row, torch.zeros_like(per_row))  # a 1-item batch
     else:

@@ -410,6 +410,8 @@ class PowerCLIPLossConfig:
     the node sizes (T2R <= M * mean node size), so with ``normalize`` the triplet sees
     ``S_ij / (M_i * mean node size_j)`` and ``margin`` is on that unit scale; without it the margin is on S's
     raw scale. lam = 0.1, M = 10, softplus / tanh, alpha = 0.75 are the paper's (§5.1, App. F).
+    Negatives of the triplet (eq. 9): the hardest (``hardest``, VSE++, the paper's), the hardest below the
+    positive (``hardest`` and ``semihard``, see :func:`adapters.contrastive.triplet_rows`), or the sum over all.
     """
 
     lam: float = 0.1
@@ -417,6 +419,7 @@ class PowerCLIPLossConfig:
     w_t2r: float = 0.5
     w_r2t: float = 0.5
     hardest: bool = True
+    semihard: bool = False
     normalize: bool = True
     nla: NLAConfig = NLAConfig()
     chunk_size: int = 64
@@ -480,6 +483,6 @@ class PowerCLIPLoss(torch.nn.Module):
             pos = torch.arange(len(all_regions), device=regions.device)
             rows = combined_similarity(all_regions, all_rmask, all_nodes, all_nmask, cfg, all_sizes)
             cols = rows.T
-        triplet = (triplet_rows(rows, pos, cfg.margin, hardest=cfg.hardest)
-                   + triplet_rows(cols, pos, cfg.margin, hardest=cfg.hardest))
+        triplet = (triplet_rows(rows, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard)
+                   + triplet_rows(cols, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard))
         return {"loss": contrastive + cfg.lam * triplet, "clip": contrastive.detach(), "triplet": triplet.detach()}

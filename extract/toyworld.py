@@ -1,8 +1,8 @@
 """Toy world: procedurally drawn scenes of coloured shapes, the project's embedded default dataset.
 
 ``python -m extract.toyworld --out DIR --n N --seed S [--size 64] [--holdout "red circle,blue square"]
-[--splits 0.8,0.1,0.1] [--workers W] [--config file.yaml]`` or :func:`generate` writes N scenes with
-boxes, relations, captions and SugarCrepe/ARO-style hard negatives.
+[--splits 0.8,0.1,0.1] [--workers W] [--long-captions] [--config file.yaml]`` or :func:`generate` writes N
+scenes with boxes, relations, captions and SugarCrepe/ARO-style hard negatives.
 
 Scenes
     A ``size`` x ``size`` RGB image on a black background holding 1-4 objects. Each object has a
@@ -45,6 +45,22 @@ Captions (``struct`` is the truth, ``text`` is rendered from it by :func:`render
       direction if it holds, else "next to").
     Caption ids are ``image_id * CAPTION_SLOTS + k`` (k = position in the scene's caption list), so
     they are unique and do not depend on chunking.
+
+Long-caption mode (``--long-captions``; off by default, and then nothing above changes)
+    For SmartCLIP's and Long-CLIP's claim (long, multi-concept captions; SmartCLIP paper §6.1 fine-tunes on
+    ShareGPT4V captions of up to 248 tokens): each scene holds LONG_OBJECTS = 4-8 objects, smaller so that 8
+    fit (LONG_SIZES: 16% / 22% of the side, 10 / 14 px at 64 px; same gap, thresholds and relation rules),
+    and its ``long`` caption is a dense description: "six objects: a small red circle, ... and a large gray
+    star. the small red circle is to the left of the large blue square and above the small green star. the
+    large blue square is ..." -- every object with its attributes, then for each object (scene order) its
+    nearest others (centre distance; 3 of them in scenes of <= 5 objects, 2 above) with the clearest
+    predicate that holds, every mention naming size, colour and shape (struct: ``"dense": true``, one
+    sentence per run of relations with the same subject). That is 122-226 tokens of CLIP's tokenizer
+    (median 169; 4 objects: 122-152, 8 objects: 196-226; every one past 77, so a 77-token text encoder sees
+    the object list and the first relation sentences only). One-object and relation captions are as above.
+    Caption ids are ``image_id * LONG_CAPTION_SLOTS + k`` (16 slots), ``meta`` records
+    ``"long_captions": true`` and ``objects_per_scene``; negatives and ``satisfies`` work unchanged (every
+    dense caption is true of its scene, every negative false under the lenient rules, both tested).
 
 Hard negatives (at most one per type per caption, each a mutated struct)
     ``replace-att`` change one object's colour (or size where sizes are named); ``replace-obj``
@@ -112,6 +128,11 @@ SPLITS = ("train", "val", "test")
 BACKGROUND = (0, 0, 0)
 MAX_OBJECTS = 4
 CAPTION_SLOTS = 8  # >= MAX_OBJECTS one-object captions + 1 relation + 1 long
+# Long-caption mode (--long-captions): more, smaller objects and a dense description of each scene.
+LONG_OBJECTS = (4, 8)  # objects per scene, inclusive
+LONG_SIZES = {"small": 0.16, "large": 0.22}  # box sides: 10 / 14 px at 64 px; 8 objects fit (0 of 3,000 failed)
+LONG_CAPTION_SLOTS = 16  # >= 8 one-object captions + 1 relation + 1 long
+LONG_PARTNERS = {5: 3, 8: 2}  # relations per object in the dense caption, by scene size (up to the key)
 MIN_IMAGE_SIZE = 32
 PLACEMENT_TRIES = 50
 LAYOUT_TRIES = 10
@@ -123,7 +144,7 @@ LENIENT_DIRECTION_MARGIN = 0.05
 LENIENT_NEAR = 0.30
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
-_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 _PHRASES = {"left of": "to the left of", "right of": "to the right of",
             "above": "above", "below": "below", "next to": "next to"}
 _UNIT_POLYGONS = {  # vertices in the unit box, each touching all four sides
@@ -157,6 +178,15 @@ class _Settings:
     size: int
     holdout: frozenset  # of (colour, shape)
     splits: tuple[float, float, float]
+    long_captions: bool = False
+
+    @property
+    def sizes(self) -> dict[str, float]:
+        return LONG_SIZES if self.long_captions else SIZES
+
+    @property
+    def caption_slots(self) -> int:
+        return LONG_CAPTION_SLOTS if self.long_captions else CAPTION_SLOTS
 
 
 # --------------------------------------------------------------------------- option parsing
@@ -284,6 +314,8 @@ def _join(phrases: list[str]) -> str:
 def render(struct: dict) -> str:
     """The caption text of ``struct`` (grammar: module docstring). Non-long structs hold <= 1 relation."""
     objects = struct["objects"]
+    if struct.get("dense"):
+        return _render_dense(struct)
     if "count" in struct:
         count = struct["count"]
         text = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
@@ -297,6 +329,23 @@ def render(struct: dict) -> str:
     text = f"{_article(_noun(objects[i]))} {_PHRASES[predicate]} {_article(_noun(objects[j]))}"
     extras = [_article(_noun(o)) for k, o in enumerate(objects) if k not in (i, j)]
     return ", and ".join([text] + extras)
+
+
+def _render_dense(struct: dict) -> str:
+    """"five objects: a small red circle, ... and a large gray star. the small red circle is to the left of the
+    large blue square, above ... and next to .... the large blue square is ...": every mention names size, colour
+    and shape; one sentence per run of consecutive relations with the same subject."""
+    objects = struct["objects"]
+    sentences, run = [], []
+    for k, (i, predicate, j) in enumerate(struct["relations"]):
+        run.append(f"{_PHRASES[predicate]} the {_noun(objects[j])}")
+        if k + 1 == len(struct["relations"]) or struct["relations"][k + 1][0] != i:
+            sentences.append(f"the {_noun(objects[i])} is {_join(run)}.")
+            run = []
+    count = struct["count"]
+    head = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
+            + _join([_article(_noun(o)) for o in objects]) + ".")
+    return " ".join([head] + sentences)
 
 
 def _describe(obj: dict, with_size: bool) -> dict:
@@ -342,14 +391,33 @@ def _long_struct(scene: dict) -> dict:
             "count": len(objects)}
 
 
-def _captions(scene: dict, rng: np.random.Generator) -> list[dict]:
+def _dense_struct(scene: dict) -> dict:
+    """The long-caption mode's ``long`` struct: every object with its attributes, and for each object (in scene
+    order) its nearest others (centre distance, then index), as many as LONG_PARTNERS allows, each with the
+    clearest predicate that holds (:func:`_primary_predicate`; a pair with none is passed over)."""
+    objects = scene["objects"]
+    partners = next(k for limit, k in sorted(LONG_PARTNERS.items()) if len(objects) <= limit)
+    relations = []
+    for i, a in enumerate(objects):
+        centre = _centre(a["box"])
+        others = sorted((j for j in range(len(objects)) if j != i),
+                        key=lambda j: (math.dist(centre, _centre(objects[j]["box"])), j))
+        picked = [[i, p, j] for j in others
+                  if (p := _primary_predicate(a["box"], objects[j]["box"], scene["width"])) is not None]
+        relations += picked[:partners]
+    return {"objects": [_describe(o, True) for o in objects], "relations": relations,
+            "count": len(objects), "dense": True}
+
+
+def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False) -> list[dict]:
     structs = [("one-object", {"objects": [_describe(o, True)], "relations": []})
                for o in scene["objects"]]
     relation = _relation_struct(scene, rng)
     if relation is not None:
         structs.append(("relation", relation))
-    structs.append(("long", _long_struct(scene)))
-    return [{"id": scene["image_id"] * CAPTION_SLOTS + k, "kind": kind, "text": render(struct),
+    structs.append(("long", _dense_struct(scene) if long_captions else _long_struct(scene)))
+    slots = LONG_CAPTION_SLOTS if long_captions else CAPTION_SLOTS
+    return [{"id": scene["image_id"] * slots + k, "kind": kind, "text": render(struct),
              "struct": struct}
             for k, (kind, struct) in enumerate(structs)]
 
@@ -445,8 +513,8 @@ def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: fr
 # --------------------------------------------------------------------------- scenes and drawing
 
 
-def _box_side(size_name: str, image_size: int) -> int:
-    return round(SIZES[size_name] * image_size)
+def _box_side(size_name: str, image_size: int, sizes: dict[str, float] = SIZES) -> int:
+    return round(sizes[size_name] * image_size)
 
 
 def _place(side: int, boxes: list[list[int]], image_size: int, rng: np.random.Generator) -> list[int] | None:
@@ -470,10 +538,11 @@ def _pack(sides: list[int], image_size: int, rng: np.random.Generator) -> list[l
 def _layout(rng: np.random.Generator, settings: _Settings, split: str) -> list[dict]:
     combos = [(c, s) for c in COLOURS for s in SHAPES
               if split != "train" or (c, s) not in settings.holdout]
-    count = int(rng.integers(1, MAX_OBJECTS + 1))
+    low, high = LONG_OBJECTS if settings.long_captions else (1, MAX_OBJECTS)
+    count = int(rng.integers(low, high + 1))
     picks = [(*combos[k], tuple(SIZES)[rng.integers(len(SIZES))])
              for k in rng.choice(len(combos), size=min(count, len(combos)), replace=False)]
-    sides = [_box_side(size_name, settings.size) for _, _, size_name in picks]
+    sides = [_box_side(size_name, settings.size, settings.sizes) for _, _, size_name in picks]
     # Large boxes first, and fresh layouts on failure: a late large box is what fails to fit.
     order = sorted(range(len(picks)), key=lambda k: -sides[k])
     for _ in range(LAYOUT_TRIES):
@@ -517,7 +586,7 @@ def _build_scene(index: int, settings: _Settings, out_dir: str) -> tuple[dict, l
     scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split,
              "width": settings.size, "height": settings.size, "objects": objects,
              "relations": _relations(objects, settings.size)}
-    scene["captions"] = _captions(scene, rng)
+    scene["captions"] = _captions(scene, rng, settings.long_captions)
     items = []
     for caption in scene["captions"]:
         negatives = _negatives(scene, caption, rng, settings.holdout)
@@ -556,19 +625,24 @@ def _write_split(out: Path, split: str, scenes: list[dict], settings: _Settings)
 
 
 def _settings_dict(settings: _Settings) -> dict:
-    return {"version": VERSION, "n": settings.n, "seed": settings.seed, "size": settings.size,
-            "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
-            "splits": list(settings.splits)}
+    out = {"version": VERSION, "n": settings.n, "seed": settings.seed, "size": settings.size,
+           "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
+           "splits": list(settings.splits)}
+    if settings.long_captions:  # absent when off: a default world's files stay byte-identical
+        out["long_captions"] = True
+    return out
 
 
-def _vocabulary(size: int) -> dict:
-    return {"shapes": list(SHAPES), "colours": {k: list(v) for k, v in COLOURS.items()},
-            "sizes_px": {k: _box_side(k, size) for k in SIZES}, "predicates": list(PREDICATES),
+def _vocabulary(settings: _Settings) -> dict:
+    size = settings.size
+    extra = {"objects_per_scene": list(LONG_OBJECTS)} if settings.long_captions else {}
+    return {**extra, "shapes": list(SHAPES), "colours": {k: list(v) for k, v in COLOURS.items()},
+            "sizes_px": {k: _box_side(k, size, settings.sizes) for k in SIZES}, "predicates": list(PREDICATES),
             "negative_types": list(NEGATIVE_TYPES), "background": list(BACKGROUND),
             "thresholds": {"gap": GAP, "direction_margin": DIRECTION_MARGIN, "near": NEAR,
                            "lenient_direction_margin": LENIENT_DIRECTION_MARGIN,
                            "lenient_near": LENIENT_NEAR, "unit": "fraction of image side"},
-            "caption_id": f"image_id * {CAPTION_SLOTS} + k"}
+            "caption_id": f"image_id * {settings.caption_slots} + k"}
 
 
 def _counts(scenes: list[dict], items: list[dict], holdout: frozenset) -> dict:
@@ -600,12 +674,14 @@ def _run(settings: _Settings, out: Path, workers: int) -> list[tuple[dict, list[
 
 def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
              holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
-             workers: int | None = None) -> dict:
+             workers: int | None = None, long_captions: bool = False) -> dict:
     """Write ``n`` toy-world scenes to ``out_dir`` (layout: module docstring) and return a summary.
 
     ``size`` is the image side in px (>= 32); ``holdout`` holds (colour, shape) combinations out of
     the train split (``"red circle,blue square"`` or an iterable); ``splits`` are train/val/test
-    fractions; ``workers`` processes (default ``os.cpu_count()``) never change the output.
+    fractions; ``workers`` processes (default ``os.cpu_count()``) never change the output;
+    ``long_captions``: the long-caption mode (module docstring), 4-8 objects and a dense description
+    of 100-250 CLIP tokens per scene (off: the default world, unchanged).
     The summary holds the settings, ``counts`` (per split: images, captions, negatives,
     heldout_objects; negatives_by_type; objects), ``workers`` and ``seconds``.
     Raises ValueError on invalid settings.
@@ -615,7 +691,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
         raise ValueError(f"need n >= 1, seed >= 0 and size >= {MIN_IMAGE_SIZE}; "
                          f"got n={n}, seed={seed}, size={size}")
     settings = _Settings(n=int(n), seed=int(seed), size=int(size), holdout=parse_holdout(holdout),
-                         splits=parse_splits(splits))
+                         splits=parse_splits(splits), long_captions=bool(long_captions))
     workers = max(1, int(workers or os.cpu_count() or 1))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -624,7 +700,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
     scenes = [scene for scene, _ in results]
     items = [item for _, scene_items in results for item in scene_items]
     core = _settings_dict(settings)
-    _dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings.size)},
+    _dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)},
                                           "scenes": scenes})
     _dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
@@ -650,11 +726,12 @@ DEFAULT_N, DEFAULT_SEED = 2000, 0
 
 
 def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: int = DEFAULT_SEED,
-           say=print, replace: bool = False) -> Path:
-    """The toy world at ``out_dir`` with ``n`` scenes and ``seed``: reused when it is already there (same n,
-    seed and generator version; regenerating would give the same bytes but new mtimes, which a feature cache's
-    fingerprint sees), generated when the folder is absent. A toy world with other settings there is replaced
-    only with ``replace`` (else ValueError: someone made it on purpose). ``say`` gets one line saying which."""
+           say=print, replace: bool = False, long_captions: bool = False) -> Path:
+    """The toy world at ``out_dir`` with ``n`` scenes and ``seed`` (``long_captions``: the long-caption mode):
+    reused when it is already there (same n, seed, mode and generator version; regenerating would give the same
+    bytes but new mtimes, which a feature cache's fingerprint sees), generated when the folder is absent. A toy
+    world with other settings there is replaced only with ``replace`` (else ValueError: someone made it on
+    purpose). ``say`` gets one line saying which."""
     out = Path(out_dir)
     meta = {}
     if (out / "meta.json").is_file():
@@ -662,24 +739,28 @@ def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: 
             meta = json.loads((out / "meta.json").read_text())
         except (OSError, ValueError):
             meta = {}
-    if (meta.get("n"), meta.get("seed"), meta.get("version")) == (n, seed, VERSION):
-        say(f"toy world: {out} ({n} scenes, seed {seed}; reused)")
+    mode = ", long captions" if long_captions else ""
+    if (meta.get("n"), meta.get("seed"), meta.get("version"), bool(meta.get("long_captions"))) == (
+            n, seed, VERSION, bool(long_captions)):
+        say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; reused)")
         return out
     if out.exists() and any(out.iterdir()) and not replace:
-        held = f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}" if meta else "other files"
-        raise ValueError(f"{out} holds {held}, not the default toy world ({n} scenes, seed {seed}): pass "
-                         f"--data {out} to use it, or move it away to have the default generated there")
+        held = (f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}"
+                f"{', long captions' if meta.get('long_captions') else ''}") if meta else "other files"
+        raise ValueError(f"{out} holds {held}, not the toy world asked for ({n} scenes, seed {seed}{mode}): pass "
+                         f"--data {out} to use it, or move it away to have the asked one generated there")
     t0 = time.perf_counter()
-    generate(out, n, seed)
-    say(f"toy world: {out} ({n} scenes, seed {seed}; generated in {time.perf_counter() - t0:.0f} s)")
+    generate(out, n, seed, long_captions=long_captions)
+    say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; generated in {time.perf_counter() - t0:.0f} s)")
     return out
 
 
 def format_summary(summary: dict) -> str:
     """A short human-readable report of a :func:`generate` summary."""
     counts = summary["counts"]
+    mode = ", long captions" if summary.get("long_captions") else ""
     lines = [f"toyworld: {summary['n']} scenes ({summary['size']}x{summary['size']} px, seed "
-             f"{summary['seed']}, {counts['objects']} objects) -> {summary['out']} in "
+             f"{summary['seed']}{mode}, {counts['objects']} objects) -> {summary['out']} in "
              f"{summary['seconds']:.1f} s with {summary['workers']} worker(s)",
              f"  {'split':<6}{'images':>8}{'captions':>10}{'negatives':>11}{'held-out objs':>15}"]
     for name, c in counts["splits"].items():
@@ -695,7 +776,8 @@ def format_summary(summary: dict) -> str:
 @dataclass
 class ToyWorldOptions:
     """The command line of ``python -m extract.toyworld`` as data; :func:`generate` is the job
-    (``generate(o.out, o.n, o.seed, size=o.size, holdout=o.holdout, splits=o.splits, workers=o.workers)``).
+    (``generate(o.out, o.n, o.seed, size=o.size, holdout=o.holdout, splits=o.splits, workers=o.workers,
+    long_captions=o.long_captions)``).
     ``holdout`` and ``splits`` may be given as strings or parsed values; they are kept parsed (a frozenset of
     (colour, shape) and three floats), and a bad one raises ValueError naming the vocabulary."""
 
@@ -708,6 +790,10 @@ class ToyWorldOptions:
     splits: Any = option("0.8,0.1,0.1", metavar="TRAIN,VAL,TEST", help="split fractions, summing to 1")
     workers: int | None = option(None, type=positive_int,
                                  help="processes (default: every CPU core; the output never depends on it)")
+    long_captions: bool = option(False, action="store_true",
+                                 help=f"long-caption mode: {LONG_OBJECTS[0]}-{LONG_OBJECTS[1]} smaller objects per "
+                                      "scene and a dense description of each (100-250 CLIP tokens: a 77-token text "
+                                      "encoder truncates it; Long-CLIP's 248 tokens read it whole)")
 
     def __post_init__(self):
         self.holdout = parse_holdout(self.holdout)
@@ -740,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
     def job(opts: ToyWorldOptions) -> None:
         print(format_summary(generate(opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
-                                      splits=opts.splits, workers=opts.workers)))
+                                      splits=opts.splits, workers=opts.workers, long_captions=opts.long_captions)))
 
     return run_job(job, parse_args(argv))
 

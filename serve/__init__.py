@@ -10,7 +10,10 @@ Two stages, as clip-retrieval's back-end plus what none has::
 Modules: ``layout`` (the index directory: files, manifest, atomic replacement, build lock), ``faiss_index``
 (index types, the ``auto`` choice, tuning, recall at build, on-disk IVF), ``index`` (``python -m serve.index``:
 build and ``--add``), ``search`` (``Searcher``: open, search_text / search_image, re-ranking, filters, paging),
-``query`` (``python -m serve.query``), ``benchmark`` (``python -m serve.benchmark``).
+``query`` (``python -m serve.query``), ``benchmark`` (``python -m serve.benchmark``); the app (issue 17): ``app`` (the
+Gradio page over a ``Searcher``: text -> image, heatmaps, image -> text, the caption probe), ``http`` (FastAPI with the
+page mounted and clip-retrieval's ``/knn-service``), ``__main__`` (``python -m serve``), ``load_test``
+(``python -m serve.load_test``).
 
 The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -107,19 +108,23 @@ class Hits(list):
     """The hits of one search, best first (a list of :class:`Hit`), with ``notes`` (one line each: a clamped
     k, an ignored rerank, a truncated query, a filter that left fewer hits) and what was asked: ``query`` (the
     text, or the image's name), ``direction`` ("t2i": images for a text, "i2t": captions for an image), ``k``,
-    ``rerank``, ``offset`` (as used, after clamping), ``considered`` (candidates that passed the filter)."""
+    ``rerank``, ``offset`` (as used, after clamping), ``considered`` (candidates that passed the filter);
+    ``timings``: milliseconds per stage (``encode`` the query, ``first_stage`` with its filter, ``rerank``,
+    ``metadata``: the hits' rows), for the app's and /knn-service's per-stage figures."""
 
     def __init__(self, hits: Sequence[Hit] = (), *, query: str = "", direction: str = "t2i", k: int = 0,
-                 rerank: int | None = None, offset: int = 0, considered: int = 0, notes: Sequence[str] = ()):
+                 rerank: int | None = None, offset: int = 0, considered: int = 0, notes: Sequence[str] = (),
+                 timings: Mapping[str, float] | None = None):
         super().__init__(hits)
         self.query, self.direction, self.k, self.rerank, self.offset = query, direction, k, rerank, offset
         self.considered = considered
         self.notes = list(notes)
+        self.timings = dict(timings or {})
 
     def to_dict(self) -> dict:
         return {"query": self.query, "direction": self.direction, "k": self.k, "rerank": self.rerank,
                 "offset": self.offset, "considered": self.considered, "notes": self.notes,
-                "hits": [h.to_dict() for h in self]}
+                "timings": self.timings, "hits": [h.to_dict() for h in self]}
 
 
 # --------------------------------------------------------------------------------------------- scorers and caches
@@ -406,9 +411,13 @@ class Searcher:
     def search_text(self, query: str, k: int = 10, rerank: int | None = None, where=None, offset: int = 0) -> Hits:
         """Images for a text (t2i); see the module docstring for ``rerank``, ``where`` and ``offset``."""
         text, notes = self.check_text(query)
+        started = time.perf_counter()
         with torch.no_grad():
             reps = self.scorer.encode_texts([text])
-        return self.search_reps(reps, "t2i", k, rerank, where, offset, query=text, notes=notes)
+        encode_ms = _ms_since(started)
+        hits = self.search_reps(reps, "t2i", k, rerank, where, offset, query=text, notes=notes)
+        hits.timings = {"encode": encode_ms, **hits.timings}
+        return hits
 
     def search_image(self, image, k: int = 10, rerank: int | None = None, where=None, offset: int = 0) -> Hits:
         """Captions for an image (i2t): a path, encoded bytes or a PIL image; see :meth:`search_text`."""
@@ -417,13 +426,17 @@ class Searcher:
                              "queries search captions")
         if self._image_query_problem:
             raise QueryError(self._image_query_problem)
+        started = time.perf_counter()
         pil, name, notes = _query_image(image)
         with torch.no_grad():
             if hasattr(self.scorer, "encode_pil"):
                 reps = self.scorer.encode_pil([pil], [name])
             else:
                 reps = self.scorer.encode_images(self.scorer.preprocess(pil)[None])
-        return self.search_reps(reps, "i2t", k, rerank, where, offset, query=name, notes=notes)
+        encode_ms = _ms_since(started)
+        hits = self.search_reps(reps, "i2t", k, rerank, where, offset, query=name, notes=notes)
+        hits.timings = {"encode": encode_ms, **hits.timings}
+        return hits
 
     def check_text(self, query) -> tuple[str, list[str]]:
         """(the text searched for, notes): refuses empty, blank, non-text, binary and letter-less queries and
@@ -451,7 +464,48 @@ class Searcher:
         The other entry points end here; :func:`served_recall` calls it with cached queries."""
         if direction not in ("t2i", "i2t"):
             raise ValueError(f"direction must be 't2i' or 'i2t', got {direction!r}")
-        side = self._sides["image" if direction == "t2i" else "text"]
+        if num_items(reps) != 1:
+            raise ValueError(f"search_reps takes one query, got {num_items(reps)}")
+        with torch.no_grad():
+            vector = (self.scorer.first_stage_text(reps, "t2i") if direction == "t2i"
+                      else self.scorer.first_stage_image(reps, "i2t"))
+        return self._search_vector(self._sides["image" if direction == "t2i" else "text"], vector, k, rerank, where,
+                                   offset, reps, query, notes)
+
+    def search_vector(self, vector, side: str = "image", k: int = 10, where=None, offset: int = 0, *,
+                      query: str = "", notes: Sequence[str] = ()) -> Hits:
+        """The first stage alone for a vector given as is ([F] or [1, F], the index's width): the items of ``side``
+        ("image" / "text") with the largest inner products, as ``image.index`` / ``text.index`` hold them (see
+        serve/__init__.py). For clip-retrieval's ``embedding_input`` and its same-modality queries (images like an
+        image: ``first_stage_image(reps, "t2i")`` searched in the image side). No second stage: the model scores
+        images against texts, not against vectors. The hits' ``direction`` names the side ("t2i": image hits)."""
+        if side not in self._sides:
+            raise QueryError(f"index {self.index_dir} has no {side} side (it has {', '.join(self._sides)})")
+        try:
+            vector = np.asarray(vector, dtype=np.float32).reshape(1, -1)
+        except (TypeError, ValueError):
+            raise QueryError("a query vector is a list of numbers") from None
+        width = self._sides[side].index.d
+        if vector.shape[1] != width:
+            raise QueryError(f"a query vector of {vector.shape[1]} numbers: the {side} index holds {width}-d "
+                             f"first-stage vectors of {self.scorer.name}")
+        if not np.isfinite(vector).all():
+            raise QueryError("a query vector with non-finite numbers (NaN or infinity): nothing to search with")
+        return self._search_vector(self._sides[side], torch.from_numpy(vector), k, None, where, offset, None, query,
+                                   notes)
+
+    def collection(self, side: str = "image"):
+        """The ``side`` ("image" / "text") of the index, for reading: ``n``, ``index`` (FAISS), ``table`` (its
+        parquet metadata), ``column(name)`` (numpy), ``rows(rows)`` (dicts). The app maps ids to files with it."""
+        if side not in self._sides:
+            raise QueryError(f"index {self.index_dir} has no {side} side (it has {', '.join(self._sides)})")
+        return self._sides[side]
+
+    def _search_vector(self, side: _Side, vector: torch.Tensor, k, rerank, where, offset, reps: Reps | None,
+                       query: str, notes: Sequence[str]) -> Hits:
+        """Both stages for a first-stage ``vector`` [1, F] in ``side``; ``reps`` (the query's representations)
+        re-rank, None: first stage only."""
+        direction = SIDES[side.name]
         notes = list(notes)
         k = _whole(k, "k", 1)
         offset = _whole(offset, "offset", 0)
@@ -471,11 +525,6 @@ class Searcher:
         if rerank is not None and rerank < offset + k:
             notes.append(f"rerank={rerank} raised to offset + k = {offset + k}: every hit returned is re-ranked")
             rerank = offset + k
-        if num_items(reps) != 1:
-            raise ValueError(f"search_reps takes one query, got {num_items(reps)}")
-        with torch.no_grad():
-            vector = (self.scorer.first_stage_text(reps, "t2i") if direction == "t2i"
-                      else self.scorer.first_stage_image(reps, "i2t"))
         vector = np.ascontiguousarray(vector.detach().float().cpu().numpy(), dtype=np.float32).reshape(1, -1)
         if vector.shape[1] != side.index.d:
             raise ModelMismatchError(f"{self.scorer.name} gives {vector.shape[1]}-d first-stage vectors; "
@@ -484,25 +533,31 @@ class Searcher:
             raise QueryError(f"{self.scorer.name} gave a non-finite query vector for {query[:60]!r}: nothing to "
                              "search with")
         want = rerank if rerank is not None else offset + k
+        started = time.perf_counter()
         rows, scores = self._first_stage(side, vector, want, where)
+        timings = {"first_stage": _ms_since(started)}
         if len(rows) < want and where is not None:
             notes.append(f"{len(rows)} {noun} pass the filter" + ("" if len(rows) >= offset + k else
                                                                  f": fewer than offset + k = {offset + k}"))
         rank_before = np.arange(1, len(rows) + 1)
         rerank_scores = None
-        if rerank is not None and len(rows):
+        if rerank is not None and reps is not None and len(rows):
+            started = time.perf_counter()
             rerank_scores = self._rerank(side, rows, reps, direction)
             safe, _ = rank_safe(torch.as_tensor(rerank_scores))
             order = np.lexsort((rank_before, -safe.numpy().astype(np.float64)))
             rows, scores, rank_before = rows[order], scores[order], rank_before[order]
             rerank_scores = rerank_scores[order]
+            timings["rerank"] = _ms_since(started)
         if offset >= len(rows) and len(rows):
             notes.append(f"offset {offset} is past the last of the {len(rows)} hits: no hits")
         page = slice(offset, offset + k)
+        started = time.perf_counter()
         hits = self._hits(side, rows[page], scores[page], None if rerank_scores is None else rerank_scores[page],
                           rank_before[page], offset)
+        timings["metadata"] = _ms_since(started)
         return Hits(hits, query=query, direction=direction, k=k, rerank=rerank, offset=offset, considered=len(rows),
-                    notes=notes)
+                    notes=notes, timings=timings)
 
     # -- the two stages --------------------------------------------------------------------------------------
     def _search(self, side: _Side, vector: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -622,6 +677,10 @@ def _gather(scorer, caches: list, side: str, cache_rows: np.ndarray, parts: np.n
 def _ordered(rows: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = np.lexsort((rows, -scores.astype(np.float64)))
     return rows[order], scores[order].astype(np.float32)
+
+
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 3)
 
 
 def _whole(value, name: str, minimum: int) -> int:

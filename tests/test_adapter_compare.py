@@ -98,3 +98,40 @@ def test_compare_calls_train_and_evaluate_with_their_options(tmp_path, monkeypat
     with pytest.raises(ValueError, match="epochs: expected an integer >= 1, got 0"):
         compare(CompareOptions(data=str(world), out=str(tmp_path / "bad"), epochs=0))
     assert trained == [] and not (tmp_path / "bad").exists()
+
+
+def test_seeds_train_each_method_several_times_into_one_column(tmp_path_factory, tmp_path):
+    """--seeds 2: the method is trained with seeds 3 and 4 on the same base, data and cache; the table has one
+    column per method whose cells are the mean ± sd of the two runs, with the delta from the base."""
+    import numpy as np
+
+    root = toy_root(tmp_path_factory)
+    out = tmp_path / "seeds"
+    result = compare(CompareOptions(data=str(root / "world"), out=str(out), methods=["smartclip"], epochs=1,
+                                    batch_size=48, workers=0, eval_tasks="retrieval", seed=3, seeds=2, bootstrap=200,
+                                    cache_dir=str(root / "cache"), overrides={"extract_batch_size": 64}))
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["results"]) == ["tiny", "tiny + smartclip seed 3", "tiny + smartclip seed 4"]
+    table = saved["table"]
+    assert table["columns"] == {"tiny": ["tiny"], "tiny + smartclip": ["tiny + smartclip seed 3",
+                                                                       "tiny + smartclip seed 4"]}
+    base, cells = table["metrics"]["tiny"], table["metrics"]["tiny + smartclip"]
+    for metric in ("retrieval T2I R@1", "retrieval T2I mAP", "retrieval I2T R@5"):
+        runs = [saved["results"][label]["retrieval"] for label in table["columns"]["tiny + smartclip"]]
+        if metric == "retrieval T2I R@1":  # each run's own figure, as results.json has it
+            assert cells[metric]["runs"] == [r["text_to_image"]["R@1"] for r in runs]
+        assert cells[metric]["mean"] == pytest.approx(np.mean(cells[metric]["runs"]))
+        assert cells[metric]["sd"] == pytest.approx(np.std(cells[metric]["runs"], ddof=1))
+        assert cells[metric]["delta"] == pytest.approx(cells[metric]["mean"] - base[metric]["mean"])
+        lo, hi = cells[metric]["delta_ci"]
+        assert lo <= cells[metric]["delta"] <= hi and cells[metric]["significant"] == (lo > 0 or hi < 0)
+    assert any(c["sd"] > 0 for c in cells.values())  # two seeds, two different heads
+    lines = result["markdown"].splitlines()
+    assert lines[0] == "| metric | tiny | tiny + smartclip |" and sum(line.startswith("| metric |") for line in lines) == 1
+    assert " ± " in result["markdown"] and "mean ± sd over 2 runs per column (training seeds" in result["markdown"]
+    entry = json.loads((out / "compare.json").read_text())["methods"]["smartclip"]
+    assert [r["seed"] for r in entry["runs"]] == [3, 4] and entry["best_seed"] in (3, 4)
+    assert [r["checkpoint"] for r in entry["runs"]] == [str(out / "smartclip" / f"seed-{s}" / "adapter.safetensors")
+                                                        for s in (3, 4)]
+    assert entry["val"]["retrieval T2I R@1"] == pytest.approx(np.mean([r["val"]["retrieval T2I R@1"]
+                                                                       for r in entry["runs"]]))

@@ -135,7 +135,7 @@ ENTRY_POINTS = ["extract", "extract.check_data", "extract.toyworld", "extract.ba
                 "train.pretrain_compare", "train.pretrain_benchmark", "train.evaluate", "train.demo",
                 "train.linear_probe", "train.nla_report", "train.nla_benchmark", "train.retrieval_benchmark",
                 "extract.text_components", "train.clip_benchmark_interop", "serve.query", "serve.index",
-                "serve.benchmark"]
+                "serve.benchmark", "extract.toy_detector", "serve.heatmap_eval", "serve", "serve.load_test"]
 # libraries a command imports only when it runs: loading them costs seconds, which --help must not
 HEAVY = {"open_clip", "spacy", "ultralytics", "sam2", "gradio", "faiss", "matplotlib", "accelerate", "transformers",
          "timm", "tensorboard", "webdataset", "sklearn", "cv2", "pandas", "torchvision"}
@@ -173,7 +173,7 @@ def test_every_option_says_what_it_does(name):
     """--help has a line of help for every option, and names a default only once."""
     import importlib
 
-    module = importlib.import_module("extract.pipeline" if name == "extract" else name)
+    module = importlib.import_module({"extract": "extract.pipeline", "serve": "serve.__main__"}.get(name, name))
     if not hasattr(module, "build_parser"):
         pytest.skip(f"{name} passes its arguments on (no parser of its own)")
     parser = module.build_parser()

@@ -268,3 +268,57 @@ def test_an_adapter_is_evaluated_from_a_cache_extracted_with_its_settings(tmp_pa
     err = capsys.readouterr().err
     assert f"--cache {other.path}" in err and "than tiny + comalign was trained on" in err
     assert "components: ['entities', 'relations'] -> ['patches']" in err
+
+
+# ------------------------------------------------------------------------------------- multi-positive, intervals
+def test_multi_positive_retrieval_matches_the_reference(world, report):
+    """The toy world's multi-positive section: any-true R@1 and mAP of the live run equal the per-query reference
+    on the directly computed score matrix and satisfies() truth, overall and per caption kind."""
+    from test_multipositive import reference
+
+    mp = report[1]["results"]["tiny:none"]["retrieval"]["multi_positive"]
+    bb = load_backbone("tiny", "none")
+    records = ToyWorldSource(world, "test").records()
+    scenes = {str(s["image_id"]): s for s in toyworld.load(world)["scenes"]}
+    caption = {str(c["id"]): c for s in scenes.values() for c in s["captions"]}
+    with torch.no_grad():
+        img = bb.encode_images(torch.stack([bb.preprocess(Image.open(r.source).convert("RGB")) for r in records]))
+        caps = [(c.id, i) for i, r in enumerate(records) for c in r.captions]
+        txt = bb.encode_texts([caption[c]["text"] for c, _ in caps])
+    s = (img.embedding @ txt.embedding.T).numpy()
+    truth = np.array([[toyworld.satisfies(scenes[r.image_id], caption[c]["struct"]) for c, _ in caps] for r in records])
+    first, ap, n_true = reference(s.T, truth.T)
+    assert mp["text_to_image"]["R@1"] == pytest.approx(100 * (first <= 1).mean(), abs=1e-9)
+    assert mp["text_to_image"]["mAP"] == pytest.approx(100 * ap.mean(), abs=1e-9)
+    assert mp["text_to_image"]["true_per_query"] == pytest.approx(n_true.mean()) and n_true.max() > 1
+    kinds = np.array([caption[c]["kind"] for c, _ in caps])
+    for kind in ("one-object", "relation", "long"):
+        assert mp["text_to_image_by"][kind]["mAP"] == pytest.approx(100 * ap[kinds == kind].mean(), abs=1e-9)
+    first, ap, n_true = reference(s, truth)
+    assert mp["image_to_text"]["mAP"] == pytest.approx(100 * ap[n_true > 0].mean(), abs=1e-9)
+    md = (report[0] / "results.md").read_text()
+    assert "retrieval T2I any-true R@1" in md and "T2I mAP [one-object in 2-object images]" in md
+
+
+def test_side_by_side_deltas_and_per_query_figures(world, tmp_path):
+    """Two identical models: every delta is exactly 0 with a zero-width interval, nothing is marked; and each
+    table figure with per-query values is 100 x the mean of those values (what the bootstrap resamples)."""
+    from train.evaluate import EvaluateOptions, evaluate, headline
+
+    rep = evaluate(EvaluateOptions(model=["tiny", "tiny"], pretrained=["none", "none"], data=str(world),
+                                   tasks="retrieval,zeroshot,compositional", out=str(tmp_path), bootstrap=200))
+    first, second = rep["table"]["columns"]
+    assert rep["table"]["reference"] == first == "tiny:none" and second == "tiny:none'"
+    flat = headline(rep["results"][first])
+    queries = rep["per_query"][first]
+    assert {"retrieval T2I R@1", "retrieval I2T mAP", "zero-shot top-1", "toyworld swap-obj"} <= set(queries.metrics)
+    for metric in queries.metrics:
+        assert queries.figure(metric) == pytest.approx(flat[metric], abs=1e-9), metric
+    cells = rep["table"]["metrics"][second]
+    for metric, cell in cells.items():
+        assert cell["delta"] == 0.0 and cell["delta_ci"] == [0.0, 0.0] and not cell["significant"], metric
+        assert cell["ci"][0] <= cell["mean"] <= cell["ci"][1]
+    md = (tmp_path / "results.md").read_text()
+    assert "(+0.00 [+0.00, +0.00])" in md and " *)" not in md and "95% paired bootstrap interval" in md
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["table"]["metrics"][second]["retrieval T2I R@1"]["delta_ci"] == [0.0, 0.0]

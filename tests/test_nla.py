@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -454,24 +455,30 @@ def _ref_loss(img, txt, scale, regions, rmask, nodes, nmask, sizes, cfg: PowerCL
     for mat in (s, s.T):
         for r in range(b):
             negs = [mat[r, c] for c in range(b) if c != r]
+            if cfg.semihard:  # the hardest negative below the positive, else the easiest one
+                below = [n for n in negs if n < mat[r, r]]
+                negs = [max(below)] if below else [min(negs)]
             hinges = [torch.clamp(cfg.margin - mat[r, r] + n, min=0) for n in negs]
             trip = trip + (max(hinges) if cfg.hardest else sum(hinges)) / b
     return clip + cfg.lam * trip, clip, trip
 
 
-@pytest.mark.parametrize("hardest", [True, False])
+@pytest.mark.parametrize("hardest, semihard", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_powerclip_loss_against_hand_written(hardest, normalize):
+def test_powerclip_loss_against_hand_written(hardest, semihard, normalize):
     b, m, k, d = 5, 4, 3, 8
     regions, rmask, nodes, nmask = _embeddings(7, b, b, m, k, d, empty_text=False)
     g = torch.Generator().manual_seed(8)
     img = F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=-1)
     txt = F.normalize(torch.randn(b, d, generator=g, dtype=torch.float64), dim=-1)
     sizes = torch.randint(1, 4, (b, k), generator=g).double()
-    cfg = PowerCLIPLossConfig(lam=0.3, margin=0.05, w_t2r=0.7, w_r2t=0.3, hardest=hardest, normalize=normalize,
-                              nla=NLAConfig(0.02, 0.01, 0.6), chunk_size=2)
+    cfg = PowerCLIPLossConfig(lam=0.3, margin=0.05, w_t2r=0.7, w_r2t=0.3, hardest=hardest, semihard=semihard,
+                              normalize=normalize, nla=NLAConfig(0.02, 0.01, 0.6), chunk_size=2)
     got = PowerCLIPLoss(cfg)(img, txt, 10.0, regions, rmask, nodes, nmask, sizes)
     loss, clip, trip = _ref_loss(img, txt, 10.0, regions, rmask, nodes, nmask, sizes, cfg)
+    if semihard:  # the semi-hard pick differs from the hardest one in this batch (the test would not see it else)
+        hard = _ref_loss(img, txt, 10.0, regions, rmask, nodes, nmask, sizes, dataclasses.replace(cfg, semihard=False))
+        assert abs(float(hard[2] - trip)) > 1e-3
     # clip_loss runs its cross-entropy in fp32 (as open_clip) and pair_scale is fp32: 1e-7 relative
     torch.testing.assert_close(got["loss"], loss.to(got["loss"].dtype), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got["clip"], clip.to(got["clip"].dtype), rtol=1e-6, atol=1e-6)

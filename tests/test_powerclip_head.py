@@ -14,6 +14,7 @@ from adapters.methods import powerclip as pc
 from adapters.methods.powerclip import PowerCLIPHead, PowerCLIPHeadConfig
 from adapters.ranking import mean_recall
 from adapters.registry import ADAPTERS
+from adapters.scoring import cat_reps
 
 D, GRID, M, P, K, L = 32, (4, 4), 5, 6, 8, 10
 
@@ -51,18 +52,19 @@ def _perturbed(seed: int = 0, **config) -> PowerCLIPHead:
     head = PowerCLIPHead(PowerCLIPHeadConfig(**config), D)
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if name.endswith("linear.weight"):
+            if p.ndim == 2:  # every matrix, the zero-initialised output layers included
                 p.normal_(0, 0.1)
     return head
 
 
-def test_registered_and_rebuilt_from_its_config():
+@pytest.mark.parametrize("tower", pc.TOWERS)
+def test_registered_and_rebuilt_from_its_config(tower):
     cls = ADAPTERS.get("powerclip")
     assert cls is PowerCLIPHead
     assert {"patches", "tokens", "tree", "regions"} <= set(cls.components)
     cfg = PowerCLIPHeadConfig()
-    assert (cfg.lam, cfg.alpha, cfg.tau_t1, cfg.tau_t2) == (0.1, 0.75, 0.01, 0.01)
-    head = _perturbed(beta=0.5)
+    assert (cfg.lam, cfg.alpha, cfg.tau_t1, cfg.tau_t2, cfg.negatives) == (0.1, 0.75, 0.01, 0.01, "hardest")
+    head = _perturbed(beta=0.5, tower=tower)
     head.beta.fill_(2.0)  # as fit_inference would
     again = cls.from_config(head.config_dict(), D)
     again.load_state_dict(head.state_dict())
@@ -72,8 +74,9 @@ def test_registered_and_rebuilt_from_its_config():
                                head.score(head.encode_image(b), head.encode_text(b)))
 
 
-def test_untrained_head_uses_the_base_embeddings():
-    head = PowerCLIPHead(PowerCLIPHeadConfig(beta=0.0), D)
+@pytest.mark.parametrize("tower", pc.TOWERS)
+def test_untrained_head_uses_the_base_embeddings(tower):
+    head = PowerCLIPHead(PowerCLIPHeadConfig(beta=0.0, tower=tower), D)
     b = _batch()
     ir, tr = head.encode_image(b), head.encode_text(b)
     masks = b["region_masks"].flatten(2) & b["region_valid"][:, :, None]
@@ -90,8 +93,9 @@ def test_untrained_head_uses_the_base_embeddings():
     torch.testing.assert_close(head.score(ir, tr), b["image_embed"] @ b["text_embed"].T)
 
 
-def test_padding_never_counts():
-    head = _perturbed()
+@pytest.mark.parametrize("tower", pc.TOWERS)
+def test_padding_never_counts(tower):
+    head = _perturbed(tower=tower)
     b = _batch()
     ir, tr = head.encode_image(b), head.encode_text(b)
     noisy = dict(b)
@@ -119,8 +123,9 @@ def _brute_score(head: PowerCLIPHead, ir, tr) -> torch.Tensor:
     return out
 
 
-def test_score_equals_brute_force_and_chunking_changes_nothing(monkeypatch):
-    head = _perturbed(beta=0.7)
+@pytest.mark.parametrize("tower", ["shared", "block"])
+def test_score_equals_brute_force_and_chunking_changes_nothing(monkeypatch, tower):
+    head = _perturbed(beta=0.7, tower=tower)
     b = _batch(b=6)
     with torch.no_grad():
         ir, tr = head.encode_image(b), head.encode_text(b)
@@ -129,10 +134,17 @@ def test_score_equals_brute_force_and_chunking_changes_nothing(monkeypatch):
         monkeypatch.setattr(pc, "_BLOCK_ELEMENTS", 1)  # one text per block ...
         head.config.chunk_size = 2  # ... and two images per chunk
         torch.testing.assert_close(head.score(ir, tr), full, rtol=1e-6, atol=1e-6)
+        # text reps encoded in two chunks concatenate (the cache's padded K) and score the same
+        tr2 = cat_reps([head.encode_text({k: v[:2] for k, v in b.items()}),
+                        head.encode_text({k: v[2:] for k, v in b.items()})])
+        torch.testing.assert_close(head.score(ir, tr2), full, rtol=1e-6, atol=1e-6)
+        # serving's first stage is the global term: at beta = 0 it is the score itself
+        head.beta.fill_(0.0)
+        torch.testing.assert_close(head.first_stage_image(ir) @ head.first_stage_text(tr).T, head.score(ir, tr))
 
 
 def test_loss_is_clip_plus_lambda_triplet_on_the_scored_similarity():
-    head = _perturbed()
+    head = _perturbed(warmup_negatives_steps=0)
     b = _batch(b=6)
     ir, tr = head.encode_image(b), head.encode_text(b)
     out = head.loss(ir, tr)
@@ -143,20 +155,117 @@ def test_loss_is_clip_plus_lambda_triplet_on_the_scored_similarity():
     torch.testing.assert_close(out["loss"], want, rtol=1e-5, atol=1e-6)
     assert torch.isfinite(out["loss"]) and out["triplet"] > 0
     out["loss"].backward()
-    for name in ("patch_proj", "token_proj", "image_proj", "text_proj"):
-        grad = getattr(head, name).linear.weight.grad
+    for name in ("image_tower", "text_tower"):
+        grad = getattr(head, name).proj.linear.weight.grad
         assert grad is not None and grad.abs().sum() > 0, name
     assert head.log_logit_scale.grad is not None and head.log_logit_scale.grad != 0  # not stuck at the cap
 
 
-def test_bf16_autocast_loss_is_finite():
-    head = _perturbed()
+def _global_parameters(head: PowerCLIPHead, b: dict) -> dict[str, torch.nn.Parameter]:
+    """The parameters the retrieval embeddings (first stage, the score's global term) depend on."""
+    ir, tr = head.encode_image(b), head.encode_text(b)
+    g = ((head.first_stage_image(ir) * torch.randn(ir["global"].shape)).sum()
+         + (head.first_stage_text(tr) * torch.randn(tr["global"].shape)).sum())
+    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(g, [p for _, p in named], allow_unused=True)
+    return {n: p for (n, p), gr in zip(named, grads) if gr is not None and gr.abs().sum() > 0}
+
+
+@pytest.mark.parametrize("tower", pc.TOWERS)
+def test_the_triplet_term_alone_reaches_the_retrieval_embedding(tower):
+    """The issue's finding: with separate towers the powerset loss never moves the embedding retrieval ranks by;
+    with a shared tower (or block) the triplet term's gradient reaches every parameter that makes it."""
+    head = _perturbed(tower=tower, warmup_negatives_steps=0)
+    b = _batch(b=6)
+    torch.manual_seed(0)
+    glob = _global_parameters(head, b)
+    assert glob  # the global embedding has trainable parameters in every tower
+    s = head.nla_scores(head.encode_image(b), head.encode_text(b))
+    pos = torch.arange(6)
+    triplet = triplet_rows(s, pos, 0.2) + triplet_rows(s.T, pos, 0.2)  # no CLIP term
+    grads = torch.autograd.grad(triplet, list(glob.values()), allow_unused=True)
+    reached = {n for n, g in zip(glob, grads) if g is not None and g.abs().sum() > 0}
+    if tower == "separate":
+        assert reached == set()
+    else:
+        assert reached == set(glob), set(glob) - reached
+        # one step along the triplet gradient alone changes the retrieval embeddings
+        with torch.no_grad():
+            before = head.first_stage_image(head.encode_image(b))
+            for p, g in zip(glob.values(), grads):
+                p -= 0.1 * g
+            assert not torch.allclose(head.first_stage_image(head.encode_image(b)), before)
+
+
+def test_warmup_negatives_then_the_hardest():
+    head = _perturbed(warmup_negatives_steps=2, warmup_negatives="sum", negatives="semihard")
+    b = _batch(b=6)
+    pos = torch.arange(6)
+
+    def expected(hardest, semihard):
+        with torch.no_grad():
+            ir, tr = head.encode_image(b), head.encode_text(b)
+            s = head.nla_scores(ir, tr)
+            trip = sum(triplet_rows(x, pos, 0.2, hardest=hardest, semihard=semihard) for x in (s, s.T))
+            return clip_loss(ir["global"], tr["global"], head.logit_scale()) + 0.1 * trip
+
+    with torch.no_grad():  # evaluation passes do not count as steps
+        head.loss(head.encode_image(b), head.encode_text(b))
+    head.eval()
+    head.loss(head.encode_image(b), head.encode_text(b))
+    head.train()
+    assert int(head.triplet_step) == 0
+    got = []
+    for step in range(4):
+        want = expected(hardest=step >= 2, semihard=step >= 2)
+        out = head.loss(head.encode_image(b), head.encode_text(b))
+        torch.testing.assert_close(out["loss"].detach(), want, rtol=1e-5, atol=1e-6)
+        got.append(float(out["triplet"]))
+    assert int(head.triplet_step) == 4 and got[0] > 2 * got[-1]  # summing over 5 negatives, then one
+    # the step count is saved with the weights: a resumed run continues the schedule
+    again = PowerCLIPHead.from_config(head.config_dict(), D)
+    again.load_state_dict(head.state_dict())
+    assert int(again.triplet_step) == 4 and not again.in_warmup()
+    with pytest.raises(ValueError, match="negatives must be one of"):
+        PowerCLIPHeadConfig(negatives="hardest-ish")
+
+
+def test_first_version_checkpoints_still_load():
+    """A v1 checkpoint (independent global / local projections, ``hardest`` and ``project_global`` in its config,
+    no step counter) loads as ``tower="separate"`` and scores as it did."""
+    ref = _perturbed(tower="separate")
+    v1_config = {k: v for k, v in ref.config_dict().items()
+                 if k not in ("tower", "negatives", "warmup_negatives", "warmup_negatives_steps")}
+    v1_config.update(hardest=True, project_global=True)
+    names = {"image_tower.glob.": "image_proj.", "image_tower.local.": "patch_proj.",
+             "text_tower.glob.": "text_proj.", "text_tower.local.": "token_proj."}
+    v1_state = {}
+    for k, v in ref.state_dict().items():
+        if k == "triplet_step":
+            continue
+        for new, old in names.items():
+            k = k.replace(new, old)
+        v1_state[k] = v
+    head = PowerCLIPHead.from_config(v1_config, D)
+    assert (head.config.tower, head.config.negatives, head.config.warmup_negatives_steps) == ("separate", "hardest", 0)
+    result = head.load_state_dict(v1_state, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    b = _batch()
+    torch.testing.assert_close(head.score(head.encode_image(b), head.encode_text(b)),
+                               ref.score(ref.encode_image(b), ref.encode_text(b)))
+    with pytest.raises(ValueError, match="project_global=False"):
+        PowerCLIPHead.from_config({**v1_config, "project_global": False}, D)
+
+
+@pytest.mark.parametrize("tower", ["shared", "block"])
+def test_bf16_autocast_loss_is_finite(tower):
+    head = _perturbed(tower=tower)
     b = _batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = head.loss(head.encode_image(b), head.encode_text(b))
     assert torch.isfinite(out["loss"])
     out["loss"].backward()
-    assert torch.isfinite(head.patch_proj.linear.weight.grad).all()
+    assert torch.isfinite(head.image_tower.proj.linear.weight.grad).all()
 
 
 def _planted(n: int, global_informative: bool, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -185,32 +185,62 @@ CAPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("max_leaves, max_nodes, long_nodes", [(16, 16, 16), (4, 6, 6), (3, 1, 1), (16, 40, 19)])
+@pytest.mark.parametrize("max_leaves, max_nodes, long_nodes", [(24, 47, 21), (16, 16, 16), (4, 6, 6), (3, 1, 1),
+                                                               (16, 40, 21)])
 def test_tree_invariants_and_caps(max_leaves, max_nodes, long_nodes):
     comps = TextComponentExtractor(max_leaves=max_leaves, max_nodes=max_nodes).extract(CAPTIONS)
     for comp in comps:
         check_tree(comp.tree, max_leaves, max_nodes)
-    long_tree = comps[0].tree  # TOY_LONG: 12 leaves, 6 inner nodes
+    long_tree = comps[0].tree  # TOY_LONG: 12 leaves, 8 inner nodes (2 of them its relation clauses)
     assert len(long_tree.leaves) == min(12, max_leaves)
     assert len(long_tree.nodes) == long_nodes
 
 
 def test_nodes_priority_over_cap(ex):
-    """Root first, then singletons, then the smallest inner nodes; a tree with room keeps every subtree."""
-    tree = TextComponentExtractor(max_nodes=40).extract([TOY_LONG])[0].tree
-    capped = one(ex, TOY_LONG).tree
-    assert capped.nodes[-1] == tree.nodes[-1]
-    assert capped.nodes[:-1] == tree.nodes[:15]  # 12 singletons + the 3 smallest inner nodes
-    assert len(tree.nodes) > 16
+    """Over the cap: the root, up to half of the rest for inner nodes (smallest first), then singletons in caption
+    order; the default caps (2 x max_leaves - 1 nodes) keep every node of a tree."""
+    tree = one(ex, TOY_LONG).tree
+    assert len(tree.nodes) == 21 == 2 * len(tree.leaves) - 3  # nothing cut at the defaults
+    assert tree.nodes == TextComponentExtractor(max_nodes=100).extract([TOY_LONG])[0].tree.nodes
+    capped = TextComponentExtractor(max_nodes=16).extract([TOY_LONG])[0].tree
+    singles = [n for n in capped.nodes if len(n) == 1]
+    inner = [n for n in capped.nodes[:-1] if len(n) > 1]
+    assert capped.nodes[-1] == tree.nodes[-1] and singles == [(k,) for k in range(8)] and len(inner) == 7
+    assert inner == [n for n in tree.nodes[:-1] if len(n) > 1][:7]  # the smallest inner nodes
 
 
 def test_order_nodes():
     assert order_nodes(0, [], 5) == []
     assert order_nodes(1, [[0]], 5) == [(0,)]
     assert order_nodes(3, [[1, 2], [2, 1], [0, 1, 2], [2], []], 16) == [(0,), (1,), (2,), (1, 2), (0, 1, 2)]
-    assert order_nodes(4, [[0, 1, 2], [0, 1], [2, 3]], 6) == [(0,), (1,), (2,), (3,), (0, 1), (0, 1, 2, 3)]
-    assert order_nodes(4, [[0, 1]], 3) == [(0,), (1,), (0, 1, 2, 3)]
+    assert order_nodes(4, [[0, 1, 2], [0, 1], [2, 3]], 6) == [(0,), (1,), (2,), (0, 1), (2, 3), (0, 1, 2, 3)]
+    assert order_nodes(4, [[0, 1, 2], [0, 1], [2, 3]], 7) == [(0,), (1,), (2,), (0, 1), (2, 3), (0, 1, 2),
+                                                             (0, 1, 2, 3)]
+    assert len(order_nodes(4, [[0, 1, 2], [0, 1], [2, 3]], 8)) == 8  # 2 x 4 - 1 + 1: every node
+    assert order_nodes(4, [[0, 1]], 3) == [(0,), (0, 1), (0, 1, 2, 3)]
     assert order_nodes(4, [[0, 1]], 1) == [(0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("n_objects", [2, 3, 4])
+def test_long_captions_keep_their_relation_clauses(ex, backbone, n_objects):
+    """Every relation clause of a toy-world long caption ("the red circle is to the left of the blue square") is a
+    node of its tree, and the default caps pack the whole tree (no leaf, no node cut)."""
+    pairs = list(itertools.islice(itertools.cycle(itertools.product(COLOURS, SHAPES)), 1, 4 * n_objects, 4))
+    objs = [{"colour": c, "shape": s, "size": ("small", "large")[i % 2]} for i, (c, s) in enumerate(pairs[:n_objects])]
+    rels = [[i, PREDICATES[i % len(PREDICATES)], i + 1] for i in range(n_objects - 1)]
+    caption = render({"objects": objs, "relations": rels, "count": n_objects})
+    tok = backbone.tokenize([caption])
+    comp = ex.extract([caption], tok)[0]
+    tree = comp.tree
+    check_tree(tree, 24, 47)
+    nodes = [[tree.leaves[k].text for k in node] for node in tree.nodes]
+    phrase = {"left of": "to the left of", "right of": "to the right of"}
+    name = lambda o: f"the {o['colour']} {o['shape']}"  # noqa: E731
+    for i, p, j in rels:
+        assert [name(objs[i]), "is", phrase.get(p, p), name(objs[j])] in nodes, (caption, nodes)
+    packed = pack([comp], backbone.context_length, 10, 10, 24, 47)
+    assert packed["phrases_cut"].tolist() == [0]
+    assert packed["n_leaves"].tolist() == [len(tree.leaves)] and packed["n_nodes"].tolist() == [len(tree.nodes)]
 
 
 # --------------------------------------------------------------------------------------------- tokens

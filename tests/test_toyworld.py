@@ -402,3 +402,114 @@ def test_cli_config_sets_defaults_and_flags_override(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tw.parse_args(["--config", str(config), "--out", str(tmp_path)])
     assert "unknown key(s) colour" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- long-caption mode
+
+LONG_N = 40
+
+
+@pytest.fixture(scope="module")
+def long_world(tmp_path_factory):
+    """A 40-scene long-caption world: (dir, summary, annotations, negatives)."""
+    out = tmp_path_factory.mktemp("long-world")
+    summary = tw.generate(out, LONG_N, seed=0, holdout=HOLDOUT, workers=1, long_captions=True)
+    return out, summary, tw.load(out), json.loads((out / "negatives.json").read_text())
+
+
+def test_default_mode_is_unchanged_by_the_long_caption_mode(tmp_path):
+    """The default world's bytes are those of the generator before the long-caption mode existed (digest taken
+    from that version), so existing worlds, their feature-cache fingerprints and tests keep their meaning."""
+    import hashlib
+
+    tw.generate(tmp_path, 20, seed=0, workers=1)
+    digest = hashlib.sha256()
+    for name in ["annotations.json", "negatives.json", "train.csv", "images/000007.png"]:
+        digest.update((tmp_path / name).read_bytes())
+    assert digest.hexdigest() == "f6967fbc00379a033371ee7560bd1f29c68f12aeba52b0fda53210056037bfcd"
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert "long_captions" not in meta and "objects_per_scene" not in tw.load(tmp_path)["meta"]
+
+
+def test_long_captions_exceed_77_tokens_and_fit_248(long_world):
+    from open_clip.tokenizer import SimpleTokenizer
+
+    tokenizer = SimpleTokenizer()
+    _, summary, annotations, _ = long_world
+    assert summary["long_captions"] and annotations["meta"]["caption_id"] == "image_id * 16 + k"
+    lengths, counts = [], Counter()
+    for scene in annotations["scenes"]:
+        n = len(scene["objects"])
+        counts[n] += 1
+        long = [c for c in scene["captions"] if c["kind"] == "long"]
+        assert len(long) == 1 and long[0]["struct"]["dense"] and long[0]["struct"]["count"] == n
+        lengths.append(len(tokenizer.encode(long[0]["text"])) + 2)  # + start / end of text
+        for obj in scene["objects"]:  # every object named with all its attributes
+            assert f"{obj['size']} {obj['colour']} {obj['shape']}" in long[0]["text"]
+    assert set(counts) == set(range(tw.LONG_OBJECTS[0], tw.LONG_OBJECTS[1] + 1))
+    assert 100 <= min(lengths) and max(lengths) <= 248  # all of it fits Long-CLIP's context
+    assert min(lengths) > 77  # a 77-token text encoder truncates every one of them
+    # what a 77-token encoder drops is relation sentences: the object list always fits in 77 tokens
+    for scene in annotations["scenes"]:
+        text = next(c["text"] for c in scene["captions"] if c["kind"] == "long")
+        head, tail = text.split(". ", 1)
+        assert len(tokenizer.encode(head + ".")) + 2 <= 77 and " is " in tail
+
+
+def test_long_captions_are_true_and_their_negatives_false(long_world):
+    _, summary, annotations, negatives = long_world
+    scenes = _scenes_by_id(annotations)
+    for scene in scenes.values():
+        assert [c["id"] for c in scene["captions"]] == [
+            scene["image_id"] * tw.LONG_CAPTION_SLOTS + k for k in range(len(scene["captions"]))]
+        for caption in scene["captions"]:
+            assert tw.satisfies(scene, caption["struct"]), caption["text"]
+            assert tw.render(caption["struct"]) == caption["text"]
+    long_ids = {c["id"] for s in scenes.values() for c in s["captions"] if c["kind"] == "long"}
+    seen = Counter()
+    for item in negatives["items"]:
+        scene = scenes[item["image_id"]]
+        for negative in item["negatives"]:
+            assert not tw.satisfies(scene, negative["struct"], lenient=True), negative["text"]
+            assert tw.render(negative["struct"]) == negative["text"] != item["positive"]
+            if item["caption_id"] in long_ids:
+                positive = next(c["struct"] for c in scene["captions"] if c["id"] == item["caption_id"])
+                _check_negative_shape(negative["type"], positive, negative["struct"])
+                seen[negative["type"]] += 1
+    assert set(seen) == set(tw.NEGATIVE_TYPES) - {"add-obj"}  # every edit type reaches the dense captions
+
+
+def test_long_mode_geometry_and_hold_out(long_world):
+    out, _, annotations, _ = long_world
+    sides = {k: round(v * 64) for k, v in tw.LONG_SIZES.items()}
+    assert annotations["meta"]["sizes_px"] == sides == {"small": 10, "large": 14}
+    for scene in annotations["scenes"]:
+        boxes = [o["box"] for o in scene["objects"]]
+        assert all(b[2] - b[0] == b[3] - b[1] == sides[o["size"]] for b, o in zip(boxes, scene["objects"]))
+        for k, a in enumerate(boxes):
+            for b in boxes[k + 1:]:
+                assert max(b[0] - a[2], a[0] - b[2], b[1] - a[3], a[1] - b[3]) >= 3
+        assert sorted(map(tuple, scene["relations"])) == sorted(map(tuple, _expected_relations(scene["objects"], 64)))
+        if scene["split"] == "train":
+            assert not HELD & {(o["colour"], o["shape"]) for o in scene["objects"]}
+    scene = annotations["scenes"][3]
+    assert tw.draw(scene).tobytes() == Image.open(out / scene["file_name"]).tobytes()
+
+
+def test_long_mode_is_deterministic_and_ensure_tells_the_modes_apart(long_world, tmp_path):
+    out, _, _, _ = long_world
+    tw.generate(tmp_path / "again", LONG_N, seed=0, holdout=HOLDOUT, workers=2, long_captions=True)
+    for name in DATA_FILES + [f"images/{i:06d}.png" for i in range(LONG_N)]:
+        assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
+    lines = []
+    world = tmp_path / "ensured"
+    tw.ensure(world, 6, 0, say=lines.append, long_captions=True)
+    assert json.loads((world / "meta.json").read_text())["long_captions"] is True
+    tw.ensure(world, 6, 0, say=lines.append, long_captions=True)
+    assert "long captions; generated" in lines[0] and "long captions; reused" in lines[1]
+    with pytest.raises(ValueError, match="long captions"):
+        tw.ensure(world, 6, 0, say=lines.append)  # a default world asked for: not silently the long one
+    tw.ensure(world, 6, 0, say=lines.append, replace=True)
+    assert "long_captions" not in json.loads((world / "meta.json").read_text())
+    assert tw.parse_args(["--out", "x", "--long-captions"]).long_captions
+    assert not tw.parse_args(["--out", "x"]).long_captions

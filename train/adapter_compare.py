@@ -5,6 +5,7 @@ accuracy on the test split), through ``train.evaluate``.
     python -m extract.toyworld --out toy --n 2000 --seed 0
     python -m train.adapter_compare --data toy --out runs/compare --epochs 10
     python -m train.adapter_compare --data toy --out runs/compare --methods comalign,powerclip -- --lr 1e-4
+    python -m train.adapter_compare --data toy --out runs/compare --seeds 3   # mean ± sd over 3 training seeds
 
 Every method is trained by ``train.adapter``'s job (``train.adapter.train``) in ``OUT/<method>`` (its own logs,
 checkpoint and history); the components of all methods are extracted into one shared cache (``--components`` =
@@ -12,7 +13,10 @@ their union), so the backbone runs over the data once for methods whose extracti
 ``--`` are ``train.adapter`` flags for every run, parsed once (``train.adapter.parse_overrides``); every run's
 settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.evaluate's report,
 one column per model) and ``OUT/compare.json`` (per method: steps, training time, held-out metrics, fitted
-inference parameters).
+inference parameters). Every adapter cell shows its difference from the frozen base with a 95% paired bootstrap
+interval over the test images, ``*`` where the interval excludes 0 (``train.bootstrap``). ``--seeds N`` trains each
+adapter N times (seeds ``--seed`` .. ``--seed+N-1``, in ``OUT/<method>/seed-<s>``; the base, the data and the cache
+stay the same): each cell is then mean ± sd over the seeds and the interval is that of the seed-averaged difference.
 
 From Python: ``compare(CompareOptions(data="toy", methods=["comalign"], overrides={"extract_batch_size": 64}))``.
 """
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adapters.registry import ADAPTERS
+from train.bootstrap import DEFAULT_RESAMPLES
 from extract.cli import Parser, check_options, from_namespace, option, run_job, say
 from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, parse_with_config, positive_int, save_config
@@ -60,7 +65,13 @@ class CompareOptions(SourceOptions):
     device: str | None = option(None, help="torch device (default: cuda when present, else cpu)")
     workers: int | None = option(None, type=nonnegative_int,
                                  help="extraction: image decoding processes (default: python -m extract's)")
-    seed: int = option(0, type=nonnegative_int, help="training seed")
+    seed: int = option(0, type=nonnegative_int, help="training seed (the first one with --seeds)")
+    seeds: int = option(1, type=positive_int,
+                        help="train every adapter this many times, with seeds --seed .. --seed+N-1 (the base and the "
+                             "data stay the same); the table shows mean ± sd over seeds and the bootstrap interval of "
+                             "the seed-averaged difference from the base")
+    bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
+                            help="bootstrap resamples of the test images for every interval (0: none)")
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -100,10 +111,17 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     return opts
 
 
+def run_folder(opts: CompareOptions, method: str, seed: int) -> Path:
+    """``OUT/<method>``, or ``OUT/<method>/seed-<s>`` with ``--seeds`` > 1."""
+    folder = Path(opts.out) / method
+    return folder if opts.seeds == 1 else folder / f"seed-{seed}"
+
+
 def adapter_runs(opts: CompareOptions) -> list:
-    """One resolved ``train.adapter.AdapterOptions`` per method: shared data, backbone, schedule and cache (with
-    the union of the methods' components), then ``opts.overrides``. Raises ValueError (naming the method) when
-    any run's settings are refused, before anything trains."""
+    """One resolved ``train.adapter.AdapterOptions`` per method and seed (method by method, seeds ``seed`` ..
+    ``seed + seeds - 1``): shared data, backbone, schedule and cache (with the union of the methods' components;
+    the seed changes no extraction setting, so every seed reads the same cache), then ``opts.overrides``. Raises
+    ValueError (naming the method) when any run's settings are refused, before anything trains."""
     from train.adapter import AdapterOptions, resolve
 
     out = Path(opts.out)
@@ -113,24 +131,33 @@ def adapter_runs(opts: CompareOptions) -> list:
                   cache_dir=opts.cache_dir or str(out / "cache"), components=components, device=opts.device,
                   workers=opts.workers, seed=opts.seed, final_eval=False,
                   **{f.name: getattr(opts, f.name) for f in dataclasses.fields(SourceOptions)})
-    own = sorted({"method", "out"} & set(opts.overrides))
-    if own:  # every run would train that method, or into that folder
-        raise ValueError(f"overrides may not set {', '.join(own)}: each run's comes from --methods and --out")
+    own = sorted({"method", "out"} & set(opts.overrides)) + (["seed"] if opts.seeds > 1 and "seed" in opts.overrides
+                                                               else [])
+    if own:  # every run would train that method, or into that folder, or with that seed
+        raise ValueError(f"overrides may not set {', '.join(own)}: each run's comes from --methods, --out and --seeds")
     runs = []
     for method in opts.methods:
-        try:
-            runs.append(resolve(AdapterOptions(**{**shared, "method": method, "out": str(out / method),
-                                                  **opts.overrides})))
-        except ValueError as e:
-            raise ValueError(f"{method}: {e}") from None
+        for seed in range(opts.seed, opts.seed + opts.seeds):
+            try:
+                runs.append(resolve(AdapterOptions(**{**shared, "method": method, "seed": seed,
+                                                      "out": str(run_folder(opts, method, seed)), **opts.overrides})))
+            except ValueError as e:
+                raise ValueError(f"{method}: {e}") from None
     return runs
 
 
 def compare(opts: CompareOptions) -> dict:
-    """Train every method of ``opts`` (``train.adapter.train``) and evaluate the frozen base next to each adapter
-    (``train.evaluate.evaluate``). Returns ``{"methods": {name: steps, seconds, val, inference, checkpoint},
-    "table": OUT/results.md or None, "markdown": the table or None}`` (the table is not printed here); writes
-    ``OUT/compare.json``, ``OUT/config.json`` and train.evaluate's reports."""
+    """Train every method of ``opts`` (``train.adapter.train``, ``--seeds`` times each) and evaluate the frozen base
+    next to each adapter (``train.evaluate.evaluate``: one column per method, the base first; every adapter cell
+    shows its difference from the base with a paired bootstrap interval over the test images, ``*`` where it
+    excludes 0). Returns ``{"methods": {name: steps, seconds, val, inference, checkpoint}, "table": OUT/results.md
+    or None, "markdown": the table or None}`` (the table is not printed here); writes ``OUT/compare.json``,
+    ``OUT/config.json`` and train.evaluate's reports.
+
+    With ``seeds`` > 1 each method's entry also holds ``runs`` (one entry per seed, as above, with its ``seed``);
+    its ``val`` is the mean over seeds of each held-out figure, ``steps`` / ``inference`` / ``checkpoint`` are those
+    of its run with the best held-out T2I R@1 (what a caller serves), ``seconds`` the total. The table's cells are
+    mean ± sd over seeds; the interval is that of the seed-averaged difference (``train.bootstrap``)."""
     from train.adapter import train
     from train.adapter_data import final_table_data
     from train.evaluate import EvaluateOptions, evaluate
@@ -142,27 +169,46 @@ def compare(opts: CompareOptions) -> dict:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
-    results = {}
+    by_method: dict[str, list[dict]] = {}
     for run in runs:
-        say(f"== {run.method} ==")
+        say(f"== {run.method} ==" if opts.seeds == 1 else f"== {run.method}, seed {run.seed} ==")
         started = time.perf_counter()
         summary = train(run)
-        results[run.method] = {"steps": summary["steps"], "seconds": time.perf_counter() - started,
-                               "val": summary.get("val"), "inference": summary.get("inference"),
-                               "checkpoint": summary.get("adapter")}
+        by_method.setdefault(run.method, []).append({
+            "seed": run.seed, "steps": summary["steps"], "seconds": time.perf_counter() - started,
+            "val": summary.get("val"), "inference": summary.get("inference"), "checkpoint": summary.get("adapter")})
+    results = {m: _method_entry(entries) for m, entries in by_method.items()}
     test = final_table_data(opts)
     report = None
     if test:
+        checkpoints = [e["checkpoint"] for m in opts.methods for e in by_method[m]]
+        grouping = {}
+        if opts.seeds > 1:  # one column per method, its runs averaged; each run's results under "<name> seed <s>"
+            grouping = dict(columns=["{name}"] * (1 + len(checkpoints)),
+                            labels=["{name}", *(f"{{name}} seed {e['seed']}" for m in opts.methods
+                                                for e in by_method[m])])
         report = evaluate(EvaluateOptions(
-            model=[opts.base, *(results[m]["checkpoint"] for m in opts.methods)],
+            model=[opts.base, *checkpoints],
             pretrained=[opts.pretrained] if opts.pretrained is not None else [], tasks=opts.eval_tasks, out=str(out),
-            seed=opts.seed, device=opts.device, **test))
+            seed=opts.seed, device=opts.device, bootstrap=opts.bootstrap, **grouping, **test))
     else:
         say("note: no test data (--test-data or a toy world): no table")
     result = {"methods": results, "table": str(out / "results.md") if report else None}
     (out / "compare.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return {**result, "markdown": report["markdown"] if report else None,
             "reports": report["reports"] if report else []}
+
+
+def _method_entry(runs: list[dict]) -> dict:
+    """compare.json's entry of one method (see :func:`compare`): its only run, or the summary of its seeds."""
+    if len(runs) == 1:
+        return {k: v for k, v in runs[0].items() if k != "seed"}
+    scored = [r for r in runs if "retrieval T2I R@1" in (r.get("val") or {})]
+    best = max(scored, key=lambda r: r["val"]["retrieval T2I R@1"]) if scored else runs[0]
+    keys = [k for k in (runs[0].get("val") or {}) if all(k in (r.get("val") or {}) for r in runs)]
+    val = {k: sum(r["val"][k] for r in runs) / len(runs) for k in keys} if keys else None
+    return {"steps": best["steps"], "seconds": sum(r["seconds"] for r in runs), "val": val,
+            "inference": best["inference"], "checkpoint": best["checkpoint"], "best_seed": best["seed"], "runs": runs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

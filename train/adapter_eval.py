@@ -8,14 +8,17 @@ and the toy world's hard negatives (``train.benchmarks.read_toyworld``) are scor
 their arrays are computed once, before training, by the live pipeline with the cache's own settings
 (:class:`adapters.adapter_scorer.LiveExtractor`), exactly as evaluation and serving will compute them.
 
-Results have ``train.evaluate``'s layout (``{"retrieval": ..., "compositional": {"toyworld": ...}}``), so
-``train.evaluate.headline`` flattens them the same way for logs and tables.
+Results have ``train.evaluate``'s layout (``{"retrieval": ..., "compositional": {"toyworld": ...}}``, and the
+retrieval's ``multi_positive`` section when the toy world's truth is attached), so ``train.evaluate.headline``
+flattens them the same way for logs and tables.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,6 +42,7 @@ class HeldOut:
     name: str = "val"
     negatives: list[tuple[int, int, int, str]] = field(default_factory=list)
     text_arrays: dict[str, np.ndarray] | None = None
+    truth: object = None  # train.multipositive.ToyTruth of these images and captions (multi-positive retrieval)
 
     @property
     def caption_image(self) -> torch.Tensor:
@@ -62,7 +66,11 @@ def heldout_split(cache: FeatureCache, image_rows: np.ndarray | None = None, nam
 
 def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, batch_size: int = 256) -> int:
     """Add the toy world's hard negatives of ``split`` whose images are in ``heldout`` (matched by image id);
-    the texts' arrays are computed with ``extractor`` (a LiveExtractor). Returns the number of items."""
+    the texts' arrays are computed with ``extractor`` (a LiveExtractor). Returns the number of items.
+
+    Also attaches the toy world's truth (which caption is true of which image: ``heldout.truth``), so the
+    held-out figures include multi-positive retrieval as ``train.evaluate``'s do; a held-out set whose ids are not
+    the toy world's (or that keeps no caption ids) goes without."""
     from train.benchmarks import read_toyworld
 
     bench = read_toyworld(world, split=split)
@@ -80,7 +88,24 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
     parts = [extractor.text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     heldout.negatives = items
     heldout.text_arrays = _concat_padded(parts) if parts else None
+    heldout.truth = _toyworld_truth(heldout, world, split)
     return len(items)
+
+
+def _toyworld_truth(heldout: HeldOut, world, split: str):
+    from train.multipositive import toyworld_truth
+
+    caption_ids = getattr(heldout.cache, "caption_ids", None)
+    if caption_ids is None:
+        return None
+    scenes = {str(s["image_id"]): s for s in json.loads((Path(world) / "annotations.json").read_text())["scenes"]
+              if s.get("split") == split}
+    image_ids, all_captions = heldout.cache.image_ids(), caption_ids()
+    try:
+        return toyworld_truth(scenes, [str(image_ids[int(r)]) for r in heldout.image_rows],
+                              [str(all_captions[int(r)]) for r in heldout.caption_rows])
+    except ValueError:
+        return None
 
 
 def _concat_padded(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -144,7 +169,7 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
         head.eval()
     try:
         image_reps, text_reps = reps if reps is not None else encode_heldout(head, heldout, device, batch_size)
-        out = {"retrieval": retrieval_from_reps(head, image_reps, text_reps, heldout.caption_image)}
+        out = {"retrieval": retrieval_from_reps(head, image_reps, text_reps, heldout.caption_image, truth=heldout.truth)}
         out["retrieval"].update(images=len(heldout.image_rows), captions=len(heldout.caption_rows))
         if heldout.negatives and heldout.text_arrays is not None:
             neg_reps = head.encode_text(to_tensors({k: heldout.text_arrays[k] for k in head.text_keys}, device))

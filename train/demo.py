@@ -3,11 +3,17 @@
 It checks the backbone (absent weights fail at once, naming the file), generates the toy world, pre-trains the
 tiny backbone on it with CLIP's objective (``train.pretrain.pretrain``; a few minutes on a CPU) unless
 ``--pretrained`` names weights, then trains every registered adapter on that frozen base
-(``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method) and
-prints the side-by-side table of the frozen base vs base + each adapter on the test split: retrieval R@k and
-accuracy per hard-negative type. It ends by serving the best adapter (the highest held-out T2I R@1, chosen on the
-validation split, not the test split): ``serve.index`` builds the search index of the test split with it, and
-one example query shows the first-stage hits next to the adapter's own re-ranking.
+(``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed)
+and prints the side-by-side table of the frozen base vs base + each adapter on the test split: retrieval R@k,
+multi-positive retrieval (any-true R@k and mAP, by caption kind and object count: ``train.multipositive``) and
+accuracy per hard-negative type, each adapter's difference from the base with its 95% paired bootstrap interval
+over the test images (``*``: the interval excludes 0). ``--seeds N`` trains every adapter N times (mean ± sd over
+seeds; the interval is that of the seed-averaged difference).
+
+It ends by serving the best adapter (the highest held-out T2I R@1, chosen on the validation split, not the test
+split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds the search
+index of the test split with it, and one example query shows the first-stage hits next to the adapter's own
+re-ranking.
 
 Everything lands in ``--out``: ``toyworld/``, ``base/`` (the pre-trained backbone, open_clip-loadable
 ``model.safetensors`` + ``model.json``, and its last checkpoint), ``adapters/`` (cache, one run folder per
@@ -48,6 +54,9 @@ class DemoOptions:
     pretrain_batch_size: int = option(64, type=positive_int, help="pre-training batch")
     methods: Any = option("all", help=f"adapters to train: comma list from {', '.join(ADAPTERS.names())}, or all")
     epochs: int = option(5, type=positive_int, help="adapter training epochs")
+    seeds: int = option(1, type=positive_int,
+                        help="train every adapter this many times (seeds --seed .. --seed+N-1; the toy world and the "
+                             "base stay the same): the table shows mean ± sd over seeds")
     batch_size: int = option(128, type=positive_int, help="adapter training batch")
     device: str | None = option(None, help="torch device (default: cuda when available, else cpu)")
     workers: int = option(2, type=nonnegative_int, help="data-loading worker processes")
@@ -154,7 +163,7 @@ def demo(opts: DemoOptions) -> dict:
     say(f"[4/5] adapters on the frozen base: {methods if isinstance(methods, str) else ', '.join(methods)}")
     copts = CompareOptions(data=str(world), out=str(out / "adapters"), base=opts.base, pretrained=pretrained,
                            methods=methods, epochs=opts.epochs, batch_size=opts.batch_size, seed=opts.seed,
-                           workers=opts.workers, device=opts.device)
+                           seeds=opts.seeds, workers=opts.workers, device=opts.device)
     for method in copts.methods:  # the demo retrains its adapters each time: its own earlier runs make way
         shutil.rmtree(out / "adapters" / method, ignore_errors=True)
     result = compare(copts)
@@ -170,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = demo(opts)
         table = report["adapters"].get("markdown")
         if table:
-            print("\nfrozen base vs base + adapter (toy world test split; retrieval R@k and hard-negative accuracy, %):")
+            seeds = f"{opts.seeds} seeds, {opts.seed}..{opts.seed + opts.seeds - 1}" if opts.seeds > 1 else \
+                f"seed {opts.seed}"
+            print(f"\nfrozen base vs base + adapter (toy world test split, adapters trained with {seeds}; retrieval R@k, "
+                  "multi-positive any-true R@k and mAP, hard-negative accuracy, %):")
             print(table)
         if report.get("served"):
             served = report["served"]

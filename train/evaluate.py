@@ -22,7 +22,7 @@ import math
 import time
 import dataclasses
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -36,7 +36,8 @@ from extract.cli import build_parser as build_cli
 from extract.config import fraction, nonnegative_int, positive_int, save_config
 from extract.source_args import BoxOptions, SourceOptions
 from extract.images import BadImage, decode_image
-from train.retrieval import retrieval_metrics
+from train.bootstrap import DEFAULT_RESAMPLES, PerQuery, compare_columns, mean_sd
+from train.retrieval import RetrievalQueries, retrieval_queries, summarise
 from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
                             read_classification, topk_accuracy)
 
@@ -79,13 +80,26 @@ class EvaluateOptions(SourceOptions, BoxOptions):
     out: str = option("runs/eval", help="report folder: results.{json,md,png}, config.json", group="run")
     device: str | None = option(None, help="torch device (default: cuda when available, else cpu)", group="run")
     batch_size: int = option(128, type=positive_int, help="images / captions encoded at once", group="run")
-    seed: int = option(0, type=nonnegative_int, help="seeds the --probe-data split and the probe", group="run")
+    seed: int = option(0, type=nonnegative_int, group="run",
+                       help="seeds the --probe-data split, the probe and the bootstrap resamples")
+    bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int, group="run",
+                            help="bootstrap resamples of the test images for the 95%% interval of every figure and of "
+                                 "every delta vs the first model (paired; 0: no intervals)")
+    # Not command-line options: how a comparison (train.adapter_compare --seeds N) groups models into columns.
+    # One entry per --model, each may use "{name}" (the model's own name): ``columns`` names the column the model
+    # belongs to (models sharing one are runs of it, e.g. training seeds: the table shows their mean +/- sd),
+    # ``labels`` the model's key in results.json. Empty: each model is its own column, under its name.
+    columns: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
 
     def __post_init__(self):
         self.model = list(self.model or ["tiny"])
         self.pretrained = list(self.pretrained or [])
         if len(self.pretrained) > len(self.model):
             raise ValueError("more --pretrained than --model values")
+        for what in ("columns", "labels"):
+            if getattr(self, what) and len(getattr(self, what)) != len(self.model):
+                raise ValueError(f"{what}: one entry per model ({len(self.model)}), got {len(getattr(self, what))}")
         self.pretrained += [None] * (len(self.model) - len(self.pretrained))
         if isinstance(self.tasks, str):
             self.tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
@@ -142,6 +156,9 @@ def load_tasks(args: EvaluateOptions) -> dict:
             from extract.cache import FeatureCache
 
             tasks["retrieval"] = FeatureCache.open(args.cache)
+            if world is not None:  # the truth of multi-positive retrieval, matched to the cache's ids
+                tasks["scenes"] = {str(s["image_id"]): s for s in json.loads(
+                    (world / "annotations.json").read_text())["scenes"] if s.get("split") == args.split}
         elif spec is not None:
             opts = {"split": args.split} if (world and spec == world) else (
                 {"image_root": args.image_root} if args.image_root else {})
@@ -248,7 +265,8 @@ def encode_texts(scorer, texts: Sequence[str], batch_size: int):
 
 
 # --------------------------------------------------------------------------------------------- tasks
-def run_retrieval_cached(scorer, cache, batch_size: int = 1024) -> dict:
+def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | None = None,
+                         per_query: PerQuery | None = None) -> dict:
     """Retrieval from a feature cache (fp16 on disk, scored in fp32) instead of re-encoding the data.
 
     A bare backbone scores the cache's global embeddings: it must be the backbone that built the cache (same
@@ -256,11 +274,11 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024) -> dict:
     ``text_keys``) read from the cache: the cache must have been extracted with the adapter's own extraction
     settings (its checkpoint's ``extraction.settings``; the data aside), so it holds exactly the arrays live
     extraction would give the head, and the head's directions are ranked as in :func:`retrieval_from_reps`.
-    Other scorers are refused. Both refusals name the two sides."""
+    Other scorers are refused. Both refusals name the two sides. ``scenes`` (a toy world's, by image id) add
+    multi-positive retrieval, as in :func:`run_retrieval`."""
     from adapters.adapter_scorer import AdapterScorer
     from adapters.scoring import BackboneScorer
     from extract.cache import settings_diff
-    from train.retrieval import feature_score_fn
 
     if isinstance(scorer, AdapterScorer):
         diff = scorer.cache_settings_diff(cache.settings)
@@ -272,7 +290,9 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024) -> dict:
                              "(python -m extract with its --components and extraction flags), or drop --cache")
         image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
         text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
-        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()))
+        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
+                                  truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
+                                  image_keys=cache.image_ids())
         out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
         return out
     if not isinstance(scorer, BackboneScorer):
@@ -284,7 +304,9 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024) -> dict:
                          + "\n  ".join(settings_diff(theirs, ours)[:8]))
     image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
     text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
-    out = retrieval_metrics(feature_score_fn(image, text), cache.num_images, torch.from_numpy(cache.caption_image_index()))
+    out = retrieval_from_reps(scorer, {"embed": image}, {"embed": text}, torch.from_numpy(cache.caption_image_index()),
+                              truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
+                              image_keys=cache.image_ids(), score=lambda i, t: i["embed"] @ t["embed"].T)
     out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
     return out
 
@@ -295,22 +317,31 @@ def _cached_reps(scorer, cache, side: str, n: int, batch_size: int):
                                            for k in scorer.cache_keys(side)}, side) for a in range(0, n, batch_size)])
 
 
-def run_retrieval(scorer, source, batch_size: int) -> dict:
+def run_retrieval(scorer, source, batch_size: int, scenes: dict | None = None,
+                  per_query: PerQuery | None = None) -> dict:
     """Retrieval over a data source: an indexed one (CSV/COCO/toy world) is decoded record by record with the
     source's own decoding options; a stream (webdataset) is encoded as it is read, never held in memory. Images
-    the source cannot decode are skipped and counted (``skipped_images``), their captions with them."""
+    the source cannot decode are skipped and counted (``skipped_images``), their captions with them.
+
+    On a toy world (the source's own annotations, or ``scenes`` by image id) the result also holds
+    ``multi_positive`` (:func:`multi_positive_report`). ``per_query`` receives every query's values for the
+    bootstrap (:func:`retrieval_per_query`)."""
     if hasattr(source, "gather"):  # a FeatureCache
-        return run_retrieval_cached(scorer, source)
+        return run_retrieval_cached(scorer, source, scenes=scenes, per_query=per_query)
+    scenes = getattr(source, "annotations", None) or scenes
     captions_of: list = []
+    ids: list = []
     if hasattr(source, "records"):
         records = source.records()
         captions_of = [r.captions for r in records]
+        ids = [r.image_id for r in records]
         items = [(r.source, lambda r=r: source.load(r).image) for r in records]
         total = len(items)
     else:
         def stream():  # the source decodes and reports its own skips; what it yields is good
             for sample in source:
                 captions_of.append(sample.captions)
+                ids.append(sample.image_id)
                 yield sample.image_id, (lambda image=sample.image: image)
 
         items, total = stream(), None
@@ -318,40 +349,130 @@ def run_retrieval(scorer, source, batch_size: int) -> dict:
     if not kept:
         raise ValueError(f"retrieval data {getattr(source, 'name', source)}: no readable image "
                          f"({len(skipped) + len(source.report.skips)} skipped); check it with python -m extract.check_data")
-    texts, caption_image = [], []
+    texts, caption_image, caption_ids = [], [], []
     for row, k in enumerate(kept):
         for c in captions_of[k]:
             texts.append(c.text)
             caption_image.append(row)
+            caption_ids.append(c.id)
     text_reps = encode_texts(scorer, texts, batch_size)
-    out = retrieval_from_reps(scorer, image_reps, text_reps, torch.tensor(caption_image))
+    image_ids = [ids[k] for k in kept]
+    out = retrieval_from_reps(scorer, image_reps, text_reps, torch.tensor(caption_image),
+                              truth=_truth(scenes, image_ids, caption_ids), per_query=per_query, image_keys=image_ids)
     out.update(images=len(kept), captions=len(texts),
                skipped_images=len(skipped) + sum(1 for x in source.report.skips if x.kind == "image"))
     return out
 
 
-def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tensor) -> dict:
+def _truth(scenes: dict | None, image_ids, caption_ids):
+    """The toy-world truth of the evaluated images and captions (``train.multipositive.toyworld_truth``); None
+    without scenes, or (said once) when the ids are not the toy world's."""
+    if not scenes:
+        return None
+    from train.multipositive import toyworld_truth
+
+    try:
+        return toyworld_truth(scenes, [str(i) for i in image_ids], [str(c) for c in caption_ids])
+    except ValueError as e:
+        warn_once(f"note: no multi-positive retrieval: {e}")
+        return None
+
+
+def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tensor, truth=None,
+                        per_query: PerQuery | None = None, image_keys=None, score=None) -> dict:
     """retrieval_metrics on encoded images and captions; a directional scorer ranks each direction with its own
     score matrix (text->image ranks from "t2i" scores, image->text ranks from "i2t"; ``nonfinite_scores`` and
-    ``n_scores`` then add up both matrices)."""
-    n_images = num_items(image_reps)
+    ``n_scores`` then add up both matrices).
 
-    def metrics(score):
-        return retrieval_metrics(lambda rows: score(image_reps, take_reps(text_reps, rows)), n_images, caption_image)
+    ``truth`` (a ``train.multipositive.ToyTruth``) adds ``multi_positive`` (:func:`multi_positive_report`),
+    computed in the same passes. ``per_query`` receives every query's values (:func:`retrieval_per_query`), the
+    images keyed by ``image_keys`` (default: their rows). ``score``: the (image reps, text reps) -> [I, T]
+    function of a non-directional scorer (default ``scorer.score``)."""
+    n_images = num_items(image_reps)
+    matrix = truth.matrix if truth is not None else None
+
+    def queries(fn, directions) -> RetrievalQueries:
+        return retrieval_queries(lambda rows: fn(image_reps, take_reps(text_reps, rows)), n_images, caption_image,
+                                 truth=matrix, directions=directions)
 
     if not getattr(scorer, "directional", False):
-        return metrics(scorer.score)
-    t2i, i2t = metrics(directed_scorer(scorer, "t2i")), metrics(directed_scorer(scorer, "i2t"))
-    out = {"text_to_image": t2i["text_to_image"], "image_to_text": i2t["image_to_text"],
-           "images_without_captions": t2i["images_without_captions"],
-           "nonfinite_scores": t2i["nonfinite_scores"] + i2t["nonfinite_scores"],
-           "n_scores": t2i["n_scores"] + i2t["n_scores"]}
-    if "warning" in t2i:  # the split's, the same for both directions
-        out["warning"] = t2i["warning"]
+        q = queries(score or scorer.score, ("t2i", "i2t"))
+    else:
+        from train.multipositive import MultiPositive
+
+        a, b = queries(directed_scorer(scorer, "t2i"), ("t2i",)), queries(directed_scorer(scorer, "i2t"), ("i2t",))
+        multi = None
+        if truth is not None:
+            multi = MultiPositive(a.multi.t2i_first, a.multi.t2i_ap, a.multi.t2i_true,
+                                  b.multi.i2t_first, b.multi.i2t_ap, b.multi.i2t_true)
+        q = RetrievalQueries(a.t2i, b.i2t, a.nonfinite + b.nonfinite, a.n_scores + b.n_scores, multi)
+    out = summarise(q, n_images)
+    if truth is not None:
+        out["multi_positive"] = multi_positive_report(q, truth)
+    if per_query is not None:
+        retrieval_per_query(per_query, q, torch.as_tensor(caption_image), truth,
+                            list(image_keys) if image_keys is not None else list(range(n_images)))
     return out
 
 
-def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) -> dict:
+def multi_positive_report(q: RetrievalQueries, truth) -> dict:
+    """The ``multi_positive`` section of a retrieval result (``train.multipositive``): ``text_to_image`` and
+    ``image_to_text`` (any-true R@1/5/10, mAP, n, true_per_query; T2I also its strict R@1 for comparison), and the
+    same per caption group (``text_to_image_by``: caption kind, object count of the caption's own image, one-object
+    captions by that count) and per image group (``image_to_text_by``: object count)."""
+    from train.multipositive import summary
+
+    m = q.multi
+    t2i = lambda keep=None: summary(m.t2i_first, m.t2i_ap, m.t2i_true, keep, strict=q.t2i)  # noqa: E731
+    i2t = lambda keep=None: summary(m.i2t_first, m.i2t_ap, m.i2t_true, keep)  # noqa: E731
+    return {"text_to_image": t2i(), "image_to_text": i2t(),
+            "text_to_image_by": {name: t2i(torch.from_numpy(mask)) for name, mask in truth.caption_groups().items()},
+            "image_to_text_by": {name: i2t(torch.from_numpy(mask)) for name, mask in truth.image_groups().items()},
+            "rule": "a caption is true of an image when extract.toyworld.satisfies(scene, struct) holds"}
+
+
+def _hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np.ndarray:
+    hit = (ranks <= k).double().numpy()
+    return hit if counted is None else np.where(counted.numpy(), hit, np.nan)
+
+
+def retrieval_per_query(per_query: PerQuery, q: RetrievalQueries, caption_image: torch.Tensor, truth,
+                        image_keys: list) -> None:
+    """Every retrieval row of :func:`headline` as per-query values (family "retrieval captions": one value per
+    caption, unit = its image; "retrieval images": one per image), for ``train.bootstrap``."""
+    per_query.add_family("retrieval captions", [image_keys[int(i)] for i in caption_image])
+    per_query.add_family("retrieval images", image_keys)
+    has_caption = q.i2t > 0
+    for k in (1, 5, 10):
+        per_query.add(f"retrieval T2I R@{k}", "retrieval captions", _hits(q.t2i, k))
+        per_query.add(f"retrieval I2T R@{k}", "retrieval images", _hits(q.i2t, k, has_caption))
+    if truth is None:
+        return
+    m = q.multi
+    has_true = m.i2t_true > 0
+    for k in (1, 5, 10):
+        per_query.add(f"retrieval T2I any-true R@{k}", "retrieval captions", _hits(m.t2i_first, k))
+    per_query.add("retrieval T2I mAP", "retrieval captions", m.t2i_ap.numpy())
+    per_query.add("retrieval I2T any-true R@1", "retrieval images", _hits(m.i2t_first, 1, has_true))
+    per_query.add("retrieval I2T mAP", "retrieval images", m.i2t_ap.numpy())
+    for name, mask in truth.caption_groups().items():
+        if mask.any():
+            for metric, values in _group_rows(name, _hits(m.t2i_first, 1), m.t2i_ap.numpy()):
+                per_query.add(metric, "retrieval captions", np.where(mask, values, np.nan))
+
+
+def _group_rows(group: str, any_true_r1, ap) -> list[tuple[str, object]]:
+    """The table rows of one caption group: any-true R@1 and mAP for a caption kind, mAP for the object-count
+    groups (the one figure that weighs every true image, where the count changes how many there are)."""
+    rows = [(f"T2I mAP [{group}]", ap)]
+    if "object images" not in group:
+        rows.insert(0, (f"T2I any-true R@1 [{group}]", any_true_r1))
+    return rows
+
+
+def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int,
+                 per_query: PerQuery | None = None) -> dict:
+    """Zero-shot top-k of ``data``; ``per_query`` receives each image's hits (family "zero-shot images")."""
     if not data.paths or not data.classes:
         # e.g. a small toy-world split without single-object scenes: nothing to classify, not an error
         return {"skipped": f"{data.name} has no labelled images"}
@@ -359,7 +480,14 @@ def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int) ->
                                                    "zero-shot images")
     reps, groups = class_representations(scorer, data.classes, templates)
     scores = class_scores(scorer, image_reps, reps, groups)
-    out = topk_accuracy(scores, torch.tensor([data.labels[k] for k in kept]))
+    labels = torch.tensor([data.labels[k] for k in kept])
+    out = topk_accuracy(scores, labels)
+    if per_query is not None:
+        rank = positive_ranks(scores, labels, dim=1)[0].cpu()
+        per_query.add_family("zero-shot images", [data.paths[k] for k in kept])
+        for k in (1, 5):
+            if f"top{k}" in out:
+                per_query.add(f"zero-shot top-{k}", "zero-shot images", _hits(rank, k))
     out.update(classes=len(data.classes), templates=len(templates), skipped_images=len(skipped) + len(data.skipped))
     return out
 
@@ -387,7 +515,9 @@ def item_correct(kind: str, s: torch.Tensor, s_t2i: torch.Tensor | None = None) 
     raise ValueError(f"unknown benchmark kind {kind!r}")
 
 
-def run_compositional(scorer, bench, batch_size: int) -> dict:
+def run_compositional(scorer, bench, batch_size: int, per_query: PerQuery | None = None) -> dict:
+    """Accuracy per sub-type of one benchmark (:func:`item_correct`); ``per_query`` receives each item's
+    correctness under :func:`headline`'s row names (family "compositional NAME", unit = the item's images)."""
     # Items share images and texts (SugarCrepe reuses COCO images, the toy world has several negatives per
     # caption): each distinct (image, crop) and text is encoded once; scores are the same either way.
     refs = list(dict.fromkeys((p, item.crop) for item in bench.items for p in item.images))
@@ -399,6 +529,7 @@ def run_compositional(scorer, bench, batch_size: int) -> dict:
     text_reps = encode_texts(scorer, texts, batch_size)
     per_type: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     unreadable = n_bad = n_scores = 0
+    scored: list[tuple[Any, str, dict[str, bool]]] = []  # (unit, subtype, correctness) per scored item
     for item in bench.items:
         rows = [row_of.get(ref_index[(p, item.crop)]) for p in item.images]
         cols = [text_index[t] for t in item.texts]
@@ -416,8 +547,19 @@ def run_compositional(scorer, bench, batch_size: int) -> dict:
         for metric, ok in ok_by.items():
             per_type[item.subtype][metric].append(ok)
             per_type["all"][metric].append(ok)
+        scored.append(((item.images, item.crop), item.subtype, ok_by))
     table = {sub: {m: 100 * float(np.mean(v)) for m, v in ms.items()} | {"n": len(next(iter(ms.values())))}
              for sub, ms in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
+    if per_query is not None and scored:
+        family = f"compositional {bench.name}"
+        per_query.add_family(family, [unit for unit, _, _ in scored])
+        subtypes = np.array([sub for _, sub, _ in scored])
+        for metric in scored[0][2]:
+            ok = np.array([float(c[metric]) for _, _, c in scored])
+            suffix = "" if metric == "acc" else f" {metric}"
+            for sub in table:
+                per_query.add(f"{bench.name} {sub}{suffix}", family, ok if sub == "all" else
+                              np.where(subtypes == sub, ok, np.nan))
     return {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
             "excluded_items": bench.skipped[:50], "nonfinite_scores": n_bad, "n_scores": n_scores}
 
@@ -489,6 +631,18 @@ def headline(results: dict) -> dict[str, float]:
         for d, tag in (("text_to_image", "T2I"), ("image_to_text", "I2T")):
             for k in ("R@1", "R@5", "R@10"):
                 flat[f"retrieval {tag} {k}"] = r[d][k]
+        mp = r.get("multi_positive")
+        if mp:  # a toy world: captions true of several images (train.multipositive)
+            for k in ("R@1", "R@5", "R@10"):
+                flat[f"retrieval T2I any-true {k}"] = mp["text_to_image"][k]
+            flat["retrieval T2I mAP"] = mp["text_to_image"]["mAP"]
+            if mp["image_to_text"].get("n"):
+                flat["retrieval I2T any-true R@1"] = mp["image_to_text"]["R@1"]
+                flat["retrieval I2T mAP"] = mp["image_to_text"]["mAP"]
+            for group, row in mp["text_to_image_by"].items():
+                if row.get("n"):
+                    for metric, _ in _group_rows(group, None, None):
+                        flat[metric] = row["R@1" if "any-true" in metric else "mAP"]
     z = results.get("zeroshot")
     if z and "top1" in z:
         flat["zero-shot top-1"] = z["top1"]
@@ -505,20 +659,80 @@ def headline(results: dict) -> dict[str, float]:
     return flat
 
 
-def markdown(all_results: dict[str, dict]) -> str:
-    names = list(all_results)
-    rows = {}
-    for name in names:
-        for metric, v in headline(all_results[name]).items():
-            rows.setdefault(metric, {})[name] = v
+def comparison(all_results: dict[str, dict], columns: dict[str, list[str]], per_query: dict[str, PerQuery],
+               n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> dict:
+    """The table of a comparison: per column (its runs: one model, or one per training seed) and :func:`headline`
+    metric, ``mean`` and ``sd`` over the runs (``sd`` None for one run) and ``runs`` (each run's figure); the
+    bootstrap's ``ci`` (95% interval of the seed-averaged figure over resampled test images) and, for every column
+    after the first (the reference, e.g. the frozen base), ``delta`` (mean - the reference's), ``delta_ci`` and
+    ``significant`` (the interval excludes 0). Figures without per-query values (the linear probe) get a delta but
+    no interval. ``train.bootstrap`` says how, and what the interval leaves out."""
+    names = list(columns)
+    reference = names[0] if len(names) > 1 else None
+    boot = compare_columns(per_query, columns, reference, n_resamples, seed)
+    metrics: dict[str, dict] = {}
+    for name, labels in columns.items():
+        flats = [headline(all_results[label]) for label in labels]
+        entries = {}
+        for metric in dict.fromkeys(m for f in flats for m in f):
+            runs = [f[metric] for f in flats if metric in f]
+            if len(runs) != len(flats):
+                continue  # not every run has it (a skipped task): no figure rather than a mean of a subset
+            mean, sd = mean_sd(runs)
+            entry = {"mean": mean, "sd": sd, "runs": runs}
+            found = boot.get(name, {}).get(metric, {})
+            entry.update({k: found[k] for k in ("ci", "delta_ci", "significant") if k in found})
+            entries[metric] = entry
+        metrics[name] = entries
+    for name in names[1:]:
+        for metric, entry in metrics[name].items():
+            if metric in metrics[reference]:
+                entry["delta"] = entry["mean"] - metrics[reference][metric]["mean"]
+    return {"reference": reference, "columns": dict(columns), "metrics": metrics,
+            "bootstrap": {"resamples": n_resamples, "seed": seed, "level": 0.95, "unit": "test image",
+                          "paired": True}}
+
+
+def _cell(entry: dict | None) -> str:
+    if entry is None:
+        return "–"
+    text = f"{entry['mean']:.2f}" + (f" ± {entry['sd']:.2f}" if entry.get("sd") is not None else "")
+    if "delta" in entry:
+        ci = entry.get("delta_ci")
+        if ci and all(math.isfinite(v) for v in ci):
+            text += f" ({entry['delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]{' *' if entry.get('significant') else ''})"
+        else:
+            text += f" ({entry['delta']:+.2f})"
+    return text
+
+
+def markdown(all_results: dict[str, dict], table: dict | None = None) -> str:
+    """The side-by-side table: one column per model (or per column of :func:`comparison`), one row per
+    :func:`headline` metric; with a reference column, every other cell adds its delta, interval and mark, and a
+    legend follows the table."""
+    if table is None:
+        table = comparison(all_results, {name: [name] for name in all_results}, {}, n_resamples=0)
+    names = list(table["columns"])
+    rows = list(dict.fromkeys(m for name in names for m in table["metrics"][name]))
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for metric, vals in rows.items():
-        lines.append(f"| {metric} | " + " | ".join(f"{vals[n]:.2f}" if n in vals else "–" for n in names) + " |")
-    return "\n".join(lines) + "\n"
+    for metric in rows:
+        lines.append(f"| {metric} | " + " | ".join(_cell(table["metrics"][name].get(metric)) for name in names) + " |")
+    legend = []
+    runs = sorted({len(labels) for labels in table["columns"].values() if len(labels) > 1})
+    if runs:
+        legend.append(f"mean ± sd over {'/'.join(map(str, runs))} runs per column (training seeds; one run: no sd); "
+                      "the interval is that of the seed-averaged difference")
+    if table["reference"] is not None:
+        b = table["bootstrap"]
+        legend.append(f"(difference from {table['reference']} [95% paired bootstrap interval, {b['resamples']} "
+                      "resamples of the test images]); * the interval excludes 0" if b["resamples"] else
+                      f"(difference from {table['reference']}; no bootstrap: --bootstrap 0)")
+    return "\n".join(lines) + "\n" + "".join(f"\n{line}" for line in legend) + ("\n" if legend else "")
 
 
-def bar_plot(all_results: dict[str, dict], path: Path) -> Path | None:
-    """Grouped horizontal bars, one group per metric, one bar per model."""
+def bar_plot(all_results: dict[str, dict], path: Path, table: dict | None = None) -> Path | None:
+    """Grouped horizontal bars, one group per metric, one bar per column (the mean of its runs), with the 95%
+    bootstrap interval of each figure as an error bar where there is one."""
     try:
         import matplotlib
 
@@ -527,20 +741,29 @@ def bar_plot(all_results: dict[str, dict], path: Path) -> Path | None:
     except ImportError:
         print("note: matplotlib is not installed (pip install 'plugvlm[train]'); no PNG written")
         return None
-    names = list(all_results)
-    metrics = list(dict.fromkeys(m for n in names for m in headline(all_results[n])))
+    if table is None:
+        table = comparison(all_results, {name: [name] for name in all_results}, {}, n_resamples=0)
+    names = list(table["columns"])
+    metrics = list(dict.fromkeys(m for n in names for m in table["metrics"][n]))
     if not metrics:
         return None
     height = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(metrics) * max(1, len(names)) + 1.5))
     for k, name in enumerate(names):
-        vals = headline(all_results[name])
+        entries = table["metrics"][name]
         ys = np.arange(len(metrics)) + k * height
-        ax.barh(ys, [vals.get(m, 0.0) for m in metrics], height=height, label=name)
+        means = np.array([entries[m]["mean"] if m in entries else 0.0 for m in metrics])
+        lo = np.array([entries[m]["ci"][0] if "ci" in entries.get(m, {}) else np.nan for m in metrics])
+        hi = np.array([entries[m]["ci"][1] if "ci" in entries.get(m, {}) else np.nan for m in metrics])
+        errors = None
+        if np.isfinite(lo).any():
+            errors = np.nan_to_num(np.vstack([np.clip(means - lo, 0, None), np.clip(hi - means, 0, None)]))
+        label = name + (f" ({len(table['columns'][name])} seeds)" if len(table["columns"][name]) > 1 else "")
+        ax.barh(ys, means, height=height, label=label, xerr=errors, error_kw={"elinewidth": 0.8, "capsize": 1.5})
     ax.set_yticks(np.arange(len(metrics)) + height * (len(names) - 1) / 2)
     ax.set_yticklabels(metrics, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("percent")
+    ax.set_xlabel("percent (error bars: 95% bootstrap interval over test images)")
     ax.set_xlim(0, 100)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -551,26 +774,35 @@ def bar_plot(all_results: dict[str, dict], path: Path) -> Path | None:
 
 # --------------------------------------------------------------------------------------------- driver
 def evaluate(opts: EvaluateOptions) -> dict:
-    """Run the evaluation ``opts`` describes; returns ``{"config", "results", "markdown", "reports"}`` and writes
-    ``results.{json,md,png}`` and ``config.json`` under ``opts.out``. Warnings (non-finite scores, small splits)
-    are printed once each; the table itself is left to the caller (the command line prints it)."""
+    """Run the evaluation ``opts`` describes; returns ``{"config", "results", "table", "markdown", "reports",
+    "per_query"}`` and writes ``results.{json,md,png}`` (``results.json``: config, results per model and the
+    table of :func:`comparison`) and ``config.json`` under ``opts.out``. With several models the first is the
+    reference: every other column shows its difference from it with a paired bootstrap interval over the test
+    images (``--bootstrap`` resamples, seeded by ``--seed``; ``train.bootstrap``). ``per_query``: each model's
+    per-query values (``train.bootstrap.PerQuery``), for callers that aggregate further. Warnings (non-finite
+    scores, small splits) are printed once each; the table itself is left to the caller (the command line prints
+    it)."""
     check_options(opts, build_parser())
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = load_tasks(opts)  # every file read and checked before a model loads
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     all_results: dict[str, dict] = {}
-    for model, pretrained in zip(opts.model, opts.pretrained):
+    per_query: dict[str, PerQuery] = {}
+    columns: dict[str, list[str]] = {}
+    for k, (model, pretrained) in enumerate(zip(opts.model, opts.pretrained)):
         started = time.perf_counter()
         scorer = load_scorer(model, pretrained, device=device, detector=opts.detector,
                              annotations=opts.annotations or (opts.data if opts.data else None))
         res: dict = {}
+        queries = PerQuery()
         if "retrieval" in tasks:
-            res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], opts.batch_size)
+            res["retrieval"] = run_retrieval(scorer, tasks["retrieval"], opts.batch_size, scenes=tasks.get("scenes"),
+                                             per_query=queries)
         if "zeroshot" in tasks:
-            res["zeroshot"] = run_zeroshot(scorer, *tasks["zeroshot"], opts.batch_size)
+            res["zeroshot"] = run_zeroshot(scorer, *tasks["zeroshot"], opts.batch_size, per_query=queries)
         if "compositional" in tasks:
-            res["compositional"] = {b.name: run_compositional(scorer, b, opts.batch_size)
+            res["compositional"] = {b.name: run_compositional(scorer, b, opts.batch_size, per_query=queries)
                                     for b in tasks["compositional"]}
         if "linear_probe" in tasks:
             res["linear_probe"] = run_linear_probe(scorer, *tasks["linear_probe"], opts.batch_size, opts.seed)
@@ -578,20 +810,23 @@ def evaluate(opts: EvaluateOptions) -> dict:
         res["warnings"] = result_warnings(scorer.name, res)
         for line in res["warnings"]:  # a split's warning once, not once per model (or per run of a comparison)
             warn_once(line)
-        label = scorer.name
+        label = opts.labels[k].format(name=scorer.name) if opts.labels else scorer.name
         while label in all_results:
             label += "'"
         all_results[label] = res
+        per_query[label] = queries
+        columns.setdefault(opts.columns[k].format(name=scorer.name) if opts.columns else label, []).append(label)
     config = dataclasses.asdict(opts)
-    table = markdown(all_results)
-    report = {"config": config, "results": all_results}
+    table = comparison(all_results, columns, per_query, opts.bootstrap, opts.seed)
+    text = markdown(all_results, table)
+    report = {"config": config, "results": all_results, "table": table}
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     notes = list(dict.fromkeys(line for r in all_results.values() for line in r["warnings"]))
-    (out / "results.md").write_text(table + "".join(f"\n- {line}" for line in notes) + ("\n" if notes else ""))
-    save_config(config, out / "config.json")
-    png = bar_plot(all_results, out / "results.png")
+    (out / "results.md").write_text(text + "".join(f"\n- {line}" for line in notes) + ("\n" if notes else ""))
+    save_config({k: v for k, v in config.items() if k not in ("columns", "labels")}, out / "config.json")
+    png = bar_plot(all_results, out / "results.png", table)
     reports = [out / "results.json", out / "results.md"] + ([png] if png else [])
-    return {**report, "markdown": table, "reports": [str(p) for p in reports]}
+    return {**report, "markdown": text, "reports": [str(p) for p in reports], "per_query": per_query}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,121 @@
+"""The page in a real browser: headless Chromium (Debian's ``chromium`` package) driven by Playwright types a query,
+sees k results, opens the heatmap of a hit, searches captions for an image, runs the caption probe and uploads a
+non-image to see the error message. Playwright's own browser download is never used (``executable_path``).
+
+Skipped, with the reason, where Chromium or Playwright is missing. With ``PLUGVLM_SCREENSHOTS=1`` it saves a
+screenshot of each panel under examples/serve/ (the README's pictures); otherwise it writes nothing there.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from serve_app_setup import served, server, setup  # noqa: F401 - fixtures
+
+CHROMIUM = Path(os.environ.get("PLUGVLM_CHROMIUM", "/usr/bin/chromium"))
+# offline and quiet: no sandbox (root in CI containers), no GPU, nothing phoned home
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "examples" / "serve"
+QUERY = "a red circle to the left of a blue square"
+WAIT_MS = 60_000
+RECALL = True  # the about line as python -m serve shows it
+
+
+def _skip_reason() -> str | None:
+    if not CHROMIUM.is_file():
+        return (f"no Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does), or set PLUGVLM_CHROMIUM "
+                "to a Chromium binary")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright is not installed: pip install playwright (the dev extra); never `playwright install`"
+    return None
+
+
+if _skip_reason():
+    print(f"\n{__name__} skipped: {_skip_reason()}")
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            page.set_default_timeout(WAIT_MS)
+            page.goto(server.url)
+            yield page
+        finally:
+            browser.close()
+
+
+def shot(page, name: str, locator=None) -> None:
+    """Save the panel's screenshot for the README, only when asked (PLUGVLM_SCREENSHOTS=1)."""
+    if os.environ.get("PLUGVLM_SCREENSHOTS") != "1":
+        return
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    (locator or page).screenshot(path=str(SCREENSHOTS / f"{name}.png"))
+
+
+def test_the_page_in_a_real_browser(page, served, tmp_path):
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=WAIT_MS)  # a busy CI machine is slow, not wrong
+    about = page.locator("#about")
+    expect(about).to_contain_text("12 images, 53 captions")
+    expect(about).to_contain_text("first stage: text→image")
+    # text -> image: k hits with both scores, then one hit's heatmaps
+    page.locator("#query textarea").fill(QUERY)
+    page.locator("#search").click()
+    thumbnails = page.locator("#gallery .thumbnail-item")
+    expect(thumbnails).to_have_count(10)
+    expect(page.locator("#t2i-notes")).to_contain_text("first 12 re-ranked by the model")
+    expect(page.locator("#gallery")).to_contain_text("re-ranked")
+    shot(page, "text_to_image")
+    thumbnails.first.click()
+    best = served.searcher.search_text(QUERY, k=1, rerank=50)[0]
+    expect(page.locator("#hit-id textarea")).to_have_value(best.id)
+    heatmap = page.locator("#heatmap")
+    expect(heatmap.locator("img").first).to_be_visible()
+    expect(heatmap).to_contain_text("red circle")
+    expect(heatmap).to_contain_text("blue square")
+    expect(page.locator("#explanation")).to_contain_text("score =")
+    heatmap.scroll_into_view_if_needed()
+    shot(page, "heatmap")
+
+    # image -> text for an image of the collection, then an upload that is not an image
+    page.get_by_role("tab", name="Image → text").click()
+    page.locator("#search-captions").click()
+    table = page.locator("#i2t-table [role=grid]")
+    expect(table).to_have_attribute("aria-rowcount", "11")  # a header and 10 captions
+    path = served.searcher.collection("image").column("path")[served.row_of(served.image_ids()[0])]
+    top = served.searcher.search_image(str(path), k=1, rerank=50)[0].text
+    expect(table).to_contain_text(top)
+    shot(page, "image_to_text")
+    not_an_image = tmp_path / "notes.txt"
+    not_an_image.write_text("this is a text file, not a picture")
+    page.locator("#i2t-upload input[type=file]").set_input_files(str(not_an_image))
+    expect(page.locator("#i2t-upload")).to_contain_text("notes.txt")
+    page.locator("#search-captions").click()
+    error = page.get_by_text("corrupt or unrecognised image data")
+    expect(error.first).to_be_visible()
+    shot(page, "bad_upload")
+
+    # the caption probe, pre-filled with a hard negative of a collection image
+    page.get_by_role("tab", name="Caption probe").click()
+    example = served.examples[0]
+    expect(page.locator("#caption-b textarea")).to_have_value(example.negative)
+    page.locator("#compare").click()
+    preferences = page.locator("#preferences [role=grid]")
+    expect(preferences).to_have_attribute("aria-rowcount", "3")  # a header, the base and the adapter
+    expect(preferences).to_contain_text("base: " + served.base.name)
+    expect(preferences).to_contain_text(served.searcher.scorer.name)
+    expect(page.locator("#heat-a img").first).to_be_visible()
+    expect(page.locator("#heat-b img").first).to_be_visible()
+    shot(page, "caption_probe")

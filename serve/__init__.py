@@ -9,16 +9,16 @@ Two stages, as clip-retrieval's back-end plus what none has::
 
 Modules: ``layout`` (the index directory: files, manifest, atomic replacement, build lock), ``faiss_index``
 (index types, the ``auto`` choice, tuning, recall at build, on-disk IVF), ``index`` (``python -m serve.index``:
-build and ``--add``), ``search`` (``Searcher``: open, search_text / search_image, re-ranking, filters, paging),
-``query`` (``python -m serve.query``), ``benchmark`` (``python -m serve.benchmark``); the app (issue 17): ``app`` (the
-Gradio page over a ``Searcher``: text -> image, heatmaps, image -> text, the caption probe), ``http`` (FastAPI with the
-page mounted and clip-retrieval's ``/knn-service``), ``__main__`` (``python -m serve``), ``load_test``
-(``python -m serve.load_test``).
+build and ``--add``), ``stage2`` (re-ranking representations stored in the index), ``search`` (``Searcher``: open,
+search_text / search_image, re-ranking, filters, paging), ``query`` (``python -m serve.query``), ``benchmark``
+(``python -m serve.benchmark``); the app (issue 17): ``app`` (the Gradio page over a ``Searcher``: text -> image,
+heatmaps, image -> text, the caption probe), ``http`` (FastAPI with the page mounted and clip-retrieval's
+``/knn-service``), ``__main__`` (``python -m serve``), ``load_test`` (``python -m serve.load_test``).
 
 The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
 
 - ``manifest.json`` (written last; its presence means the directory is complete): ``format`` "plugvlm-index",
-  ``version`` 1, ``model`` (what was given: ``model``, ``pretrained``; ``kind`` backbone | pretrain | adapter;
+  ``version`` 2 (1: the same with parquet metadata, still read), ``model`` (what was given: ``model``, ``pretrained``; ``kind`` backbone | pretrain | adapter;
   ``name``; ``fingerprint``: SHA-256 identifying the model's weights -- a query with another model is refused,
   naming both (``serve.layout.model_fingerprint``); ``first_stage_dim``; ``annotations`` / ``detector``: the
   boxes given for an adapter trained on ground-truth boxes), ``data`` (``spec`` resolved, ``split``, ``source``,
@@ -40,10 +40,15 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
   the scorer gives them), FAISS id = row. ``image.index`` holds ``scorer.first_stage_image(reps, "t2i")`` of
   every image (queried by ``first_stage_text(reps, "t2i")`` of a text); ``text.index`` holds
   ``first_stage_text(reps, "i2t")`` of every caption (queried by ``first_stage_image(reps, "i2t")``).
-- ``image.parquet``: ``row`` (int64, = FAISS id), ``image_id``, ``path``, ``captions`` (list of str),
-  ``cache_row`` (the image's row in the cache). ``text.parquet``: ``row``, ``caption_id``, ``text``,
-  ``image_row`` (row in image.parquet), ``image_id``, ``cache_row``. Both also ``part`` (int32: the index in
+- ``image.arrow`` (an uncompressed Arrow IPC file, one record batch, memory-mapped when read; ``image.parquet`` in
+  version 1): ``row`` (int64, = FAISS id), ``image_id``, ``path``, ``captions`` (list of str),
+  ``cache_row`` (the image's row in the cache). ``text.arrow``: ``row``, ``caption_id``, ``text``,
+  ``image_row`` (row in image.arrow), ``image_id``, ``cache_row``. Both also ``part`` (int32: the index in
   ``parts`` of the source the row came from, whose cache ``cache_row`` is a row of). Never pickle.
+- ``image.stage2.<name>.npy`` / ``text.stage2.<name>.npy`` (adapters; :mod:`serve.stage2`): the head's
+  representation of every item, row = FAISS id, which re-ranking reads instead of encoding its candidates; the
+  index's ``stage2`` entry says whether they were stored (``stored``, ``arrays``, ``bytes``) or why not
+  (``reason``).
 - Beside the folder while a build runs: ``INDEX_DIR.lock`` (its flock), ``INDEX_DIR.tmp-<pid>`` (the new folder
   being written); see ``serve.layout`` for the atomic replacement and ``read_manifest`` / ``open_index`` /
   ``read_metadata`` / ``check_alignment`` for reading it back checked.

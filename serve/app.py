@@ -12,7 +12,7 @@ Everything the page does is a method of :class:`Served`, which returns plain dat
     /caption_probe(upload, image_id, caption_a, caption_b, method) -> preferences table, heatmap A, heatmap B, notes
     /about()                                        -> the about line (Markdown)
 
-``image_id`` names an image of the served collection (its ``image_id`` in ``image.parquet``); ``upload`` is a file
+``image_id`` names an image of the served collection (its ``image_id`` in ``image.arrow``); ``upload`` is a file
 (``gradio_client.handle_file(path)``); give one of the two.
 
 Safety. Collection images are read by their row in the index's metadata, never by a path from a request, and

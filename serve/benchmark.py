@@ -22,8 +22,9 @@ normalised and rounded to fp16 as a feature cache stores them. The ``--queries``
    written as serve.index writes one and opened with ``Searcher.open`` (memory-mapped as serve.layout maps large
    files); (c) re-ranking ``--rerank`` candidates with a ComAlign head at the model's shapes (E entity and R
    relation components per item, extract's defaults; 1-4 valid entities and their pairs as relations, the toy
-   world's counts) from a feature cache of ``--rerank-rows`` synthetic items, through Searcher's own
-   ``_gather`` -> ``encode_arrays`` -> ``directed_score``. A ComAlign first stage is 2 x the width (global +
+   world's counts) for ``--rerank-rows`` synthetic items: from the head representations stored in the index
+   (serve.stage2, as ``serve.index`` stores them by default) and, for comparison, encoded per query from the
+   feature cache (Searcher's ``_gather`` -> ``encode_arrays``), then ``directed_score``. A ComAlign first stage is 2 x the width (global +
    base), so it has its own index directory over that cache: what re-ranking adds does not depend on N (only
    ``--rerank`` cache rows are read per query), the first stage does. The paths run query by query in rotating
    order, so load from other processes falls on all alike.
@@ -534,7 +535,7 @@ def write_cache(root: Path, settings: dict, n: int, ids: list[str], arrays_of: C
 
 
 def _image_table(ids: list[str]):
-    """image.parquet of a collection without captions, with serve.index's columns (serve/__init__.py)."""
+    """image.arrow of a collection without captions, with serve.index's columns (serve/__init__.py)."""
     import pyarrow as pa
 
     n = len(ids)
@@ -547,12 +548,12 @@ def _image_table(ids: list[str]):
 
 def finish_index_dir(work, entry: dict, model: dict, cache, ids: list[str], opts: BenchmarkOptions,
                      started: float) -> dict:
-    """image.parquet and manifest.json beside ``work``'s image.index, swapped into place as serve.index does."""
+    """image.arrow and manifest.json beside ``work``'s image.index, swapped into place as serve.index does."""
     from serve.index import _versions, write_table
-    from serve.layout import FORMAT, MANIFEST, VERSION
+    from serve.layout import FORMAT, MANIFEST, METADATA_SUFFIX, VERSION
 
-    write_table(_image_table(ids), work.file("image.parquet"))
-    work.wrote("image.parquet")
+    write_table(_image_table(ids), work.file("image" + METADATA_SUFFIX))
+    work.wrote("image" + METADATA_SUFFIX)
     data = {"spec": "synthetic", "split": None, "source": "serve.benchmark", "fingerprint": None}
     cache_entry = {"path": str(cache.path), "fingerprint": cache.fingerprint}
     n = len(ids)
@@ -596,7 +597,7 @@ def backbone_dir(out: Path, record: dict, auto: dict, vectors: np.ndarray, score
     try:
         os.replace(record["file"], work.file("image.index"))
         work.wrote("image.index")
-        entry = {"file": "image.index", "metadata": "image.parquet", "key": record["key"], "kind": record["kind"],
+        entry = {"file": "image.index", "metadata": "image.arrow", "key": record["key"], "kind": record["kind"],
                  "params": record["params"], "ntotal": n, "recall_at_10": record["tune_recall_at_10"],
                  "recall_queries": opts.queries, "queries": "held-out synthetic queries (t2i)",
                  "ms_per_query": record["tune_ms_per_query"], "tuning": record["ladder"],
@@ -635,7 +636,7 @@ def comalign_dir(out: Path, scorer, vectors: np.ndarray, queries: np.ndarray, op
     """The re-ranking collection: a ComAlign feature cache of the first ``rows`` vectors (global embeddings plus
     entity / relation components), and its index directory built by serve.index's own ``write_vectors`` (first-stage
     vectors from the cache) and ``build_side`` (auto, tuned, recall), for the queries' ComAlign first stage."""
-    from serve.index import IndexOptions, Part, build_side, write_vectors
+    from serve.index import IndexOptions, Part, build_side, finish_stage2, stage2_writer, write_vectors
     from serve.layout import BuildDir
     from serve.search import encode_arrays
 
@@ -659,11 +660,14 @@ def comalign_dir(out: Path, scorer, vectors: np.ndarray, queries: np.ndarray, op
         scorer.first_stage_text(encode_arrays(scorer, text, "text"), "t2i").float().cpu().numpy(), dtype=np.float32)
     work = BuildDir(out)
     try:
-        first = write_vectors(work.scratch / "image.npy", [Part(0, {}, cache)], scorer, "image", "t2i", 256,
-                              "ComAlign first-stage vectors")
         index_opts = IndexOptions(kind="auto", max_memory=opts.max_memory, max_latency_ms=opts.max_latency_ms,
                                   min_recall=opts.min_recall, seed=opts.seed)
+        store = stage2_writer(index_opts, scorer, work, "image", [Part(0, {}, cache)])
+        first = write_vectors(work.scratch / "image.npy", [Part(0, {}, cache)], scorer, "image", "t2i", 256,
+                              "ComAlign first-stage vectors", store)
         entry = build_side(index_opts, "image", first, query_vectors, "synthetic captions' components (t2i)", work)
+        if store is not None:
+            entry["stage2"] = finish_stage2(store, work, index_opts)
         dim = int(first.shape[1])
         del first
         finish_index_dir(work, entry, model_entry(scorer, opts, "adapter", dim), cache, ids, opts, started)
@@ -689,6 +693,9 @@ def search_sections(backbone_index: Path, rerank_index: Path, backbone_scorer, r
     plain = Searcher.open(backbone_index, scorer=backbone_scorer)
     open_seconds = time.perf_counter() - t
     reranking = Searcher.open(rerank_index, scorer=rerank_scorer)
+    encoding = Searcher.open(rerank_index, scorer=rerank_scorer)  # the same index, re-ranking without its store
+    stored = reranking._sides["image"].stage2 is not None
+    encoding._sides["image"].stage2 = None
     q = np.ascontiguousarray(queries, dtype=np.float32)
     count = len(q)
     texts = captions(count, opts.seed)
@@ -707,6 +714,7 @@ def search_sections(backbone_index: Path, rerank_index: Path, backbone_scorer, r
         ("rerank_bare", lambda i: rerank_faiss.search(rerank_vectors[i:i + 1], k)),
         ("rerank_plain", lambda i: reranking.search_reps(rerank_rows[i], "t2i", k)),
         ("rerank_reps", lambda i: reranking.search_reps(rerank_rows[i], "t2i", k, K)),
+        ("rerank_encoded", lambda i: encoding.search_reps(rerank_rows[i], "t2i", k, K)),
         ("rerank_text", lambda i: reranking.search_text(texts[i], k, K)),
     ]
     with single_thread():
@@ -732,7 +740,8 @@ def search_sections(backbone_index: Path, rerank_index: Path, backbone_scorer, r
                                            "rerank_added_median_ms": float(np.median(added) * 1000)},
             "concurrency": concurrency, "rerank_check": check, "open_in_process_seconds": open_seconds,
             "backbone_index": _describe_side(plain), "rerank_index": _describe_side(reranking),
-            "torch_threads": opts.torch_threads, "k": k, "rerank": K}
+            "torch_threads": opts.torch_threads, "k": k, "rerank": K, "stage2_stored": stored,
+            "encoded_check": rerank_check(encoding, rerank_rows[0], k, K)}
 
 
 def _describe_side(searcher) -> dict:
@@ -1009,7 +1018,8 @@ PATH_LABELS = {
     "encode": "    query encoding alone (scorer.encode_texts)",
     "rerank_bare": "    bare FAISS index.search",
     "rerank_plain": "    Searcher.search_reps, no re-ranking",
-    "rerank_reps": "(c) Searcher.search_reps, re-ranking {K}",
+    "rerank_reps": "(c) Searcher.search_reps, re-ranking {K} ({stage2})",
+    "rerank_encoded": "    Searcher.search_reps, re-ranking {K}, candidates encoded from the cache per query",
     "rerank_text": "(c) Searcher.search_text, re-ranking {K} (incl. encoding: spaCy + text tower on caption + "
                    "components)",
 }
@@ -1057,13 +1067,17 @@ def report(results: dict, opts: BenchmarkOptions) -> str:
               f"Index B: {r['ntotal']:,} x {r['dim']} {r['key']} ({_params(r['params'])}): ComAlign first stage "
               f"(global "
               f"+ base, 2 x {b['dim']}) of a {r['ntotal']:,}-item ComAlign cache; model {r['scorer']}. Re-ranking "
-              f"reads {s['rerank']} cache rows per query whatever N is.", "",
+              f"reads {s['rerank']} rows per query whatever N is.", "",
               "| index | path | p50 ms | p99 ms | mean ms | p50 / bare p50 |", "|---|---|---:|---:|---:|---:|"]
     for name, label in PATH_LABELS.items():
         base = lat["bare" if not name.startswith("rerank") else "rerank_bare"]["p50_ms"]
-        x = lat[name]
+        x = lat.get(name)
         which = "A" if not name.startswith("rerank") else "B"
-        lines.append(f"| {which} | {label.format(K=s['rerank'])} | {_ms(x['p50_ms'])} | {_ms(x['p99_ms'])} | "
+        if x is None:  # a path this run's results do not have (an older JSON)
+            continue
+        label = label.format(K=s["rerank"], stage2="stored representations" if s.get("stage2_stored") else
+                             "encoded from the cache: nothing stored")
+        lines.append(f"| {which} | {label} | {_ms(x['p50_ms'])} | {_ms(x['p99_ms'])} | "
                      f"{_ms(x['mean_ms'])} | {x['p50_ms'] / base:.2f}x |")
     added = lat["rerank_reps"]["p50_ms"] - lat["rerank_plain"]["p50_ms"]
     lines += ["", f"Ratios: search path / bare FAISS {lat['search_reps']['p50_ms'] / lat['bare']['p50_ms']:.2f}x (p50; "
@@ -1073,7 +1087,9 @@ def report(results: dict, opts: BenchmarkOptions) -> str:
                   f"{s['paired']['rerank_added_median_ms']:.1f} ms).",
               f"Re-ranking check (query 0): hits {'equal' if s['rerank_check']['ok'] else 'DIFFER FROM'} the ComAlign "
               f"head's own order of the first stage's {s['rerank']} candidates (max score difference "
-              f"{s['rerank_check']['max_abs_score_diff']:.2e}).",
+              f"{s['rerank_check']['max_abs_score_diff']:.2e})"
+              + (f"; encoded from the cache: {'equal' if s['encoded_check']['ok'] else 'DIFFER'} (max difference "
+                 f"{s['encoded_check']['max_abs_score_diff']:.2e})." if "encoded_check" in s else "."),
               "", f"## 4. Throughput (queries per second; threads sharing one index / Searcher, "
                   f"{opts.concurrency_seconds:g} s each)", ""]
     callers = _ints(opts.callers)

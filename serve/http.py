@@ -18,8 +18,8 @@ Routes (clip-retrieval's first, same request and response shapes):
 
     Extensions (absent = clip-retrieval's behaviour): ``rerank`` (true: the first ``k_candidates`` first-stage
     candidates are re-scored by the model's own score, ``similarity`` is that score), ``k_candidates`` (default
-    ``max(num_result_ids, 50)``), ``where`` (a metadata filter ``{"column": value or [values]}`` on image.parquet /
-    text.parquet columns), ``offset`` (paging), ``return_image`` (true: each result with metadata also carries
+    ``max(num_result_ids, 50)``), ``where`` (a metadata filter ``{"column": value or [values]}`` on image.arrow /
+    text.arrow columns), ``offset`` (paging), ``return_image`` (true: each result with metadata also carries
     ``image``, its file in base64, which clip_back adds whenever its metadata has ``image_path``). Every result
     also has ``first_stage_similarity``, ``rerank_similarity`` (null without re-ranking), ``rank_before`` /
     ``rank_after`` and the ids (``image_id``, ``caption_id``). Per-stage timings come back in the standard

@@ -1,5 +1,5 @@
 """``python -m serve.index``: build the search index of a collection for a model, or add another source to one: its
-first-stage vectors in FAISS, the items' metadata in parquet and a manifest (the index directory that
+first-stage vectors in FAISS, the items' metadata in Arrow tables and a manifest (the index directory that
 serve/__init__.py describes).
 
 The collection is anything ``python -m extract`` reads -- a folder of images (no captions: then only the image
@@ -38,8 +38,9 @@ from extract.config import fraction, nonnegative_int, positive_float, positive_i
 from extract.extract_options import DEFAULT_WORKERS
 from extract.source_args import BoxOptions, SourceOptions, open_options, source_flags
 from serve.faiss_index import KINDS, memory_size, parse_memory
-from serve.layout import (FORMAT, MANIFEST, VERSION, BuildDir, IndexDirError, build_lock, check_alignment, check_model,
-                          check_replaceable, import_faiss, import_pyarrow_parquet, model_fingerprint, read_manifest,
+from serve.layout import write_table as layout_write_table
+from serve.layout import (FORMAT, MANIFEST, METADATA_SUFFIX, VERSION, BuildDir, IndexDirError, build_lock, check_alignment, check_model,
+                          check_replaceable, import_faiss, model_fingerprint, read_manifest, read_table,
                           recover, remove_leftovers)
 
 
@@ -76,6 +77,12 @@ class IndexOptions(SourceOptions, BoxOptions):
     ondisk: str = option("auto", choices=["auto", "on", "off"], group="index",
                          help="IVF inverted lists in a memory-mapped .ivfdata file: auto = when the index exceeds "
                               "--max-memory")
+    stage2: str = option("auto", choices=["auto", "stored", "encoded"], group="index",
+                         help="re-ranking reads the candidates' head representations stored in the index (stored: "
+                              "fast, costs disk) or encodes them from the feature cache per query (encoded); auto: "
+                              "stored when they fit --stage2-max-bytes")
+    stage2_max_bytes: str = option("8G", type=memory_size, group="index",
+                                   help="auto: the most disk the stored re-ranking representations may take")
     recall_queries: int = option(1000, type=positive_int, group="index",
                                  help="queries drawn from the collection to measure recall@10 and latency at build")
     cache_dir: str = option("runs/cache", group="run", help="feature caches (one sub-folder per settings fingerprint)")
@@ -228,10 +235,11 @@ def _check_indexable(scorer) -> None:
                          "and this model scores with neither")
 
 
-def first_stage(scorer, cache, side: str, rows: np.ndarray, direction: str):
+def first_stage(scorer, cache, side: str, rows: np.ndarray, direction: str, reps_out: list | None = None):
     """[len(rows), F] float32 first-stage vectors of cache rows (image rows for ``side`` "image", caption rows for
     "text") in ``direction``: from the head's representations of the cached arrays (``scorer.encode_arrays``), or
-    for a bare backbone its cached global embeddings."""
+    for a bare backbone its cached global embeddings. ``reps_out``: receives those representations (what stage 2
+    re-ranks with, :mod:`serve.stage2`)."""
     import torch
 
     arrays = {k: cache.gather(k, rows) for k in _array_keys(scorer, side)}
@@ -242,15 +250,19 @@ def first_stage(scorer, cache, side: str, rows: np.ndarray, direction: str):
             key = "image_embed" if side == "image" else "text_embed"
             reps = {"embed": torch.from_numpy(np.asarray(arrays[key], dtype=np.float32)).to(scorer.device)}
         out = scorer.first_stage_image(reps, direction) if side == "image" else scorer.first_stage_text(reps, direction)
+    if reps_out is not None:
+        reps_out.append(reps)
     out = out.detach().float().cpu().numpy()
     if not np.isfinite(out).all():
         raise ValueError(f"{scorer.name} gave non-finite first-stage vectors for {side} rows of {cache.path}")
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def write_vectors(path: Path, parts: list, scorer, side: str, direction: str, batch: int, desc: str):
+def write_vectors(path: Path, parts: list, scorer, side: str, direction: str, batch: int, desc: str,
+                  store=None):
     """All first-stage vectors of ``side`` over the collection's ``parts`` (their caches, in order) into a float32
-    .npy memmap at ``path`` (bounded memory); None when there are none."""
+    .npy memmap at ``path`` (bounded memory); None when there are none. ``store``: a
+    :class:`serve.stage2.Stage2Writer` that receives the head's representations of the same rows."""
     counts = [p.cache.num_images if side == "image" else p.cache.num_captions for p in parts]
     total = sum(counts)
     if total == 0:
@@ -259,7 +271,10 @@ def write_vectors(path: Path, parts: list, scorer, side: str, direction: str, ba
     with progress(total=total, desc=desc, unit="img" if side == "image" else "cap") as pbar:
         for part, count in zip(parts, counts):
             for a in range(0, count, batch):
-                vec = first_stage(scorer, part.cache, side, np.arange(a, min(a + batch, count)), direction)
+                reps = [] if store is not None else None
+                vec = first_stage(scorer, part.cache, side, np.arange(a, min(a + batch, count)), direction, reps)
+                if store is not None:
+                    store.add(reps[0])
                 if out is None:
                     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(total, vec.shape[1]))
                 out[row:row + len(vec)] = vec
@@ -267,6 +282,33 @@ def write_vectors(path: Path, parts: list, scorer, side: str, direction: str, ba
                 pbar.update(len(vec))
     out.flush()
     return np.load(path, mmap_mode="r")
+
+
+def stage2_writer(opts: IndexOptions, scorer, work: BuildDir, side: str, parts: list):
+    """The :class:`serve.stage2.Stage2Writer` of ``side`` (None: nothing to store -- a bare backbone, whose first
+    stage is its exact score, ``--stage2 encoded``, or a side without items)."""
+    from serve.search import has_second_stage
+    from serve.stage2 import Stage2Writer
+
+    total = sum(p.cache.num_images if side == "image" else p.cache.num_captions for p in parts)
+    if opts.stage2 == "encoded" or total == 0 or not has_second_stage(scorer):
+        return None
+    budget = parse_memory(opts.stage2_max_bytes) if opts.stage2 == "auto" else None
+    return Stage2Writer(work.path, side, total, budget)
+
+
+def finish_stage2(store, work: BuildDir, opts: IndexOptions) -> dict:
+    """The manifest entry of a finished stage-2 store (its files flushed); said when it could not be stored."""
+    entry, names = store.finish()
+    for name in names:
+        work.wrote(name)
+    if entry["stored"]:
+        say(f"  {store.side} re-ranking representations stored: {entry['bytes'] / 2**20:,.1f} MiB")
+    elif opts.stage2 == "stored":
+        raise ValueError(f"--stage2 stored: the {store.side} representations cannot be stored: {entry['reason']}")
+    else:
+        say(f"  {store.side} re-ranking encodes its candidates per query: {entry['reason']}")
+    return entry
 
 
 def query_vectors(parts: list, scorer, side: str, opts: IndexOptions, own) -> tuple[np.ndarray, str]:
@@ -373,9 +415,17 @@ def part_metadata(source, part: Part):
     return image, text
 
 
+def _old_table(out: Path, old: dict, side: str):
+    """The existing index's metadata of ``side`` (parquet in indices of format version 1), in the columns and types
+    the new rows have, so the two concatenate."""
+    from serve.layout import IMAGE_COLUMNS, TEXT_COLUMNS
+
+    table = read_table(out / old["indexes"][side]["metadata"])
+    return table.select(list(IMAGE_COLUMNS if side == "image" else TEXT_COLUMNS)).combine_chunks()
+
+
 def write_table(table, path: Path) -> None:
-    pq = import_pyarrow_parquet()
-    pq.write_table(table, str(path), compression="zstd")
+    layout_write_table(table, path)
 
 
 # --------------------------------------------------------------------------------------------- one side's index
@@ -442,7 +492,7 @@ def build_side(opts: IndexOptions, side: str, vectors, queries, query_source: st
                 print(f"warning: the {side} index ({key}) reaches recall@10 {tuned['recall_at_10']:.3f} within "
                       f"{opts.max_latency_ms} ms per query, below --min-recall {opts.min_recall}: raise --max-memory "
                       "or --max-latency-ms for a better one")
-    entry = {"file": name, "metadata": f"{side}.parquet", "key": key, "kind": fi.kind_of(key),
+    entry = {"file": name, "metadata": f"{side}{METADATA_SUFFIX}", "key": key, "kind": fi.kind_of(key),
              "params": tuned["params"], "ntotal": int(index.ntotal), "recall_at_10": tuned["recall_at_10"],
              "recall_queries": int(len(queries)), "queries": query_source, "ms_per_query": tuned["ms_per_query"],
              "tuning": tuned["ladder"], "tried": tried, "ondisk": bool(ondisk)}
@@ -605,18 +655,18 @@ def _build(opts: IndexOptions, out: Path, old: dict | None, started: float) -> d
     work = BuildDir(out)
     try:
         # metadata first: cheap, and a source that cannot be read back fails before the vectors are computed
-        pq = import_pyarrow_parquet()
         import pyarrow as pa
 
         image_meta, text_meta = part_metadata(open_source(ext.data, **open_options(ext)), new)
         if old is not None:
-            image_meta = pa.concat_tables([pq.read_table(out / old["indexes"]["image"]["metadata"]), image_meta])
+            image_meta = pa.concat_tables([_old_table(out, old, "image"), image_meta])
             if "text" in old["indexes"]:
-                text_meta = pa.concat_tables([pq.read_table(out / old["indexes"]["text"]["metadata"]), text_meta])
+                text_meta = pa.concat_tables([_old_table(out, old, "text"), text_meta])
+        stores = {side: stage2_writer(opts, scorer, work, side, parts) for side in ("image", "text")}
         vectors = {"image": write_vectors(work.scratch / "image.npy", parts, scorer, "image", "t2i", opts.batch_size,
-                                          "first-stage image vectors"),
+                                          "first-stage image vectors", stores["image"]),
                    "text": write_vectors(work.scratch / "text.npy", parts, scorer, "text", "i2t", opts.batch_size,
-                                         "first-stage caption vectors")}
+                                         "first-stage caption vectors", stores["text"])}
         model["first_stage_dim"] = int(vectors["image"].shape[1])
         indexes = {}
         for side in ("image", "text"):
@@ -625,9 +675,11 @@ def _build(opts: IndexOptions, out: Path, old: dict | None, started: float) -> d
             queries, source = query_vectors(parts, scorer, side, opts, vectors[side])
             previous = (old or {}).get("indexes", {}).get(side)
             indexes[side] = build_side(opts, side, vectors[side], queries, source, work, previous, out)
+            if stores[side] is not None:
+                indexes[side]["stage2"] = finish_stage2(stores[side], work, opts)
             table = image_meta if side == "image" else text_meta
-            write_table(table, work.file(f"{side}.parquet"))
-            work.wrote(f"{side}.parquet")
+            write_table(table, work.file(f"{side}{METADATA_SUFFIX}"))
+            work.wrote(f"{side}{METADATA_SUFFIX}")
         del vectors
         manifest = {
             "format": FORMAT, "version": VERSION, "model": model,

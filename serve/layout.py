@@ -6,8 +6,9 @@ What the directory holds is the contract in :mod:`serve` (``serve/__init__.py``)
 Reading (the search side). :func:`read_manifest` validates ``manifest.json`` (format, version, the keys the
 contract names) and that every file it lists exists with the byte size it recorded (a copy cut short fails here,
 naming the file, not at the first search); :func:`open_index` loads ``image.index`` / ``text.index`` with the
-tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata` reads a side's parquet
-table; :func:`check_alignment` checks that every index's ``ntotal``, its metadata's rows and the manifest agree --
+tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata` reads a side's
+metadata table (an Arrow IPC file, memory-mapped: opening a 1M-row table reads nothing but its footer; indices of
+format version 1 hold parquet, still read); :func:`check_alignment` checks that every index's ``ntotal``, its metadata's rows and the manifest agree --
 the most reported failure of self-hosted clip-retrieval indices (an index rebuilt without its metadata, or the
 other way round, silently returns the wrong images). Every failure is an :class:`IndexDirError` (a ValueError,
 so command lines print it as one line and exit 2) naming the file and what to do.
@@ -30,7 +31,7 @@ killed builds are removed by the next build.
 
 Testing aid: ``PLUGVLM_INDEX_TEST_HOOK=POINT:ACTION`` makes a build kill itself (``kill``: SIGKILL, as kill -9)
 or pause (``sleep=SECONDS``) at ``POINT``: ``locked`` (the lock just taken), the name of any file just written
-into the new folder (``image.index``, ``image.parquet``, ``text.index``, ``text.parquet``, ``manifest.json``),
+into the new folder (``image.index``, ``image.arrow``, ``text.index``, ``text.arrow``, ``manifest.json``),
 ``aside`` (two-rename swap only: the old folder moved aside, the new one not yet in) or ``swapped``. Used by
 tests/test_serve_index.py; never set it otherwise.
 """
@@ -47,7 +48,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FORMAT = "plugvlm-index"
-VERSION = 1
+VERSION = 2  # 2: metadata as Arrow IPC files (``.arrow``); 1: parquet, still read
+METADATA_SUFFIX = ".arrow"
 MANIFEST = "manifest.json"
 SIDES = ("image", "text")
 KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
@@ -226,46 +228,116 @@ def open_index(index_dir: str | os.PathLike, side: str, manifest: dict | None = 
     return index
 
 
-def metadata_rows(index_dir: str | os.PathLike, side: str, manifest: dict) -> int:
-    """Rows of a side's parquet table, from its footer (nothing else read)."""
-    pq = import_pyarrow_parquet()
-    path = Path(index_dir) / index_entry(manifest, side, index_dir)["metadata"]
+def _unreadable(path: Path, e: Exception) -> IndexDirError:
+    what = "parquet" if path.suffix == ".parquet" else "Arrow"
+    return IndexDirError(f"{path} is not a readable {what} table ({e}); copy the whole folder again or rebuild the "
+                         "index")
+
+
+def read_table(path: str | os.PathLike, columns: list[str] | None = None):
+    """The ``pyarrow.Table`` in a metadata file, unchecked: an Arrow IPC file (``.arrow``) memory-mapped without
+    copying (the table's buffers point into the map, so only the pages a search touches are read), or a parquet
+    file (index format version 1) read whole. Raises :class:`IndexDirError` naming the file."""
+    path = Path(path)
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        if path.suffix == ".parquet":
+            return import_pyarrow_parquet().read_table(path, columns=columns)
+        import pyarrow as pa
+
+        table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+        return table.select(columns) if columns is not None else table
     except FileNotFoundError:
         raise IndexDirError(f"{path} is missing: the index is incomplete; rebuild it") from None
-    except Exception as e:  # pyarrow's ArrowInvalid for a cut or foreign file
-        raise IndexDirError(f"{path} is not a readable parquet table ({e}); copy the whole folder again or rebuild "
-                            "the index") from None
+    except IndexDirError:
+        raise
+    except Exception as e:  # pyarrow's ArrowInvalid / KeyError for a cut or foreign file, a missing column
+        raise _unreadable(path, e) from None
+
+
+def column_numpy(column):
+    """A table column as a numpy array: integer and float columns without nulls as a zero-copy view of the (memory-
+    mapped) buffer -- pyarrow's own ``to_numpy`` imports pandas on first use, a second of a cold start --, any
+    other column through ``to_numpy`` (object arrays for strings and lists)."""
+    import numpy as np
+    import pyarrow as pa
+
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    dtypes = {pa.int64(): np.int64, pa.int32(): np.int32, pa.int16(): np.int16, pa.int8(): np.int8,
+              pa.uint64(): np.uint64, pa.uint32(): np.uint32, pa.float64(): np.float64, pa.float32(): np.float32}
+    dtype = dtypes.get(arr.type)
+    if dtype is not None and arr.null_count == 0:
+        return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * np.dtype(dtype).itemsize)
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def arrow_int64(values):
+    """A numpy integer array as an Arrow int64 array, built from its buffer (``pa.array`` imports pandas)."""
+    import numpy as np
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
+
+
+def arrow_strings(values) -> "pa.Array":
+    """A sequence of str as an Arrow large_string array, built from its UTF-8 bytes and offsets (``pa.array``
+    imports pandas: a second of a cold start for 1M ids)."""
+    import numpy as np
+    import pyarrow as pa
+
+    encoded = [str(v).encode("utf-8") for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(pa.large_string(), len(encoded),
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
+
+
+def write_table(table, path: str | os.PathLike) -> None:
+    """Write a metadata table as an uncompressed Arrow IPC file (memory-mappable, see :func:`read_table`)."""
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())  # one record batch: read back as one chunk per column
+
+
+def metadata_rows(index_dir: str | os.PathLike, side: str, manifest: dict) -> int:
+    """Rows of a side's metadata table, from its footer / record batch headers (no column data read)."""
+    path = Path(index_dir) / index_entry(manifest, side, index_dir)["metadata"]
+    try:
+        if path.suffix == ".parquet":
+            return import_pyarrow_parquet().ParquetFile(path).metadata.num_rows
+        import pyarrow as pa
+
+        reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    except FileNotFoundError:
+        raise IndexDirError(f"{path} is missing: the index is incomplete; rebuild it") from None
+    except Exception as e:
+        raise _unreadable(path, e) from None
 
 
 def read_metadata(index_dir: str | os.PathLike, side: str, manifest: dict | None = None,
                   columns: list[str] | None = None):
     """A side's metadata as a ``pyarrow.Table`` (``columns``: a subset), checked: the contract's columns, ``row``
     numbered 0..n-1, as many rows as the manifest's ``ntotal``. Raises :class:`IndexDirError` naming the file."""
-    pq = import_pyarrow_parquet()
     index_dir = Path(index_dir)
     manifest = manifest if manifest is not None else read_manifest(index_dir)
     entry = index_entry(manifest, side, index_dir)
     path = index_dir / entry["metadata"]
-    try:
-        table = pq.read_table(path, columns=columns)
-    except FileNotFoundError:
-        raise IndexDirError(f"{path} is missing: the index is incomplete; rebuild it") from None
-    except Exception as e:
-        raise IndexDirError(f"{path} is not a readable parquet table ({e}); copy the whole folder again or rebuild "
-                            "the index") from None
+    table = read_table(path)
     want = IMAGE_COLUMNS if side == "image" else TEXT_COLUMNS
     lacking = [c for c in (columns or want) if c not in table.column_names]
     if lacking:
         raise IndexDirError(f"{path} lacks column(s) {lacking} (has {table.column_names}); rebuild the index")
+    if columns is not None:
+        table = table.select(columns)
     if table.num_rows != entry["ntotal"]:
         raise IndexDirError(f"{path} has {table.num_rows:,} rows, {index_dir / MANIFEST} says the {side} index holds "
                             f"{entry['ntotal']:,}: the metadata does not line up with the index; rebuild the index")
     if "row" in table.column_names:
         import numpy as np
 
-        rows = table.column("row").to_numpy()
+        rows = column_numpy(table.column("row"))
         if len(rows) and not np.array_equal(rows, np.arange(len(rows))):
             raise IndexDirError(f"{path}: column 'row' is not 0..{len(rows) - 1} in order (the FAISS id of each row): "
                                 "the table was edited or damaged; rebuild the index")
@@ -319,7 +391,7 @@ def import_pyarrow_parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("index metadata is parquet, read and written with pyarrow: pip install 'plugvlm[serve]' "
+        raise ImportError("index metadata is read and written with pyarrow: pip install 'plugvlm[serve]' "
                           "(or pip install pyarrow)") from None
     return pq
 

@@ -43,7 +43,7 @@ class QueryOptions:
                                 help="re-score the first K candidates with the model's own score (default: no "
                                      "re-ranking; a bare backbone has no second stage and ignores it, noted)")
     where: list = option(default_factory=list, action="append", metavar="COLUMN=VALUE",
-                         help="keep hits whose metadata column (image.parquet / text.parquet) equals VALUE; repeat "
+                         help="keep hits whose metadata column (image.arrow / text.arrow) equals VALUE; repeat "
                               "a column for any of several values, different columns must all match")
     offset: int = option(0, type=nonnegative_int, help="skip this many hits first (paging: --offset 10 --k 10 is "
                                                        "the second page of ten)")

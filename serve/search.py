@@ -18,7 +18,7 @@ the feature cache the manifest names (image rows for images, caption rows for ca
 ordered by that score (non-finite scores last, ties by first-stage rank). A bare backbone has no second stage:
 its first stage is its exact score, ``has_second_stage`` is False and ``rerank`` is ignored with a note.
 
-Filters (``where``): a mapping ``{column: value}`` of metadata columns (``image.parquet`` / ``text.parquet``; a
+Filters (``where``): a mapping ``{column: value}`` of metadata columns (``image.arrow`` / ``text.arrow``; a
 list, tuple or set of values is a membership test, several columns must all match; a list column such as
 ``captions`` matches when it holds a value), or a callable on the metadata row (a dict) returning True to keep
 it. The index is searched for more candidates than asked (over-fetching, growing 4x) until enough pass or the
@@ -77,12 +77,12 @@ class QueryError(ValueError):
 # --------------------------------------------------------------------------------------------- results
 @dataclass
 class Hit:
-    """One result. ``row``: row of ``image.parquet`` (image hits) or ``text.parquet`` (caption hits), = the FAISS
+    """One result. ``row``: row of ``image.arrow`` (image hits) or ``text.arrow`` (caption hits), = the FAISS
     id; ``id``: its ``image_id`` / ``caption_id``; ``path``: the image file (a caption hit: its image's);
     ``text``: the caption (None for image hits); ``score``: first-stage inner product; ``rerank_score``: the
     model's own score (None without re-ranking); ``rank_before`` / ``rank_after``: 1-based positions in the
     filtered first-stage order and in the final order (equal without re-ranking; both count the ``offset``d
-    hits); ``metadata``: the row of the parquet file, as a dict."""
+    hits); ``metadata``: the row of the metadata table, as a dict."""
 
     row: int
     kind: str
@@ -193,14 +193,15 @@ def first_stage_vectors(scorer, reps: Reps, side: str) -> np.ndarray:
 class _Side:
     """One searchable collection of the index directory: its FAISS index and its metadata table."""
 
-    def __init__(self, name: str, index, table, path: Path, meta_path: Path):
+    def __init__(self, name: str, index, table, path: Path, meta_path: Path, stage2=None):
         self.name, self.index, self.table, self.path, self.meta_path = name, index, table, path, meta_path
         self.n = int(index.ntotal)
+        self.stage2 = stage2  # serve.stage2.Stage2Store: stored re-ranking representations, or None
         self._columns: dict[str, np.ndarray] = {}
 
     def column(self, name: str) -> np.ndarray:
         if name not in self._columns:
-            self._columns[name] = self.table.column(name).to_numpy(zero_copy_only=False)
+            self._columns[name] = layout.column_numpy(self.table.column(name))
         return self._columns[name]
 
     def parts(self) -> np.ndarray:
@@ -210,9 +211,7 @@ class _Side:
         return self.column("part").astype(np.int64)
 
     def rows(self, rows: Sequence[int]) -> list[dict]:
-        import pyarrow as pa
-
-        return self.table.take(pa.array(np.asarray(rows, dtype=np.int64))).to_pylist() if len(rows) else []
+        return self.table.take(layout.arrow_int64(rows)).to_pylist() if len(rows) else []
 
 
 def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
@@ -221,8 +220,9 @@ def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
     faiss = layout.import_faiss()
     entry = layout.index_entry(manifest, name, index_dir)
     index = layout.open_index(index_dir, name, manifest)
-    # One chunk per column: parquet reads a table in row-group chunks, and taking the hits' rows from a chunked
-    # 1M-row table cost 5.6 ms per query here, 0.04 ms after combining (more than the FAISS search itself).
+    # One chunk per column: taking the hits' rows from a chunked 1M-row table cost 5.6 ms per query here, 0.04 ms
+    # after combining (more than the FAISS search itself). An Arrow file is written as one record batch, so this
+    # copies nothing and the columns stay memory-mapped; a version-1 parquet table is combined in memory.
     table = layout.read_metadata(index_dir, name, manifest).combine_chunks()
     index_path, meta_path = index_dir / entry["file"], index_dir / entry["metadata"]
     problems = []
@@ -235,13 +235,29 @@ def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
         problems.append(f"{index_path} holds {index.ntotal} vectors, {meta_path} has {table.num_rows} rows")
     if problems:
         raise IndexDirError(f"index {index_dir} does not line up: " + "; ".join(problems) + "; rebuild it")
-    return _Side(name, index, table, index_path, meta_path)
+    from serve.stage2 import Stage2Store
+
+    try:
+        stage2 = Stage2Store.open(index_dir, name, entry.get("stage2"), index.ntotal)
+    except ValueError as e:
+        raise IndexDirError(str(e)) from None
+    return _Side(name, index, table, index_path, meta_path, stage2)
 
 
 def _check_lineup(index_dir: Path, sides: dict[str, _Side], caches: list | None) -> None:
     """Metadata rows point where they should: captions at images of the index, cache rows inside their part's
     cache and naming the same items (image / caption ids), so stage 2 re-scores the candidate it was given.
     ``caches``: one per part (None: not checked)."""
+    import pyarrow as pa
+
+    def same(ids, rows: np.ndarray, column) -> bool:
+        """``ids[rows]`` equals ``column`` as strings, compared by Arrow (1M ids in tens of ms, where numpy's
+        object-to-str conversions took seconds)."""
+        ids = ids if isinstance(ids, (pa.Array, pa.ChunkedArray)) else layout.arrow_strings(ids)
+        taken = ids.take(layout.arrow_int64(rows))
+        chunked = [x if isinstance(x, pa.ChunkedArray) else pa.chunked_array([x]) for x in (taken, column)]
+        return chunked[0].cast(pa.large_string()).equals(chunked[1].cast(pa.large_string()))  # whatever the chunking
+
     problems = []
     image = sides["image"]
     if "text" in sides:
@@ -249,8 +265,7 @@ def _check_lineup(index_dir: Path, sides: dict[str, _Side], caches: list | None)
         image_row = text.column("image_row").astype(np.int64)
         if len(image_row) and (image_row.min() < 0 or image_row.max() >= image.n):
             problems.append(f"{text.meta_path.name}: image_row outside 0..{image.n - 1}")
-        elif len(image_row) and not np.array_equal(image.column("image_id")[image_row].astype(str),
-                                                   text.column("image_id").astype(str)):
+        elif len(image_row) and not same(image.table.column("image_id"), image_row, text.table.column("image_id")):
             problems.append(f"{text.meta_path.name}'s image_id disagrees with {image.meta_path.name}'s at image_row")
     for name, side in sides.items():
         if not caches:
@@ -267,10 +282,12 @@ def _check_lineup(index_dir: Path, sides: dict[str, _Side], caches: list | None)
             n, ids = ((cache.num_images, cache.image_ids()) if name == "image" else
                       (cache.num_captions, cache.caption_ids()))
             local = rows[mine]
+            theirs = side.table.column(id_column)
+            if not mine.all():
+                theirs = theirs.filter(pa.array(mine))
             if local.min() < 0 or local.max() >= n:
                 problems.append(f"{side.meta_path.name}: cache_row outside the {n} rows of {cache.path}")
-            elif not np.array_equal(np.asarray(ids, dtype=object)[local].astype(str),
-                                    side.column(id_column)[mine].astype(str)):
+            elif not same(ids, local, theirs):
                 problems.append(f"{side.meta_path.name}'s {id_column} disagrees with the cache's at cache_row "
                                 f"({cache.path})")
     if problems:
@@ -381,7 +398,10 @@ class Searcher:
         index_dir = Path(index_dir)
         manifest = layout.read_manifest(index_dir)  # every file checked before the model loads: seconds, not minutes
         sides = {name: _open_side(index_dir, manifest, name) for name in manifest["indexes"]}
-        caches, cache_problem = _open_caches(index_dir, manifest)
+        # A bare backbone's first stage is its score: searching never reads the cache, so it is not opened (its
+        # shards' ids are seconds of reading for a million images); an adapter's stage 2 is checked against it.
+        bare = manifest["model"].get("kind") == "backbone" if scorer is None else not has_second_stage(scorer)
+        caches, cache_problem = (None, "a bare backbone's index") if bare else _open_caches(index_dir, manifest)
         image_problem = None
         if scorer is None:
             spec = model or manifest["model"]["model"]
@@ -496,7 +516,7 @@ class Searcher:
 
     def collection(self, side: str = "image"):
         """The ``side`` ("image" / "text") of the index, for reading: ``n``, ``index`` (FAISS), ``table`` (its
-        parquet metadata), ``column(name)`` (numpy), ``rows(rows)`` (dicts). The app maps ids to files with it."""
+        Arrow metadata), ``column(name)`` (numpy), ``rows(rows)`` (dicts). The app maps ids to files with it."""
         if side not in self._sides:
             raise QueryError(f"index {self.index_dir} has no {side} side (it has {', '.join(self._sides)})")
         return self._sides[side]
@@ -624,14 +644,18 @@ class Searcher:
         return _ordered(rows[ids[0][keep]], scores[0][keep])
 
     def _rerank(self, side: _Side, rows: np.ndarray, query_reps: Reps, direction: str) -> np.ndarray:
-        """The scorer's own scores of candidate ``rows`` against the query, from their cached arrays."""
+        """The scorer's own scores of candidate ``rows`` against the query: from their representations stored in
+        the index (serve.stage2) when it has them, else encoded from their cached arrays."""
         cache_rows, parts = side.column("cache_row").astype(np.int64)[rows], side.parts()[rows]
         out = []
         with torch.no_grad():
             for a in range(0, len(rows), RERANK_BATCH):
-                arrays = _gather(self.scorer, self.caches, side.name, cache_rows[a:a + RERANK_BATCH],
-                                 parts[a:a + RERANK_BATCH])
-                candidates = encode_arrays(self.scorer, arrays, side.name)
+                if side.stage2 is not None:
+                    candidates = side.stage2.take(rows[a:a + RERANK_BATCH], self.scorer.device)
+                else:
+                    arrays = _gather(self.scorer, self.caches, side.name, cache_rows[a:a + RERANK_BATCH],
+                                     parts[a:a + RERANK_BATCH])
+                    candidates = encode_arrays(self.scorer, arrays, side.name)
                 if side.name == "image":
                     s = directed_score(self.scorer, candidates, query_reps, direction)[:, 0]
                 else:

@@ -63,7 +63,8 @@ def test_json_has_every_section_with_sane_figures(bench):
         assert size["kinds"]["flat"]["params"] == {} and size["kinds"]["hnsw"]["params"]["efSearch"] >= 16
     search = data["search"]
     assert set(search["latency"]) == {"bare", "search_reps", "search_text", "encode", "rerank_bare", "rerank_plain",
-                                      "rerank_reps", "rerank_text"}
+                                      "rerank_reps", "rerank_encoded", "rerank_text"}
+    assert search["stage2_stored"] and search["encoded_check"]["ok"], search["encoded_check"]
     for figures in search["latency"].values():
         assert 0 < figures["p50_ms"] <= figures["p99_ms"] and figures["count"] == 20
     assert search["backbone_index"]["ntotal"] == 2000 and search["backbone_index"]["dim"] == 64

@@ -189,7 +189,7 @@ def test_a_folder_of_images_gives_an_image_index_only(world, work):
     folder = photo_folder(world, work / "photos")
     manifest = build_index(options(folder, work, "photos-index"))
     assert set(manifest["indexes"]) == {"image"} and manifest["collection"] == {"images": 20, "captions": 0}
-    assert sorted(os.listdir(work / "photos-index")) == ["image.index", "image.parquet", "manifest.json"]
+    assert sorted(os.listdir(work / "photos-index")) == ["image.arrow", "image.index", "manifest.json"]
     assert manifest["indexes"]["image"]["queries"] == "images of the collection"
     rows = layout.read_metadata(work / "photos-index", "image").to_pylist()
     assert all(r["captions"] == [] and Path(r["path"]).is_file() for r in rows)
@@ -299,7 +299,7 @@ def test_kill_9_during_a_build_leaves_a_whole_index(world, work, point, swap, ou
 
 def test_kill_9_during_a_first_build_leaves_no_index(world, work):
     out = work / "killed-first"
-    proc = child(world, work, out, "test", "image.parquet:kill")
+    proc = child(world, work, out, "test", "image.arrow:kill")
     proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL
     with pytest.raises(IndexDirError, match=r"does not exist \(killed-first\.tmp-\d+ beside it: a build that did not"):

@@ -56,7 +56,31 @@ def test_a_finished_index_reads_back_whole(index):
         table = layout.read_metadata(index, side)
         assert table.column_names == list(layout.IMAGE_COLUMNS if side == "image" else layout.TEXT_COLUMNS)
         assert table.column("row").to_pylist() == list(range(rows))
-    assert set(manifest["files"]) == {"image.index", "image.parquet", "text.index", "text.parquet"}
+    assert set(manifest["files"]) == {"image.index", "image.arrow", "text.index", "text.arrow"}
+
+
+def test_a_version_1_index_with_parquet_metadata_still_opens(index):
+    """Indices built before format version 2 keep their metadata in parquet: read and searched as before."""
+    import pyarrow.parquet as pq
+
+    from serve.search import Searcher
+
+    want = Searcher.open(index).search_text("a red circle", k=3)
+    for side in ("image", "text"):
+        table = layout.read_table(index / f"{side}.arrow").combine_chunks()
+        pq.write_table(table, index / f"{side}.parquet")
+        (index / f"{side}.arrow").unlink()
+
+    def to_v1(m):
+        m["version"] = 1
+        for side in ("image", "text"):
+            m["indexes"][side]["metadata"] = f"{side}.parquet"
+            m["files"].pop(f"{side}.arrow")
+            m["files"][f"{side}.parquet"] = (index / f"{side}.parquet").stat().st_size
+    edit_manifest(index, to_v1)
+    assert layout.check_alignment(index)["version"] == 1
+    got = Searcher.open(index).search_text("a red circle", k=3)
+    assert [(h.row, h.metadata) for h in got] == [(h.row, h.metadata) for h in want]
 
 
 @pytest.mark.parametrize("damage,message", [
@@ -68,7 +92,7 @@ def test_a_finished_index_reads_back_whole(index):
     (lambda p: edit_manifest(p, lambda m: m.pop("collection")), "lacks ['collection']"),
     (lambda p: edit_manifest(p, lambda m: m["indexes"]["text"].pop("ntotal")), "indexes.text lacks ['ntotal']"),
     (lambda p: (p / "text.index").unlink(), "text.index is missing"),
-    (lambda p: os.truncate(p / "image.parquet", 100), "image.parquet is 100 bytes"),
+    (lambda p: os.truncate(p / "image.arrow", 100), "image.arrow is 100 bytes"),
 ])
 def test_a_damaged_index_is_refused_naming_the_file(index, damage, message):
     damage(index)
@@ -78,12 +102,13 @@ def test_a_damaged_index_is_refused_naming_the_file(index, damage, message):
 
 
 def _replace_table(index: Path, side: str, table) -> None:
-    """Swap a side's parquet for ``table`` and record its size, as a hand-made "fix" of a metadata file would:
+    """Swap a side's metadata for ``table`` and record its size, as a hand-made "fix" of a metadata file would:
     only the row checks can catch it then."""
-    import pyarrow.parquet as pq
-
-    pq.write_table(table, index / f"{side}.parquet")
-    edit_manifest(index, lambda m: m["files"].update({f"{side}.parquet": (index / f"{side}.parquet").stat().st_size}))
+    path = index / f"{side}.arrow"
+    table = table.combine_chunks()
+    path.unlink()  # ``table`` may be memory-mapped from it
+    layout.write_table(table, path)
+    edit_manifest(index, lambda m: m["files"].update({f"{side}.arrow": path.stat().st_size}))
 
 
 def test_metadata_that_does_not_line_up_with_the_index_is_refused(index):
@@ -92,7 +117,7 @@ def test_metadata_that_does_not_line_up_with_the_index_is_refused(index):
     layout.read_manifest(index)  # the files are whole: only the counts disagree
     for check in (lambda: layout.check_alignment(index), lambda: layout.open_index(index, "text"),
                   lambda: layout.read_metadata(index, "text")):
-        with pytest.raises(IndexDirError, match=r"text\.parquet has 20 rows"):
+        with pytest.raises(IndexDirError, match=r"text\.arrow has 20 rows"):
             check()
     layout.open_index(index, "image")  # the other side is fine
 

@@ -185,9 +185,11 @@ def _fix_sizes(folder: Path) -> None:
 
 
 def _rewrite_table(path: Path, change) -> None:
-    import pyarrow.parquet as pq
+    from serve.layout import read_table, write_table
 
-    pq.write_table(change(pq.read_table(path)), path)
+    table = change(read_table(path).combine_chunks())
+    path.unlink()  # the old file is memory-mapped by the table just read: write a new one, not into it
+    write_table(table, path)
     _fix_sizes(path.parent)
 
 
@@ -225,13 +227,14 @@ BAD_INDEXES = {  # name -> (how the copy is damaged, the message's fragment)
     "index cut": (lambda d: _cut(d / "image.index"), "image.index is "),
     "index cut, sizes fixed": (lambda d: _cut(d / "image.index", True), "image.index is not a readable FAISS index"),
     "index missing": (lambda d: (d / "text.index").unlink(), "text.index is missing"),
-    "metadata cut": (lambda d: _cut(d / "text.parquet"), "text.parquet is "),
-    "metadata cut, sizes fixed": (lambda d: _cut(d / "text.parquet", True),
-                                  "text.parquet is not a readable parquet table"),
-    "metadata rows reordered": (lambda d: _rewrite_table(d / "image.parquet", _reverse_rows),
+    "metadata cut": (lambda d: _cut(d / "text.arrow"), "text.arrow is "),
+    "metadata cut, sizes fixed": (lambda d: _cut(d / "text.arrow", True),
+                                  "text.arrow is not a readable Arrow table"),
+    "metadata rows reordered": (lambda d: _rewrite_table(d / "image.arrow", _reverse_rows),
                                 "column 'row' is not 0..11 in order"),
-    "cache rows swapped": (lambda d: _rewrite_table(d / "text.parquet", _swap_cache_rows),
-                           "text.parquet's caption_id disagrees with the cache's at cache_row"),
+    "cache rows swapped": (lambda d: _rewrite_table(d / "text.arrow", _swap_cache_rows),
+                           "text.arrow's caption_id disagrees with the cache's at cache_row"),
+    "stage-2 store cut": (lambda d: _cut(next(d.glob("image.stage2.*.npy"))), "image.stage2."),
     "cache moved": (lambda d: _tamper_manifest(d, lambda m: _cache_entry(m, path=str(d / "nowhere"))),
                     "the index's feature cache cannot be opened"),
     "another cache": (lambda d: _tamper_manifest(d, lambda m: _cache_entry(m, fingerprint="f" * 64)),

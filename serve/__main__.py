@@ -197,9 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"warning: listening on {opts.host}: anyone who can reach this machine can search the collection, "
                   "see its images and upload images to it (there is no login); --host 127.0.0.1 keeps it local")
         sock = bind(opts.host, opts.port)  # before the model loads: a port in use fails in a second
-        # the cores are shared by the concurrent computations, not multiplied by them
+        try:
+            served, index = prepare(opts)
+        except BaseException:
+            sock.close()  # a refused start releases the port at once
+            raise
+        # the cores are shared by the concurrent computations, not multiplied by them (set once the index opened:
+        # a refused start leaves the calling process's threads as they were)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.concurrency))
-        served, index = prepare(opts)
         app = create_app(served)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host

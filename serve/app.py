@@ -313,7 +313,8 @@ class Served:
 
     def heatmaps(self, image: QueryImage, caption, method: str | None = None, explain: bool = True) -> Heatmaps:
         """Per-phrase heatmaps of ``caption`` on ``image`` by ``method`` (default: serve.heatmap's), with ComAlign's
-        winning boxes and, with ``explain``, its score rebuilt from its parts (serve.heatmap's explain)."""
+        winning boxes and, with ``explain``, its score rebuilt from its parts. One Heatmapper.explained_maps call:
+        the boxes drawn are those of the explanation shown (ComAlign's components are extracted once)."""
         from extract.images import BadCaption, validate_caption
 
         try:
@@ -325,9 +326,9 @@ class Served:
             raise QueryError(f"unknown heatmap method {method!r}; choose from {', '.join(self.heatmap_methods)}")
         mapper = self.heatmapper
         with self.gate.hold():
-            maps = mapper.maps(image.image, text, method, image_id=image.name)
-            explanation = (mapper.explain(image.image, text, image_id=image.name) if explain and mapper.explains()
-                           else None)
+            maps, explanation = mapper.explained_maps(image.image, text, method, image_id=image.name)
+        if not explain:
+            explanation = None
         pil, annotations = mapper.overlay(image.image, maps)
         pil, annotations = enlarge_annotated(pil, annotations, THUMBNAIL * 2)
         return Heatmaps(pil, annotations, maps, explanation, method or self.heatmap_methods[0])

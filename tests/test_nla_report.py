@@ -12,6 +12,7 @@ import torch
 
 from adapters.nla import nla_t2_bounds, r2t_exact
 from extract import toyworld
+from extract.extract_options import ExtractOptions
 from extract.pipeline import build_cache
 from train import nla_report
 
@@ -93,7 +94,8 @@ def test_report_on_cache(tmp_path, tiny_cache):
     assert nla_report.main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
     src = rep["sources"]["cache"]
-    assert src["M"] == 4 and src["K"] == 16 and 0 < src["mean_valid_nodes"] <= 16
+    nodes = ExtractOptions().max_nodes  # K is the cache's node padding: extraction's default cap
+    assert src["M"] == 4 and src["K"] == nodes and 0 < src["mean_valid_nodes"] <= nodes
     _check_source(src, [0.1, 0.01, 0.001], [0.0, 0.25, 0.5, 0.75, 1.0])
     assert (out / "cache_r2t_scatter.png").is_file() and (out / "cache_t2r_scatter.png").is_file()
     assert rep["calibration"][-1]["label"] == "cache"

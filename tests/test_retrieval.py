@@ -158,3 +158,39 @@ def test_small_split_warning_for_one_image_and_not_for_a_normal_split():
     n = 120
     normal = retrieval_metrics(_fn(np.eye(n)), n, list(range(n)))
     assert "warning" not in normal
+
+
+# ------------------------------------------------------------------------------------- one direction at a time
+@pytest.mark.parametrize("max_bytes", [1 << 30, 0])
+def test_one_direction_equals_that_half_of_both_and_t2i_alone_reads_the_matrix_once(max_bytes):
+    """A directional scorer asks each of its two matrices for one direction (train.evaluate): each half equals the
+    same direction of the two-direction run, multi-positive figures included, and text->image alone makes one pass
+    over the caption chunks even when streaming (image->text needs the second)."""
+    from train.retrieval import retrieval_queries
+
+    rng = np.random.default_rng(4)
+    n_img, n_txt = 13, 37
+    cap = torch.tensor(rng.integers(0, n_img, n_txt))
+    s = rng.integers(0, 4, (n_img, n_txt)).astype(np.float32)
+    s[rng.random(s.shape) < 0.05] = np.nan
+    truth = torch.from_numpy(rng.random((n_img, n_txt)) < 0.2)
+    calls = []
+
+    def fn(rows):
+        calls.append(rows)
+        return torch.from_numpy(s[:, rows])
+
+    both = retrieval_queries(fn, n_img, cap, chunk=8, max_bytes=max_bytes, truth=truth)
+    calls.clear()
+    t2i = retrieval_queries(fn, n_img, cap, chunk=8, max_bytes=max_bytes, truth=truth, directions=("t2i",))
+    assert len(calls) == 5  # ceil(37 / 8) chunks, once
+    i2t = retrieval_queries(fn, n_img, cap, chunk=8, max_bytes=max_bytes, truth=truth, directions=("i2t",))
+    assert t2i.i2t is None and i2t.t2i is None and t2i.multi.i2t_first is None and i2t.multi.t2i_ap is None
+    assert torch.equal(t2i.t2i, both.t2i) and torch.equal(i2t.i2t, both.i2t)
+    assert torch.equal(t2i.multi.t2i_first, both.multi.t2i_first)
+    assert torch.equal(i2t.multi.i2t_first, both.multi.i2t_first)
+    np.testing.assert_array_equal(t2i.multi.t2i_ap.numpy(), both.multi.t2i_ap.numpy())
+    np.testing.assert_array_equal(i2t.multi.i2t_ap.numpy(), both.multi.i2t_ap.numpy())
+    assert t2i.nonfinite == i2t.nonfinite == both.nonfinite == int(np.isnan(s).sum())
+    with pytest.raises(ValueError, match="directions must be among"):
+        retrieval_queries(fn, n_img, cap, directions=("i2i",))

@@ -20,14 +20,12 @@ import torch
 from PIL import Image
 
 from serve.app import (Busy, Gate, Limits, Served, enlarge, enlarge_annotated, gallery_items, hits_table,
-                       measure_recall, page_error, rank_change)
+                       page_error, rank_change)
 from serve.search import QueryError, Searcher
 from serve_app_setup import served, setup  # noqa: F401 - fixtures
 
 QUERY = "a red circle to the left of a blue square"
 
-
-LIMITS = Limits(max_upload_bytes=64 * 1024, max_pixels=1_000_000)
 
 
 def _png(image: Image.Image) -> bytes:
@@ -74,6 +72,11 @@ def test_a_hits_heatmap_has_one_map_per_phrase_and_comalign_explains_its_score(s
     assert heat.explanation is not None and any(m.box is not None for m in heat.maps)
     assert heat.explanation.score == pytest.approx(hits[0].rerank_score, abs=2e-3)  # live vs cached fp16 arrays
     assert any("box" in label for label in labels)
+    # the boxes drawn are the explanation's winners (one explained_maps pass), labelled with their component score
+    winners = {(c.box, round(c.score, 6)) for c in heat.explanation.components if c.box is not None}
+    for m in (m for m in heat.maps if m.box is not None):
+        assert (m.box, round(m.box_score, 6)) in winners
+        assert f"{m.phrase}: {m.box_kind} box, score {m.box_score:.3f}" in labels
     with pytest.raises(QueryError, match="unknown heatmap method"):
         served.heatmaps(image, QUERY, "gradcam")
 
@@ -148,14 +151,17 @@ def test_the_about_line_names_the_model_the_index_and_its_served_recall(served):
     from serve.app import recall_text
     from serve.search import served_recall
 
-    recall = measure_recall(served.searcher, 8)
-    assert list(recall["rows"]) == ["first stage", "re-ranked K=8"]
-    assert recall["rows"]["re-ranked K=8"] == served_recall(served.searcher, 8)
-    line = Served(served.searcher, recall=recall).about()
+    recall = served.recall  # measured once when the shared app opened: measure_recall(searcher), K=50
+    assert list(recall["rows"]) == ["first stage", "re-ranked K=50"] and recall["ks"] == [1, 5, 10]
+    assert recall["rows"]["re-ranked K=50"] == served_recall(served.searcher, 50)
+    line = served.about()
     assert served.searcher.scorer.name in line and "`Flat`" in line and "12 images, 53 captions" in line
     t2i = recall["rows"]["first stage"]["text_to_image"]
     assert f"text→image {t2i['R@1']:.1f}/{t2i['R@5']:.1f}/{t2i['R@10']:.1f}" in line
-    assert "not measured" in recall_text(None) and "not measured" in served.about()
+    i2t = recall["rows"]["re-ranked K=50"]["image_to_text"]
+    assert f"image→text {i2t['R@1']:.1f}/{i2t['R@5']:.1f}/{i2t['R@10']:.1f}" in line
+    unmeasured = Served(served.searcher).about()
+    assert "not measured" in recall_text(None) and "not measured" in unmeasured and "R@1/5/10" not in unmeasured
 
 
 # --------------------------------------------------------------------------------------------- bad input

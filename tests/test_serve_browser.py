@@ -21,7 +21,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "examples" / "serve"
 QUERY = "a red circle to the left of a blue square"
 WAIT_MS = 60_000
-RECALL = True  # the about line as python -m serve shows it
 
 
 def _skip_reason() -> str | None:

@@ -15,14 +15,12 @@ import pytest
 import requests
 from PIL import Image
 
-from serve.app import Gate, Limits
+from serve.app import Gate
 from serve.http import deduplicate
 from serve_app_setup import served, server, setup  # noqa: F401 - fixtures
 
 QUERY = "a red circle to the left of a blue square"
 
-
-LIMITS = Limits(max_upload_bytes=256 * 1024, max_pixels=1_000_000)
 
 
 def clip_client_body(text=None, image=None, embedding_input=None, **settings) -> dict:

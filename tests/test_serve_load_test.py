@@ -12,8 +12,6 @@ from serve.load_test import LoadOptions, check_url, load_test, parse_args, queri
 from serve_app_setup import served, server, setup  # noqa: F401 - fixtures
 
 
-APP_OPTIONS = {"blocks": False}  # the load check drives the JSON API: no page needed
-
 
 def test_a_short_run_of_both_phases_has_no_errors(server):
     result = load_test(LoadOptions(url=server.url, clients=3, seconds=1.5, warmup=3, k=5, rerank=8))

@@ -48,9 +48,11 @@ a file outside Gradio's upload and cache folders asked for through it is refused
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import logging
 import math
 import os
 import re
@@ -503,11 +505,27 @@ def bind(host: str, port: int):
     return sock
 
 
+class _QuietShutdown(logging.Filter):
+    """Drops uvicorn's report of the streams a shutdown cuts: an open page (or a gradio_client) holds a heartbeat
+    stream that never ends by itself, so every stop with a page open would print an error and a traceback of a
+    CancelledError. Any other error still reaches the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().endswith("timeout graceful shutdown exceeded"):
+            return False
+        return not (record.exc_info and record.exc_info[0] is not None
+                    and issubclass(record.exc_info[0], asyncio.CancelledError))
+
+
 def server_config(app):
     """uvicorn's settings for the app: quiet, idle connections closed after 5 s, at most 1000 connections (more are
-    answered 503 by uvicorn), and a shutdown that waits at most 5 s for open streams (the page's heartbeat)."""
+    answered 503 by uvicorn), and a shutdown that waits at most 5 s for open streams (the page's heartbeat), then
+    cuts them without a traceback (:class:`_QuietShutdown`)."""
     import uvicorn
 
+    log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietShutdown) for f in log.filters):
+        log.addFilter(_QuietShutdown())
     return uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, limit_concurrency=1000,
                           timeout_graceful_shutdown=5)
 

@@ -135,3 +135,51 @@ def test_seeds_train_each_method_several_times_into_one_column(tmp_path_factory,
                                                         for s in (3, 4)]
     assert entry["val"]["retrieval T2I R@1"] == pytest.approx(np.mean([r["val"]["retrieval T2I R@1"]
                                                                        for r in entry["runs"]]))
+
+
+def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, monkeypatch):
+    """--variant "LABEL=METHOD flags": one more column, trained with the shared settings, then the flags after --,
+    then its own (nested dicts merged key by key), into OUT/<method>-<label slug>, labelled "<name> (LABEL)"."""
+    import train.adapter as ta
+    import train.evaluate as ev
+    from train.adapter_compare import Variant
+
+    trained, evaluated = [], []
+    monkeypatch.setattr(ta, "train", lambda o: trained.append(o) or {"steps": 1, "adapter": f"{o.out}/a.safetensors",
+                                                                      "val": {}, "inference": {}})
+    monkeypatch.setattr(ev, "evaluate", lambda o: evaluated.append(o) or {"markdown": "|", "reports": []})
+    world, out = _fake_world(tmp_path / "world"), tmp_path / "cmp"
+    opts = parse_args(["--data", str(world), "--out", str(out), "--methods", "comalign",
+                       "--variant", "detector boxes=comalign --boxes yolo --detector y.pt",
+                       "--variant", "random boxes=comalign --boxes random --lr 1e-3", "--", "--max-entities", "5",
+                       "--lr", "1e-4"])
+    assert opts.variants == [
+        Variant("detector boxes", "comalign", {"extract_options": {"boxes": "yolo", "detector": "y.pt"}}),
+        Variant("random boxes", "comalign", {"lr": 1e-3, "extract_options": {"boxes": "random"}})]
+    result = compare(opts)
+    assert [(o.out, o.lr, o.extract_options) for o in trained] == [
+        (str(out / "comalign"), 1e-4, {"max_entities": 5}),
+        (str(out / "comalign-detector-boxes"), 1e-4, {"max_entities": 5, "boxes": "yolo", "detector": "y.pt"}),
+        (str(out / "comalign-random-boxes"), 1e-3, {"max_entities": 5, "boxes": "random"})]
+    (table,) = evaluated
+    assert table.model == ["tiny", *(f"{o.out}/a.safetensors" for o in trained)]
+    assert table.columns == table.labels == ["{name}", "{name}", "{name} (detector boxes)", "{name} (random boxes)"]
+    assert list(result["methods"]) == ["comalign", "comalign-detector-boxes", "comalign-random-boxes"]
+
+    # with seeds, each variant's runs average into its own column
+    evaluated.clear()
+    compare(CompareOptions(data=str(world), out=str(tmp_path / "s"), methods=["smartclip"], seeds=2,
+                           variants=[Variant("long", "smartclip", {"context_length": 248, "unfreeze": True})]))
+    assert evaluated[0].columns == ["{name}", "{name}", "{name}", "{name} (long)", "{name} (long)"]
+    assert evaluated[0].labels[3:] == ["{name} (long) seed 0", "{name} (long) seed 1"]
+
+    for variant, message in [("nolabel", "expected LABEL=METHOD"), ("x=nope", "unknown method 'nope'"),
+                             ("a=", "expected LABEL=METHOD")]:
+        with pytest.raises(ValueError, match=message):
+            CompareOptions(data=str(world), methods=["comalign"], variant=[variant])
+    with pytest.raises(ValueError, match="share the run folder 'comalign-a'"):  # labels "a" and "A": one folder
+        CompareOptions(data=str(world), methods=["comalign"], variants=[Variant("a", "comalign"),
+                                                                        Variant("A", "comalign")])
+    with pytest.raises(ValueError, match="variant 'x' may not set out"):
+        compare(CompareOptions(data=str(world), out=str(tmp_path / "bad"), methods=["comalign"],
+                               variants=[Variant("x", "comalign", {"out": "elsewhere"})]))

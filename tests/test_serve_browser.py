@@ -3,7 +3,12 @@ sees k results, opens the heatmap of a hit, searches captions for an image, runs
 non-image to see the error message. Playwright's own browser download is never used (``executable_path``).
 
 Skipped, with the reason, where Chromium or Playwright is missing. With ``PLUGVLM_SCREENSHOTS=1`` it saves a
-screenshot of each panel under examples/serve/ (the README's pictures); otherwise it writes nothing there.
+screenshot of each panel under examples/serve/ (the README's pictures); otherwise it writes nothing there. The
+README's pictures show the demo's trained model, not the tests' random-weights one:
+
+    PLUGVLM_SCREENSHOTS=1 PLUGVLM_SCREENSHOT_INDEX=runs/demo/index python -m pytest tests/test_serve_browser.py
+
+(``PLUGVLM_SCREENSHOT_INDEX``: the index the page serves instead of the tests' own; the same checks run on it.)
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app_setup import served, server, setup  # noqa: F401 - fixtures
+from serve_app_setup import server, setup, shared_served  # noqa: F401 - fixtures
 
 CHROMIUM = Path(os.environ.get("PLUGVLM_CHROMIUM", "/usr/bin/chromium"))
 # offline and quiet: no sandbox (root in CI containers), no GPU, nothing phoned home
@@ -40,6 +45,16 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason(
 
 
 @pytest.fixture(scope="module")
+def served(setup):
+    index = os.environ.get("PLUGVLM_SCREENSHOT_INDEX")
+    if not index:
+        return shared_served(setup)
+    from serve.app import Served
+
+    return Served.open(index, recall=True)
+
+
+@pytest.fixture(scope="module")
 def page(server):
     from playwright.sync_api import sync_playwright
 
@@ -54,12 +69,15 @@ def page(server):
             browser.close()
 
 
-def shot(page, name: str, locator=None) -> None:
-    """Save the panel's screenshot for the README, only when asked (PLUGVLM_SCREENSHOTS=1)."""
+def shot(page, name: str, full_page: bool = False) -> None:
+    """Save the panel's screenshot for the README, only when asked (PLUGVLM_SCREENSHOTS=1); ``full_page``: the
+    whole page, not only the window (the probe's two heatmaps lie below it)."""
     if os.environ.get("PLUGVLM_SCREENSHOTS") != "1":
         return
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    (locator or page).screenshot(path=str(SCREENSHOTS / f"{name}.png"))
+    # every picture on the page decoded first (gallery thumbnails arrive after the table)
+    page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=full_page)
 
 
 def test_the_page_in_a_real_browser(page, served, tmp_path):
@@ -67,14 +85,15 @@ def test_the_page_in_a_real_browser(page, served, tmp_path):
 
     expect.set_options(timeout=WAIT_MS)  # a busy CI machine is slow, not wrong
     about = page.locator("#about")
-    expect(about).to_contain_text("12 images, 53 captions")
+    n_images, n_captions = served.searcher.num_images, served.searcher.num_captions
+    expect(about).to_contain_text(f"{n_images:,} images, {n_captions:,} captions")
     expect(about).to_contain_text("first stage: text→image")
     # text -> image: k hits with both scores, then one hit's heatmaps
     page.locator("#query textarea").fill(QUERY)
     page.locator("#search").click()
     thumbnails = page.locator("#gallery .thumbnail-item")
     expect(thumbnails).to_have_count(10)
-    expect(page.locator("#t2i-notes")).to_contain_text("first 12 re-ranked by the model")
+    expect(page.locator("#t2i-notes")).to_contain_text(f"first {min(50, n_images)} re-ranked by the model")
     expect(page.locator("#gallery")).to_contain_text("re-ranked")
     shot(page, "text_to_image")
     thumbnails.first.click()
@@ -105,6 +124,9 @@ def test_the_page_in_a_real_browser(page, served, tmp_path):
     error = page.get_by_text("corrupt or unrecognised image data")
     expect(error.first).to_be_visible()
     shot(page, "bad_upload")
+    for close in page.locator(".toast-close").all():  # the user dismisses the message; the page goes on serving
+        close.click()
+    expect(error).to_have_count(0)
 
     # the caption probe, pre-filled with a hard negative of a collection image
     page.get_by_role("tab", name="Caption probe").click()
@@ -117,4 +139,4 @@ def test_the_page_in_a_real_browser(page, served, tmp_path):
     expect(preferences).to_contain_text(served.searcher.scorer.name)
     expect(page.locator("#heat-a img").first).to_be_visible()
     expect(page.locator("#heat-b img").first).to_be_visible()
-    shot(page, "caption_probe")
+    shot(page, "caption_probe", full_page=True)

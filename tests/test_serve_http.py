@@ -255,3 +255,45 @@ def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     with pytest.raises(AppError, match="corrupt or unrecognised image data"):
         client.predict(handle_file(str(bad)), None, 3, False, 10, api_name="/image_to_text")
     assert len(client.predict(QUERY, 2, False, 12, api_name="/text_to_image")[0]) == 2  # still serving
+
+
+def test_the_readmes_client_block_runs_against_the_app(server, capsys):
+    """The README's Python block for both APIs (clip-retrieval's JSON and gradio_client) runs as written against the
+    app, with only its URL line pointed at this server."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"<!-- client: tests/test_serve_http.py runs this block against the app -->\n```python\n(.*?)```",
+                      readme, re.S).group(1)
+    url_line = 'URL = "http://127.0.0.1:7860/"'
+    assert block.count(url_line) == 1
+    exec(compile(block.replace(url_line, f"URL = {server.url!r}"), "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "first_stage;dur=" in printed and "rerank;dur=" in printed
+    assert "entity box" in printed  # ComAlign's winning boxes label the heatmap
+
+
+def test_a_stop_cuts_open_streams_without_a_traceback_and_other_errors_still_show():
+    """uvicorn reports the heartbeat streams a shutdown cancels as an error with a traceback; serve.http drops exactly
+    those records (an open page at Ctrl-C is normal) and lets any other error through."""
+    import asyncio
+    import logging
+    import sys
+
+    from serve.http import _QuietShutdown
+
+    def record(message, error=None):
+        exc_info = None
+        if error is not None:
+            try:
+                raise error
+            except BaseException:
+                exc_info = sys.exc_info()
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, message, (), exc_info)
+
+    quiet = _QuietShutdown()
+    assert not quiet.filter(record("Cancel 1 running task(s), timeout graceful shutdown exceeded"))
+    assert not quiet.filter(record("Exception in ASGI application", asyncio.CancelledError("shutdown")))
+    assert quiet.filter(record("Exception in ASGI application", ValueError("a real bug")))
+    assert quiet.filter(record("something else went wrong"))

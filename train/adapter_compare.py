@@ -18,12 +18,19 @@ interval over the test images, ``*`` where the interval excludes 0 (``train.boot
 adapter N times (seeds ``--seed`` .. ``--seed+N-1``, in ``OUT/<method>/seed-<s>``; the base, the data and the cache
 stay the same): each cell is then mean ± sd over the seeds and the interval is that of the seed-averaged difference.
 
-From Python: ``compare(CompareOptions(data="toy", methods=["comalign"], overrides={"extract_batch_size": 64}))``.
+**Variants**: one more column for a method trained with other settings, e.g. ComAlign on detected or random boxes
+next to its ground-truth ones: ``--variant "detector boxes=comalign --boxes yolo --detector best.pt"`` (repeatable;
+``LABEL=METHOD`` then ``train.adapter`` flags, parsed as the flags after ``--`` are, and applied after them). The
+column is ``<base> + <method> (<label>)`` and its runs go to ``OUT/<method>-<label as a slug>``.
+
+From Python: ``compare(CompareOptions(data="toy", methods=["comalign"], overrides={"extract_batch_size": 64},
+variants=[Variant("random boxes", "comalign", {"extract_options": {"boxes": "random"}})]))``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +45,49 @@ from extract.config import nonnegative_int, parse_with_config, positive_int, sav
 from extract.source_args import SourceOptions
 
 PROG = "python -m train.adapter_compare"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One more column of the table: ``method`` trained with ``overrides`` (``train.adapter.AdapterOptions`` fields,
+    as :attr:`CompareOptions.overrides`, applied after them; ``head_config`` / ``extract_options`` merge key by
+    key), shown as ``<base> + <method> (<label>)``."""
+
+    label: str
+    method: str
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """Its name in compare.json and its run folder under OUT: ``<method>-<label as a slug>``."""
+        return f"{self.method}-" + (re.sub(r"[^a-z0-9]+", "-", self.label.lower()).strip("-") or "variant")
+
+
+def parse_variant(text: str) -> Variant:
+    """``--variant "LABEL=METHOD [train.adapter flags]"`` as a :class:`Variant` (the flags through
+    ``train.adapter.parse_overrides``, which exits with status 2 on a bad one)."""
+    import shlex
+
+    from train.adapter import parse_overrides
+
+    label, sep, rest = str(text).partition("=")
+    words = shlex.split(rest)
+    if not sep or not label.strip() or not words:
+        raise ValueError(f"--variant {text!r}: expected LABEL=METHOD [flags], e.g. "
+                         "\"random boxes=comalign --boxes random\"")
+    method = words[0]
+    if method not in ADAPTERS.names():
+        raise ValueError(f"--variant {text!r}: unknown method {method!r}; choose from {', '.join(ADAPTERS.names())}")
+    return Variant(label.strip(), method, parse_overrides(words[1:], [method], prog=PROG) if words[1:] else {})
+
+
+def merge_overrides(first: dict, then: dict) -> dict:
+    """``first`` updated by ``then``; their ``head_config`` and ``extract_options`` dicts merge key by key."""
+    out = {**first, **then}
+    for nested in ("head_config", "extract_options"):
+        if nested in first and nested in then:
+            out[nested] = {**first[nested], **then[nested]}
+    return out
 
 
 @dataclass
@@ -72,7 +122,11 @@ class CompareOptions(SourceOptions):
                              "the seed-averaged difference from the base")
     bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
                             help="bootstrap resamples of the test images for every interval (0: none)")
+    variant: list = option(default_factory=list, action="append", metavar="LABEL=METHOD FLAGS",
+                           help="one more column: METHOD trained with these train.adapter flags, shown as METHOD "
+                                "(LABEL), e.g. \"random boxes=comalign --boxes random\" (repeatable)")
     overrides: dict = field(default_factory=dict)
+    variants: list = field(default_factory=list)
 
     def __post_init__(self):
         names = ADAPTERS.names()
@@ -84,6 +138,12 @@ class CompareOptions(SourceOptions):
         if unknown or not self.methods:
             raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
                              f"{', '.join(names)}")
+        self.variants = [*self.variants, *(parse_variant(v) for v in self.variant)]
+        self.variant = []  # parsed into variants (once)
+        keys = [*self.methods, *(v.key for v in self.variants)]
+        clash = sorted({k for k in keys if keys.count(k) > 1})
+        if clash:
+            raise ValueError(f"two columns would share the run folder {clash[0]!r}: give the variants other labels")
 
 
 def build_parser() -> Parser:
@@ -111,38 +171,48 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     return opts
 
 
-def run_folder(opts: CompareOptions, method: str, seed: int) -> Path:
-    """``OUT/<method>``, or ``OUT/<method>/seed-<s>`` with ``--seeds`` > 1."""
-    folder = Path(opts.out) / method
+def run_folder(opts: CompareOptions, key: str, seed: int) -> Path:
+    """``OUT/<key>`` (a method's name or a variant's key), or ``OUT/<key>/seed-<s>`` with ``--seeds`` > 1."""
+    folder = Path(opts.out) / key
     return folder if opts.seeds == 1 else folder / f"seed-{seed}"
 
 
+def columns(opts: CompareOptions) -> list[tuple[str, str, dict, str | None]]:
+    """The adapter columns in table order: ``(key, method, overrides, label)``, the methods (label None) then the
+    variants."""
+    return [*((m, m, {}, None) for m in opts.methods),
+            *((v.key, v.method, v.overrides, v.label) for v in opts.variants)]
+
+
 def adapter_runs(opts: CompareOptions) -> list:
-    """One resolved ``train.adapter.AdapterOptions`` per method and seed (method by method, seeds ``seed`` ..
-    ``seed + seeds - 1``): shared data, backbone, schedule and cache (with the union of the methods' components;
-    the seed changes no extraction setting, so every seed reads the same cache), then ``opts.overrides``. Raises
-    ValueError (naming the method) when any run's settings are refused, before anything trains."""
+    """``(column key, resolved train.adapter.AdapterOptions)`` per column and seed (:func:`columns` in order, seeds
+    ``seed`` .. ``seed + seeds - 1``): shared data, backbone, schedule and cache (with the union of the methods'
+    components; the seed changes no extraction setting, so every seed reads the same cache), then
+    ``opts.overrides``, then a variant's own. Raises ValueError (naming the column) when any run's settings are
+    refused, before anything trains."""
     from train.adapter import AdapterOptions, resolve
 
     out = Path(opts.out)
-    components = sorted({c for m in opts.methods for c in ADAPTERS.get(m).components})
+    components = sorted({c for _, m, _, _ in columns(opts) for c in ADAPTERS.get(m).components})
     shared = dict(data=opts.data, base=opts.base, pretrained=opts.pretrained, epochs=opts.epochs,
                   batch_size=opts.batch_size, val_data=opts.val_data, image_root=opts.image_root,
                   cache_dir=opts.cache_dir or str(out / "cache"), components=components, device=opts.device,
                   workers=opts.workers, seed=opts.seed, final_eval=False,
                   **{f.name: getattr(opts, f.name) for f in dataclasses.fields(SourceOptions)})
-    own = sorted({"method", "out"} & set(opts.overrides)) + (["seed"] if opts.seeds > 1 and "seed" in opts.overrides
-                                                               else [])
-    if own:  # every run would train that method, or into that folder, or with that seed
-        raise ValueError(f"overrides may not set {', '.join(own)}: each run's comes from --methods, --out and --seeds")
+    for what, given in [("overrides", opts.overrides), *((f"variant {v.label!r}", v.overrides) for v in opts.variants)]:
+        own = sorted({"method", "out"} & set(given)) + (["seed"] if opts.seeds > 1 and "seed" in given else [])
+        if own:  # every run would train that method, or into that folder, or with that seed
+            raise ValueError(f"{what} may not set {', '.join(own)}: each run's comes from --methods, --variant, --out "
+                             "and --seeds")
     runs = []
-    for method in opts.methods:
+    for key, method, overrides, _ in columns(opts):
         for seed in range(opts.seed, opts.seed + opts.seeds):
+            settings = merge_overrides(opts.overrides, overrides)
             try:
-                runs.append(resolve(AdapterOptions(**{**shared, "method": method, "seed": seed,
-                                                      "out": str(run_folder(opts, method, seed)), **opts.overrides})))
+                runs.append((key, resolve(AdapterOptions(**{**shared, "method": method, "seed": seed,
+                                                           "out": str(run_folder(opts, key, seed)), **settings}))))
             except ValueError as e:
-                raise ValueError(f"{method}: {e}") from None
+                raise ValueError(f"{key}: {e}") from None
     return runs
 
 
@@ -169,24 +239,29 @@ def compare(opts: CompareOptions) -> dict:
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
-    by_method: dict[str, list[dict]] = {}
-    for run in runs:
-        say(f"== {run.method} ==" if opts.seeds == 1 else f"== {run.method}, seed {run.seed} ==")
+    by_key: dict[str, list[dict]] = {}
+    for key, run in runs:
+        say(f"== {key} ==" if opts.seeds == 1 else f"== {key}, seed {run.seed} ==")
         started = time.perf_counter()
         summary = train(run)
-        by_method.setdefault(run.method, []).append({
+        by_key.setdefault(key, []).append({
             "seed": run.seed, "steps": summary["steps"], "seconds": time.perf_counter() - started,
             "val": summary.get("val"), "inference": summary.get("inference"), "checkpoint": summary.get("adapter")})
-    results = {m: _method_entry(entries) for m, entries in by_method.items()}
+    results = {key: _method_entry(entries) for key, entries in by_key.items()}
     test = final_table_data(opts)
     report = None
     if test:
-        checkpoints = [e["checkpoint"] for m in opts.methods for e in by_method[m]]
+        order = [(key, label) for key, _, _, label in columns(opts)]
+        checkpoints = [e["checkpoint"] for key, _ in order for e in by_key[key]]
         grouping = {}
+        names = {key: "{name}" + (f" ({label})" if label else "") for key, label in order}
         if opts.seeds > 1:  # one column per method, its runs averaged; each run's results under "<name> seed <s>"
-            grouping = dict(columns=["{name}"] * (1 + len(checkpoints)),
-                            labels=["{name}", *(f"{{name}} seed {e['seed']}" for m in opts.methods
-                                                for e in by_method[m])])
+            grouping = dict(columns=["{name}", *(names[key] for key, _ in order for _ in by_key[key])],
+                            labels=["{name}", *(f"{names[key]} seed {e['seed']}" for key, _ in order
+                                                for e in by_key[key])])
+        elif opts.variants:  # a variant's column carries its label
+            grouping = dict(columns=["{name}", *(names[key] for key, _ in order)],
+                            labels=["{name}", *(names[key] for key, _ in order)])
         report = evaluate(EvaluateOptions(
             model=[opts.base, *checkpoints],
             pretrained=[opts.pretrained] if opts.pretrained is not None else [], tasks=opts.eval_tasks, out=str(out),

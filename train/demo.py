@@ -10,6 +10,14 @@ accuracy per hard-negative type, each adapter's difference from the base with it
 over the test images (``*``: the interval excludes 0). ``--seeds N`` trains every adapter N times (mean ± sd over
 seeds; the interval is that of the seed-averaged difference).
 
+``--full`` is the long run (about 20 minutes on 2 CPU cores with ``--seeds 3``): each method where its paper makes
+its claim. It also trains a small YOLO on the toy world's train split (``extract.toy_detector``) and adds ComAlign
+on those detected boxes and on random boxes next to its ground-truth ones (the oracle no user has); and it builds a
+long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.toyworld --long-captions``)
+and prints a second table on its test split: the frozen base (77 tokens: long captions are cut), SmartCLIP's frozen
+mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the paper's recipe) and
+SmartCLIP trained on the short-caption world only.
+
 It ends by serving the best adapter (the highest held-out T2I R@1, chosen on the validation split, not the test
 split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds the search
 index of the test split with it, and one example query shows the first-stage hits next to the adapter's own
@@ -60,6 +68,10 @@ class DemoOptions:
     batch_size: int = option(128, type=positive_int, help="adapter training batch")
     device: str | None = option(None, help="torch device (default: cuda when available, else cpu)")
     workers: int = option(2, type=nonnegative_int, help="data-loading worker processes")
+    full: bool = option(False, action="store_true",
+                        help="the long run: also ComAlign on detected boxes (a YOLO trained on the toy world) and on "
+                             "random boxes, and SmartCLIP on a long-caption toy world (frozen, --unfreeze with 248 "
+                             "tokens, trained on short captions only); about 20 min on 2 CPU cores with --seeds 3")
 
 
 def build_parser() -> Parser:
@@ -105,7 +117,63 @@ def best_adapter(methods: dict) -> str | None:
     return max(scored, key=scored.get) if scored else None
 
 
-def serve_best(opts: DemoOptions, result: dict, world: Path, out: Path) -> dict | None:
+class Steps:
+    """The numbered progress lines: ``[k/N] what``."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def __call__(self, text: str) -> None:
+        self.done += 1
+        say(f"[{self.done}/{self.total}] {text}")
+
+
+def toy_detector(opts: DemoOptions, world: Path, out: Path) -> dict:
+    """A YOLO trained on the toy world's train split (``extract.toy_detector``; reused when trained before with the
+    same world and settings): what ComAlign's detected-boxes column uses."""
+    from extract.toy_detector import ToyDetectorOptions, summary, train_toy_detector
+
+    result = train_toy_detector(ToyDetectorOptions(data=str(world), out=str(out), seed=opts.seed, device=opts.device,
+                                                   workers=opts.workers))
+    for line in summary(result).splitlines()[1:3]:
+        say("  " + line.strip())
+    return result
+
+
+def box_variants(detector: str) -> list:
+    """ComAlign on boxes a user can have, next to its ground-truth column: a detector's, and random ones (the
+    control: components that know nothing of the objects)."""
+    from train.adapter_compare import Variant
+
+    return [Variant("detector boxes", "comalign", {"extract_options": {"boxes": "yolo", "detector": detector}}),
+            Variant("random boxes", "comalign", {"extract_options": {"boxes": "random"}})]
+
+
+#: SmartCLIP's claim (paper §6.1): long, multi-concept captions, with the text context stretched to 248 tokens
+LONG_CONTEXT = 248
+
+
+def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: Path) -> dict:
+    """SmartCLIP where its claim lives: a long-caption toy world (same size and seed) and the comparison on its test
+    split of the frozen base, the frozen mask head, the mask head fine-tuning the backbone with a 248-token context
+    (``--unfreeze``) and the mask head trained on the short-caption ``world`` only."""
+    from extract import toyworld
+    from train.adapter_compare import CompareOptions, Variant, columns, compare
+
+    long_world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line),
+                                 replace=True, long_captions=True)
+    variants = [Variant(f"fine-tuned, {LONG_CONTEXT} tokens", "smartclip",
+                        {"unfreeze": True, "context_length": LONG_CONTEXT}),
+                Variant("trained on short captions", "smartclip", {"data": str(world)})]
+    copts = CompareOptions(data=str(long_world), out=str(out), base=opts.base, pretrained=pretrained,
+                           methods=["smartclip"], variants=variants, epochs=opts.epochs, batch_size=opts.batch_size,
+                           seed=opts.seed, seeds=opts.seeds, workers=opts.workers, device=opts.device)
+    for key, *_ in columns(copts):
+        shutil.rmtree(out / key, ignore_errors=True)
+    return compare(copts)
+
+
+def serve_best(opts: DemoOptions, result: dict, world: Path, out: Path, step=say) -> dict | None:
     """Index the toy world's test split with the best adapter (``serve.index``) and run :data:`EXAMPLE_QUERY`
     with re-ranking; returns what it did, with the hits, for the report."""
     from serve.index import IndexOptions, build_index
@@ -114,10 +182,10 @@ def serve_best(opts: DemoOptions, result: dict, world: Path, out: Path) -> dict 
 
     method = best_adapter(result["methods"])
     if method is None:
-        say("[5/5] serving skipped: no adapter with held-out figures")
+        step("serving skipped: no adapter with held-out figures")
         return None
     checkpoint = result["methods"][method]["checkpoint"]
-    say(f"[5/5] serving {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
+    step(f"serving {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
     manifest = build_index(IndexOptions(model=checkpoint, data=str(world), out=str(out / "index"), kind="flat",
                                         cache_dir=str(out / "adapters" / "cache"), device=opts.device,
                                         workers=opts.workers, seed=opts.seed))
@@ -133,14 +201,15 @@ def demo(opts: DemoOptions) -> dict:
     table as ``markdown``."""
     from extract import toyworld
     from extract.backbone import load_backbone
-    from train.adapter_compare import CompareOptions, compare
+    from train.adapter_compare import CompareOptions, columns, compare
 
     out = Path(opts.out)
     started = time.perf_counter()
+    step = Steps(7 if opts.full else 5)
     pretrain_base = opts.pretrained is None and opts.base.startswith("tiny")
     # the backbone first: missing weights must fail before any other work
-    say(f"[1/5] backbone: {opts.base} (weights: "
-        f"{'pre-trained on the toy world next' if pretrain_base else opts.pretrained or 'the alias default'})")
+    step(f"backbone: {opts.base} (weights: "
+         f"{'pre-trained on the toy world next' if pretrain_base else opts.pretrained or 'the alias default'})")
     backbone = load_backbone(opts.base, "none" if pretrain_base else opts.pretrained, device="cpu")
     info = backbone.describe()
     say(f"  {info['model']}: embed dim {info['embed_dim']}, {info['grid'][0]}x{info['grid'][1]} patches, "
@@ -149,27 +218,42 @@ def demo(opts: DemoOptions) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
-    say(f"[2/5] toy world: {opts.n} scenes, seed {opts.seed}")
+    step(f"toy world: {opts.n} scenes, seed {opts.seed}")
     world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line), replace=True)
 
     pretrained = opts.pretrained
     if pretrain_base:
-        say(f"[3/5] pre-training the {opts.base} base on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
+        step(f"pre-training the {opts.base} base on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
         pretrained = _pretrain_base(opts, world, out / "base")
     else:
-        say("[3/5] pre-training skipped: using the given weights")
+        step("pre-training skipped: using the given weights")
 
-    methods = ADAPTERS.names() if opts.methods == "all" else opts.methods
-    say(f"[4/5] adapters on the frozen base: {methods if isinstance(methods, str) else ', '.join(methods)}")
+    methods = opts.methods
+    if isinstance(methods, str):
+        methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    variants, detector = [], None
+    if opts.full and "comalign" in methods:
+        step("a detector for ComAlign: YOLOv8n trained from scratch on the toy world's train split")
+        detector = toy_detector(opts, world, out / "toy-detector")
+        variants = box_variants(detector["weights"])
+    elif opts.full:
+        step("detector skipped: ComAlign is not among --methods")
+    step(f"adapters on the frozen base: {', '.join(methods)}"
+         + (f", and ComAlign on {' and on '.join(v.label for v in variants)}" if variants else ""))
     copts = CompareOptions(data=str(world), out=str(out / "adapters"), base=opts.base, pretrained=pretrained,
-                           methods=methods, epochs=opts.epochs, batch_size=opts.batch_size, seed=opts.seed,
-                           seeds=opts.seeds, workers=opts.workers, device=opts.device)
-    for method in copts.methods:  # the demo retrains its adapters each time: its own earlier runs make way
-        shutil.rmtree(out / "adapters" / method, ignore_errors=True)
+                           methods=methods, variants=variants, epochs=opts.epochs, batch_size=opts.batch_size,
+                           seed=opts.seed, seeds=opts.seeds, workers=opts.workers, device=opts.device)
+    for key, *_ in columns(copts):  # the demo retrains its adapters each time: its own earlier runs make way
+        shutil.rmtree(out / "adapters" / key, ignore_errors=True)
     result = compare(copts)
-    served = serve_best(opts, result, world, out)
+    long_result = None
+    if opts.full:
+        step(f"SmartCLIP on long captions: a long-caption toy world ({opts.n} scenes of 4-8 objects)")
+        long_result = long_captions(opts, pretrained, world, out / "long-captions")
+    served = serve_best(opts, result, world, out, step)
     report = {"backbone": info, "pretrained": pretrained, "toyworld": str(world), "adapters": result,
-              "served": served, "seconds": time.perf_counter() - started}
+              "detector": detector, "long_captions": long_result, "served": served,
+              "seconds": time.perf_counter() - started}
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
 
@@ -184,6 +268,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nfrozen base vs base + adapter (toy world test split, adapters trained with {seeds}; retrieval R@k, "
                   "multi-positive any-true R@k and mAP, hard-negative accuracy, %):")
             print(table)
+        long_table = (report.get("long_captions") or {}).get("markdown")
+        if long_table:
+            print(f"\nSmartCLIP on long captions (long-caption toy world's test split, {seeds}; the base reads 77 tokens, "
+                  f"the fine-tuned column {LONG_CONTEXT}; %):")
+            print(long_table)
         if report.get("served"):
             served = report["served"]
             print(f"the best adapter, {served['method']}, serving the test split ({served['images']} images; "
@@ -191,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(served["table"])
             print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, "
-            "adapters/results.{json,md,png}")
+            "adapters/results.{json,md,png}" + (", long-captions/results.{json,md,png}" if opts.full else ""))
 
     return run_job(job, parse_args(argv))
 

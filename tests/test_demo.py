@@ -69,3 +69,29 @@ def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--pretrained /path/to/" in err and err.startswith("error: ")
     assert not (tmp_path / "toyworld").exists()  # nothing was generated before the weights check failed
+
+
+def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_captions(tmp_path, capsys):
+    """--full: a YOLO trained on the toy world gives ComAlign's detected-boxes column, random boxes its control, and a
+    long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
+    captions); both tables printed once."""
+    out = tmp_path / "demo"
+    assert main(["--out", str(out), *SMALL, "--full", "--detector-epochs", "1", "--methods", "comalign,smartclip"]) == 0
+    # (the PowerCLIP head's control column, "CLIP loss only", is added only when powerclip is among --methods)
+    printed = capsys.readouterr().out
+    assert "[7/7]" in printed and printed.count("frozen base vs base + adapter") == 1
+    report = json.loads((out / "demo_report.json").read_text())
+    assert Path(report["detector"]["weights"]).is_file()
+    columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
+    assert columns[1:] == ["tiny + comalign", "tiny + smartclip", "tiny + comalign (detector boxes)",
+                           "tiny + comalign (random boxes)"]
+    from extract.cache import FeatureCache
+
+    boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")
+             for p in (out / "adapters" / "cache").glob("*/manifest.json")}
+    assert {"gt", "yolo", "random"} <= boxes
+    long_run = json.loads((out / "long-captions" / "results.json").read_text())
+    assert list(long_run["results"])[1:] == ["tiny + smartclip", "tiny fine-tuned + smartclip (248 tokens)",
+                                             "tiny + smartclip (trained on short captions)"]
+    assert json.loads((out / "long-captions" / "toyworld" / "meta.json").read_text())["long_captions"] is True
+    assert printed.count("SmartCLIP on long captions (") == 1 and printed.count("| metric |") == 2

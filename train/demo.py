@@ -12,7 +12,8 @@ seeds; the interval is that of the seed-averaged difference).
 
 ``--full`` is the long run (about 20 minutes on 2 CPU cores with ``--seeds 3``): each method where its paper makes
 its claim. It also trains a small YOLO on the toy world's train split (``extract.toy_detector``) and adds ComAlign
-on those detected boxes and on random boxes next to its ground-truth ones (the oracle no user has); and it builds a
+on those detected boxes and on random boxes next to its ground-truth ones (the oracle no user has), adds the
+PowerCLIP head trained with its CLIP term alone (the control of its powerset loss), and it builds a
 long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.toyworld --long-captions``)
 and prints a second table on its test split: the frozen base (77 tokens: long captions are cut), SmartCLIP's frozen
 mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the paper's recipe) and
@@ -70,8 +71,12 @@ class DemoOptions:
     workers: int = option(2, type=nonnegative_int, help="data-loading worker processes")
     full: bool = option(False, action="store_true",
                         help="the long run: also ComAlign on detected boxes (a YOLO trained on the toy world) and on "
-                             "random boxes, and SmartCLIP on a long-caption toy world (frozen, --unfreeze with 248 "
-                             "tokens, trained on short captions only); about 20 min on 2 CPU cores with --seeds 3")
+                             "random boxes, the PowerCLIP head with its CLIP term alone (the control of its powerset "
+                             "loss), and SmartCLIP on a long-caption toy world (frozen, --unfreeze with 248 tokens, "
+                             "trained on short captions only); about 20 min on 2 CPU cores with --seeds 3")
+    detector_epochs: int = option(12, type=positive_int,
+                                  help="--full: training epochs of the toy world's detector (python -m "
+                                       "extract.toy_detector --epochs)")
 
 
 def build_parser() -> Parser:
@@ -133,20 +138,26 @@ def toy_detector(opts: DemoOptions, world: Path, out: Path) -> dict:
     same world and settings): what ComAlign's detected-boxes column uses."""
     from extract.toy_detector import ToyDetectorOptions, summary, train_toy_detector
 
-    result = train_toy_detector(ToyDetectorOptions(data=str(world), out=str(out), seed=opts.seed, device=opts.device,
-                                                   workers=opts.workers))
+    result = train_toy_detector(ToyDetectorOptions(data=str(world), out=str(out), epochs=opts.detector_epochs,
+                                                   seed=opts.seed, device=opts.device, workers=opts.workers))
     for line in summary(result).splitlines()[1:3]:
         say("  " + line.strip())
     return result
 
 
-def box_variants(detector: str) -> list:
-    """ComAlign on boxes a user can have, next to its ground-truth column: a detector's, and random ones (the
-    control: components that know nothing of the objects)."""
+def full_variants(methods: list[str], detector: str | None) -> list:
+    """The long run's extra columns. ComAlign on boxes a user can have, next to its ground-truth column: a
+    detector's, and random ones (the control: components that know nothing of the objects). The PowerCLIP head
+    with its CLIP term alone (``lam`` 0, the control: what the powerset loss adds is the difference)."""
     from train.adapter_compare import Variant
 
-    return [Variant("detector boxes", "comalign", {"extract_options": {"boxes": "yolo", "detector": detector}}),
-            Variant("random boxes", "comalign", {"extract_options": {"boxes": "random"}})]
+    out = []
+    if "comalign" in methods and detector:
+        out += [Variant("detector boxes", "comalign", {"extract_options": {"boxes": "yolo", "detector": detector}}),
+                Variant("random boxes", "comalign", {"extract_options": {"boxes": "random"}})]
+    if "powerclip" in methods:
+        out.append(Variant("CLIP loss only", "powerclip", {"head_config": {"lam": 0.0}}))
+    return out
 
 
 #: SmartCLIP's claim (paper §6.1): long, multi-concept captions, with the text context stretched to 248 tokens
@@ -162,7 +173,7 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
 
     long_world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line),
                                  replace=True, long_captions=True)
-    variants = [Variant(f"fine-tuned, {LONG_CONTEXT} tokens", "smartclip",
+    variants = [Variant(f"{LONG_CONTEXT} tokens", "smartclip",  # its column: "<base> fine-tuned + smartclip (248 tokens)"
                         {"unfreeze": True, "context_length": LONG_CONTEXT}),
                 Variant("trained on short captions", "smartclip", {"data": str(world)})]
     copts = CompareOptions(data=str(long_world), out=str(out), base=opts.base, pretrained=pretrained,
@@ -235,11 +246,12 @@ def demo(opts: DemoOptions) -> dict:
     if opts.full and "comalign" in methods:
         step("a detector for ComAlign: YOLOv8n trained from scratch on the toy world's train split")
         detector = toy_detector(opts, world, out / "toy-detector")
-        variants = box_variants(detector["weights"])
     elif opts.full:
         step("detector skipped: ComAlign is not among --methods")
+    if opts.full:
+        variants = full_variants(methods, detector["weights"] if detector else None)
     step(f"adapters on the frozen base: {', '.join(methods)}"
-         + (f", and ComAlign on {' and on '.join(v.label for v in variants)}" if variants else ""))
+         + "".join(f"; {v.method} ({v.label})" for v in variants))
     copts = CompareOptions(data=str(world), out=str(out / "adapters"), base=opts.base, pretrained=pretrained,
                            methods=methods, variants=variants, epochs=opts.epochs, batch_size=opts.batch_size,
                            seed=opts.seed, seeds=opts.seeds, workers=opts.workers, device=opts.device)

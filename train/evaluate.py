@@ -732,7 +732,8 @@ def markdown(all_results: dict[str, dict], table: dict | None = None) -> str:
 
 def bar_plot(all_results: dict[str, dict], path: Path, table: dict | None = None) -> Path | None:
     """Grouped horizontal bars, one group per metric, one bar per column (the mean of its runs), with the 95%
-    bootstrap interval of each figure as an error bar where there is one."""
+    bootstrap interval of each figure as an error bar where there is one. A comparison with differences from a
+    reference is drawn as :func:`delta_plot` instead: the question it answers is "does the adapter beat the base"."""
     try:
         import matplotlib
 
@@ -747,6 +748,8 @@ def bar_plot(all_results: dict[str, dict], path: Path, table: dict | None = None
     metrics = list(dict.fromkeys(m for n in names for m in table["metrics"][n]))
     if not metrics:
         return None
+    if any("delta_ci" in e for n in names for e in table["metrics"][n].values()):
+        return delta_plot(plt, table, path)
     height = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(metrics) * max(1, len(names)) + 1.5))
     for k, name in enumerate(names):
@@ -768,6 +771,44 @@ def bar_plot(all_results: dict[str, dict], path: Path, table: dict | None = None
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def delta_plot(plt, table: dict, path: Path) -> Path:
+    """One row per metric, one marker per compared column: its difference from the reference (the mean over its
+    runs) with the 95% paired bootstrap interval as a line, filled where the interval excludes 0; a vertical
+    line at 0. Each column's markers sit at their own height inside the metric's row, in the table's order."""
+    names = [n for n in table["columns"] if n != table["reference"]]
+    metrics = list(dict.fromkeys(m for n in names for m, e in table["metrics"][n].items() if "delta" in e))
+    fig, ax = plt.subplots(figsize=(10, 0.3 * len(metrics) * max(1.0, len(names) / 3) + 1.6))
+    step = 0.8 / len(names)
+    colours = plt.get_cmap("tab10")
+    for k, name in enumerate(names):
+        entries = table["metrics"][name]
+        rows = [(i, entries[m]) for i, m in enumerate(metrics) if "delta" in entries.get(m, {})]
+        ys = np.array([i for i, _ in rows]) - 0.4 + step * (k + 0.5)
+        deltas = np.array([e["delta"] for _, e in rows])
+        lo = np.array([e.get("delta_ci", [np.nan, np.nan])[0] for _, e in rows])
+        hi = np.array([e.get("delta_ci", [np.nan, np.nan])[1] for _, e in rows])
+        colour = colours(k % 10)
+        ax.hlines(ys, lo, hi, color=colour, linewidth=1.2)
+        significant = np.array([bool(e.get("significant")) for _, e in rows])
+        label = name + (f" ({len(table['columns'][name])} seeds)" if len(table["columns"][name]) > 1 else "")
+        ax.scatter(deltas, ys, s=18, color=colour, label=label, zorder=3,
+                   facecolors=[colour if sig else "white" for sig in significant])
+    ax.axvline(0, color="black", linewidth=0.8)
+    for i in range(1, len(metrics)):
+        ax.axhline(i - 0.5, color="0.9", linewidth=0.5)
+    ax.set_yticks(np.arange(len(metrics)))
+    ax.set_yticklabels(metrics, fontsize=8)
+    ax.set_ylim(len(metrics) - 0.5, -0.5)
+    ax.set_xlabel(f"difference from {table['reference']} (percentage points; line: 95% paired bootstrap interval "
+                  "over the test images; filled: it excludes 0)", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06 * 15 / max(15, len(metrics))), ncol=2, fontsize=8,
+              frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -216,6 +216,14 @@ class AdapterScorer:
         arrays = self.extractor.text_arrays(texts)
         return self.head.encode_text(to_tensors({k: arrays[k] for k in self.head.text_keys}, self.device))
 
+    def text_input_keys(self, texts: Sequence[str]) -> list:
+        """One key per text, equal exactly when the head receives the same arrays (adapters.scoring.Scorer): the
+        backbone's token ids after truncation for heads that read tokens only (``text_from_tokens``), else the
+        text itself (a spaCy parse of the whole caption can tell apart what truncation cut)."""
+        from adapters.scoring import token_keys
+
+        return token_keys(self.backbone, texts) if self.head.text_from_tokens else list(texts)
+
     # -- from a feature cache (train.evaluate --cache, serving's second stage) ------------------------------
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The cache arrays the head reads per item of ``side`` ("image" or "text")."""

@@ -58,6 +58,9 @@ class AdapterHead(nn.Module):
     #: True when the head can also train with the backbone unfrozen (``train.adapter --unfreeze``): its inputs
     #: must all be arrays a backbone forward produces (see ``train/adapter_live.py``)
     supports_unfreeze: ClassVar[bool] = False
+    #: True when every text array the head reads is made from the caption's tokens after truncation alone (no
+    #: spaCy parse of the whole caption): two captions with the same tokens are then the same input to it
+    text_from_tokens: ClassVar[bool] = False
 
     def __init__(self, config: Any, embed_dim: int):
         super().__init__()

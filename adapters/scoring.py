@@ -32,6 +32,9 @@ class Scorer(Protocol):
     ``direction`` "t2i" or "i2t" (see :class:`adapters.base.AdapterHead`).
     ``ensemble(text_reps, groups)`` (optional): merge the texts of each group (prompt templates of one class)
     into one representation per group, in group order; without it, zero-shot averages scores over templates.
+    ``text_input_keys(texts)`` (optional): one hashable per text, equal exactly when the model receives the same
+    input (e.g. the same token ids after truncation to its context); evaluation encodes one text per key, so texts
+    the model cannot tell apart score exactly alike (a tie) instead of differing by float rounding.
     """
 
     name: str
@@ -61,6 +64,12 @@ def num_items(reps: Reps) -> int:
     return len(next(iter(reps.values()))) if reps else 0
 
 
+def token_keys(backbone, texts: Sequence[str]) -> list[tuple[int, ...]]:
+    """The token ids of each text as ``backbone`` reads them (truncated to its context, padding dropped)."""
+    tokens = backbone.tokenize(list(texts))
+    return [tuple(row[mask].tolist()) for row, mask in zip(tokens.ids, tokens.attention_mask.bool())]
+
+
 class BackboneScorer:
     """A frozen backbone as a scorer: cosine similarity of the normalised global embeddings (CLIP).
 
@@ -83,6 +92,10 @@ class BackboneScorer:
 
     def score(self, image_reps: Reps, text_reps: Reps) -> torch.Tensor:
         return image_reps["embed"] @ text_reps["embed"].T
+
+    def text_input_keys(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
+        """The token ids each text becomes, after truncation to the context (see :class:`Scorer`)."""
+        return token_keys(self.backbone, texts)
 
     def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> torch.Tensor:
         """The serving first stage: the normalised global embeddings, whose inner product is ``score``."""

@@ -322,3 +322,46 @@ def test_side_by_side_deltas_and_per_query_figures(world, tmp_path):
     assert "(+0.00 [+0.00, +0.00])" in md and " *)" not in md and "95% paired bootstrap interval" in md
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["table"]["metrics"][second]["retrieval T2I R@1"]["delta_ci"] == [0.0, 0.0]
+
+
+def test_captions_the_model_cannot_tell_apart_are_a_tie_which_is_wrong(world):
+    """A long caption and a negative that differ only past the 77-token context are the same input to the model:
+    they share one encoding (BackboneScorer.text_input_keys), score exactly alike and the item counts as wrong, however
+    the other texts are batched; a negative that differs inside the context is scored on its own."""
+    from adapters.scoring import BackboneScorer
+    from train.benchmarks import Benchmark, Item
+    from train.evaluate import run_compositional
+
+    scorer = BackboneScorer(load_backbone("tiny", "none"), "tiny")
+    image = str(sorted((world / "images").glob("*.png"))[0])
+    long = "a small red circle to the left of a large blue square and " * 12
+    cut, kept = (long + "a red star", long + "a blue star"), ("a red star", "a blue star")
+    assert scorer.text_input_keys(cut)[0] == scorer.text_input_keys(cut)[1] and len(set(scorer.text_input_keys(kept))) == 2
+    encoded = []
+    original = scorer.encode_texts
+    scorer.encode_texts = lambda texts: encoded.extend(texts) or original(texts)
+    bench = Benchmark("toyworld", "text", [Item("cut", (image,), cut, "swap-obj"), Item("kept", (image,), kept, "x")])
+    for batch_size in (1, 3):
+        encoded.clear()
+        out = run_compositional(scorer, bench, batch_size)
+        assert out["per_type"]["swap-obj"]["acc"] == 0.0  # a tie is wrong, every time
+        assert sorted(encoded) == sorted([cut[0], *kept])  # the cut pair encoded once
+
+
+def test_only_heads_that_read_tokens_alone_merge_captions_truncation_made_equal(tmp_path_factory):
+    """SmartCLIP reads the caption's tokens only, so captions equal after truncation are one input to it; ComAlign
+    parses the whole caption with spaCy, so they stay apart."""
+    from adapters.adapter_scorer import AdapterScorer
+    from adapters.registry import ADAPTERS
+    from adapters.scoring import token_keys
+
+    long = "a small red circle to the left of a large blue square and " * 12
+    cut = [long + "a red star", long + "a blue star"]
+    bb = load_backbone("tiny", "none")
+    assert ADAPTERS.get("smartclip").text_from_tokens and not ADAPTERS.get("comalign").text_from_tokens
+    for method, merged in (("smartclip", True), ("comalign", False)):
+        scorer = AdapterScorer.__new__(AdapterScorer)  # only the head class and the backbone are read
+        scorer.head, scorer.backbone = ADAPTERS.get(method), bb
+        keys = scorer.text_input_keys(cut)
+        assert (keys[0] == keys[1]) is merged
+        assert keys == (token_keys(bb, cut) if merged else cut)

@@ -524,9 +524,20 @@ def run_compositional(scorer, bench, batch_size: int, per_query: PerQuery | None
     ref_index = {r: k for k, r in enumerate(refs)}
     image_reps, kept, skipped = encode_image_files(scorer, refs, batch_size, f"{bench.name} images")
     row_of = {k: r for r, k in enumerate(kept)}
+    # Texts the model cannot tell apart (a long caption and a negative that differ only past the context, cut
+    # away by truncation) must score exactly alike, a tie, which is wrong; encoded separately, batch-dependent
+    # float rounding would break the tie at random. A scorer that knows its inputs (``text_input_keys``) makes
+    # them one.
     texts = list(dict.fromkeys(t for item in bench.items for t in item.texts))
-    text_index = {t: k for k, t in enumerate(texts)}
-    text_reps = encode_texts(scorer, texts, batch_size)
+    keys = scorer.text_input_keys(texts) if hasattr(scorer, "text_input_keys") else texts
+    first_of = dict.fromkeys(keys)  # key -> row of its first text among the encoded ones
+    for k, key in enumerate(keys):
+        if first_of[key] is None:
+            first_of[key] = k
+    encoded = sorted(set(first_of.values()))
+    row = {k: r for r, k in enumerate(encoded)}
+    text_index = {t: row[first_of[key]] for t, key in zip(texts, keys)}
+    text_reps = encode_texts(scorer, [texts[k] for k in encoded], batch_size)
     per_type: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     unreadable = n_bad = n_scores = 0
     scored: list[tuple[Any, str, dict[str, bool]]] = []  # (unit, subtype, correctness) per scored item
@@ -536,11 +547,15 @@ def run_compositional(scorer, bench, batch_size: int, per_query: PerQuery | None
         if any(r is None for r in rows):
             unreadable += 1  # excluded from the denominator, counted
             continue
-        img, txt = take_reps(image_reps, rows), take_reps(text_reps, cols)
+        # each distinct text scored once and its column repeated: two columns of one matmul can differ in the
+        # last bit even for the same vector, and texts sharing a representation must tie exactly
+        distinct, repeat = np.unique(cols, return_inverse=True)
+        img, txt = take_reps(image_reps, rows), take_reps(text_reps, distinct.tolist())
         if getattr(scorer, "directional", False):
             matrices = (scorer.score_directed(img, txt, "i2t"), scorer.score_directed(img, txt, "t2i"))
         else:
             matrices = (scorer.score(img, txt),)
+        matrices = tuple(m[:, torch.as_tensor(repeat.reshape(-1), device=m.device)] for m in matrices)
         ok_by = item_correct(bench.kind, *matrices)
         n_bad += sum(rank_safe(m)[1] for m in matrices)  # item_correct ranks them last; counted for the report
         n_scores += sum(m.numel() for m in matrices)

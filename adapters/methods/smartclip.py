@@ -161,6 +161,7 @@ class SmartCLIPHead(AdapterHead):
     components: ClassVar[tuple[str, ...]] = ("tokens",)
     image_keys: ClassVar[tuple[str, ...]] = ("image_embed",)
     text_keys: ClassVar[tuple[str, ...]] = ("text_embed", "token_embed", "token_mask")
+    text_from_tokens: ClassVar[bool] = True
 
     #: learning rate of the head (the official mask-network lr, SmartCLIP paper §6.1)
     head_lr: ClassVar[float] = 1e-3

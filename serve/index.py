@@ -686,7 +686,7 @@ def _build(opts: IndexOptions, out: Path, old: dict | None, started: float) -> d
             "data": parts[0].data, "cache": parts[0].entry()["cache"], "parts": [p.entry() for p in parts],
             "collection": {"images": sum(p.cache.num_images for p in parts),
                            "captions": sum(p.cache.num_captions for p in parts)},
-            "indexes": indexes, "files": work.sizes(),
+            "indexes": indexes, "files": work.sizes(), "digests": work.digests(),
             "options": {"kind": opts.kind, "max_memory": opts.max_memory, "max_latency_ms": opts.max_latency_ms,
                         "min_recall": opts.min_recall, "ondisk": opts.ondisk},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_seconds": round(time.perf_counter() - started, 3),

@@ -5,7 +5,8 @@ What the directory holds is the contract in :mod:`serve` (``serve/__init__.py``)
 
 Reading (the search side). :func:`read_manifest` validates ``manifest.json`` (format, version, the keys the
 contract names) and that every file it lists exists with the byte size it recorded (a copy cut short fails here,
-naming the file, not at the first search); :func:`open_index` loads ``image.index`` / ``text.index`` with the
+naming the file, not at the first search) and that the metadata tables still have the SHA-256 it recorded (an
+edit that keeps a file's size would otherwise pair hits with the wrong images); :func:`open_index` loads ``image.index`` / ``text.index`` with the
 tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata` reads a side's
 metadata table (an Arrow IPC file, memory-mapped: opening a 1M-row table reads nothing but its footer; indices of
 format version 1 hold parquet, still read); :func:`check_alignment` checks that every index's ``ntotal``, its metadata's rows and the manifest agree --
@@ -56,6 +57,11 @@ KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 HOOK_ENV = "PLUGVLM_INDEX_TEST_HOOK"
 #: indices larger than this are memory-mapped by :func:`open_index` unless told otherwise
 MMAP_ABOVE_BYTES = 256 << 20
+# Files whose SHA-256 the manifest records and every open checks: the metadata tables. An edit that keeps a file's
+# size (an image path changed to another of the same length) passes the size check and would pair hits with the
+# wrong images silently; hashing them costs ~0.1 s per 100 MB. Index and stage-2 files (gigabytes, memory-mapped)
+# are checked by size only: hashing them would read the whole file at every start-up.
+DIGESTED_SUFFIXES = (METADATA_SUFFIX, ".parquet")
 
 #: metadata columns per side (serve/__init__.py), in order; ``part`` says which added source a row came from
 IMAGE_COLUMNS = ("row", "image_id", "path", "captions", "cache_row", "part")
@@ -174,7 +180,30 @@ def read_manifest(index_dir: str | os.PathLike) -> dict:
         if actual != size:
             raise IndexDirError(f"{f} is {actual:,} bytes, {path} says {size:,}: the file was cut short or replaced; "
                                 "copy the whole folder again or rebuild the index")
+    digests = manifest.get("digests") or {}  # absent in indices built before digests were recorded
+    if not isinstance(digests, dict):
+        raise IndexDirError(f"{path}: 'digests' is not a mapping: the manifest was edited or damaged; rebuild the index")
+    for name, digest in digests.items():
+        f = index_dir / name
+        if not f.is_file():
+            raise IndexDirError(f"{f} is missing (listed in {path}): the index is incomplete; copy the whole folder "
+                                "again or rebuild it")
+        if file_digest(f) != digest:
+            raise IndexDirError(f"{f} does not match the SHA-256 {path} recorded: it was edited or damaged after the "
+                                "build, and its rows may no longer describe the index's vectors; copy the whole "
+                                "folder again or rebuild the index")
     return manifest
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def index_entry(manifest: dict, side: str, index_dir: str | os.PathLike = "") -> dict:
@@ -535,6 +564,11 @@ class BuildDir:
     def sizes(self) -> dict[str, int]:
         """Byte size of every file of the new folder (for the manifest's ``files``), scratch excluded."""
         return {p.name: p.stat().st_size for p in sorted(self.path.iterdir()) if p.is_file()}
+
+    def digests(self) -> dict[str, str]:
+        """SHA-256 of the new folder's metadata files (for the manifest's ``digests``; see DIGESTED_SUFFIXES)."""
+        return {p.name: file_digest(p) for p in sorted(self.path.iterdir())
+                if p.is_file() and p.name.endswith(DIGESTED_SUFFIXES)}
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

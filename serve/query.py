@@ -8,8 +8,8 @@ model's own re-ranking, and print the hits as a table or JSON.
 
 The model is the one the index was built with (``--model`` names another only to be refused if it differs).
 Columns: the final rank, the rank the first stage gave (before re-ranking), the first-stage score, the re-ranked
-score (with ``--rerank``), the hit's id and its image file or caption text; notes (a clamped ``--k``, a
-``--rerank`` a bare backbone ignores, a truncated query) follow the table, or sit in the JSON's ``notes``.
+score (with ``--rerank``), the hit's id and its image file or caption text; notes (a clamped ``--rerank``,
+one a bare backbone ignores, a truncated query) follow the table, or sit in the JSON's ``notes``.
 ``--json`` prints one JSON object on stdout and nothing else (messages from loading the model go to stderr).
 
 Bad input (an empty query, a corrupt image, ``--k 0``, a missing, half-written or tampered index, another
@@ -38,7 +38,7 @@ class QueryOptions:
     query: str | None = option(None, positional=True, nargs="?",
                                help="the text to search images for (leave out with --image)")
     image: str | None = option(None, metavar="PATH", help="an image file: search captions for it instead")
-    k: int = option(10, type=positive_int, help="hits to print (more than the collection holds: clamped, noted)")
+    k: int = option(10, type=positive_int, help="hits to print (at most the collection's size)")
     rerank: int | None = option(None, type=positive_int, metavar="K",
                                 help="re-score the first K candidates with the model's own score (default: no "
                                      "re-ranking; a bare backbone has no second stage and ignores it, noted)")
@@ -88,7 +88,8 @@ def query(opts: QueryOptions):
     """Open the index and search (see the module docstring): ``(searcher, hits)``. The query itself (empty text,
     an unreadable image) and the filters are checked before the model loads, so those fail in milliseconds."""
     from extract.images import BadCaption, BadImage, decode_image, validate_caption
-    from serve.search import QueryError, Searcher, parse_where
+    from serve.layout import read_manifest
+    from serve.search import MAX_QUERY_CHARS, QueryError, Searcher, parse_where
 
     check_options(opts, build_parser())
     if not opts.index:
@@ -96,6 +97,15 @@ def query(opts: QueryOptions):
     if (opts.query is None) == (opts.image is None):
         raise QueryError("give either a text query or --image PATH (one of them)")
     where = parse_where(opts.where) if opts.where else None
+    if opts.query is not None and len(opts.query) > MAX_QUERY_CHARS:
+        raise QueryError(f"query of {len(opts.query):,} characters refused: a search phrase has at most "
+                         f"{MAX_QUERY_CHARS:,} (the model reads its first 77 or 248 tokens, a few hundred characters)")
+    # the collection's size from the manifest, before the model loads: a --k beyond it is a mistake to say at once
+    side = "images" if opts.query is not None else "captions"
+    held = read_manifest(opts.index)["collection"].get(side) or 0
+    if held and opts.k > held:
+        raise QueryError(f"--k {opts.k} is more than the {held:,} {side} in the collection: ask for at most "
+                         f"--k {held}")
     if opts.query is not None:
         try:
             validate_caption(opts.query)

@@ -29,10 +29,11 @@ note), so every hit returned has been re-ranked.
 
 Bad input: an empty, blank, non-text or letter-less query is refused (``QueryError``); a query longer than the
 model's text context (77 tokens for CLIP) is truncated to it, as captions are at extraction, with a note; a
-query of more than ``MAX_QUERY_CHARS`` characters is refused. A query image is decoded by
+query of more than ``MAX_QUERY_CHARS`` (2,000) characters is refused. A query image is decoded by
 ``extract.images.decode_image`` (corrupt files, non-images and decompression bombs, read from the header, are
 refused). ``k`` and ``rerank`` must be >= 1, ``offset`` >= 0; a ``k`` or ``rerank`` larger than the collection is
-clamped to it with a note. A missing, half-written (no manifest) or tampered index directory, a cache that is not
+clamped to it with a note (as clip-retrieval's service returns what it has; ``python -m serve.query`` refuses a
+``--k`` larger than the collection instead). A missing, half-written (no manifest) or tampered index directory, a cache that is not
 the one indexed, and a model other than the index's (by weights fingerprint) are refused with serve.layout's
 ``IndexDirError`` / ``ModelMismatchError`` naming the file or both models. All of these are ValueErrors, so
 ``python -m serve.query`` reports them as one line (exit status 2). Searching never writes to the index
@@ -61,7 +62,10 @@ from serve import layout
 from serve.layout import IndexDirError, ModelMismatchError, model_fingerprint
 
 SIDES = {"image": "t2i", "text": "i2t"}  # the collection searched -> the direction of its queries
-MAX_QUERY_CHARS = 100_000  # beyond any text context many times over: refused rather than tokenised
+# A search phrase, not a document: a 248-token context (Long-CLIP's, --context-length 248) holds about 1,000
+# characters of English, CLIP's 77 tokens about 300. A longer query is truncated to the context with a note; one
+# over this many characters is refused rather than silently searched for by its first tenth.
+MAX_QUERY_CHARS = 2_000
 RERANK_BATCH = 1024  # candidates encoded from the cache at once in stage 2
 # A mapping filter keeping at most this many rows (or 4x the hits asked, if more) scores those rows directly
 # instead of over-fetching: an equality on an id keeps one row, which over-fetching would find only after

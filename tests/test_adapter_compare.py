@@ -163,7 +163,7 @@ def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, 
         (str(out / "comalign-random-boxes"), 1e-3, {"max_entities": 5, "boxes": "random"})]
     (table,) = evaluated
     assert table.model == ["tiny", *(f"{o.out}/a.safetensors" for o in trained)]
-    assert table.columns == table.labels == ["{name}", "{name}", "{name} (detector boxes)", "{name} (random boxes)"]
+    assert table.columns == table.result_labels == ["{name}", "{name}", "{name} (detector boxes)", "{name} (random boxes)"]
     assert list(result["methods"]) == ["comalign", "comalign-detector-boxes", "comalign-random-boxes"]
 
     # with seeds, each variant's runs average into its own column
@@ -171,7 +171,7 @@ def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, 
     compare(CompareOptions(data=str(world), out=str(tmp_path / "s"), methods=["smartclip"], seeds=2,
                            variants=[Variant("long", "smartclip", {"context_length": 248, "unfreeze": True})]))
     assert evaluated[0].columns == ["{name}", "{name}", "{name}", "{name} (long)", "{name} (long)"]
-    assert evaluated[0].labels[3:] == ["{name} (long) seed 0", "{name} (long) seed 1"]
+    assert evaluated[0].result_labels[3:] == ["{name} (long) seed 0", "{name} (long) seed 1"]
 
     for variant, message in [("nolabel", "expected LABEL=METHOD"), ("x=nope", "unknown method 'nope'"),
                              ("a=", "expected LABEL=METHOD")]:

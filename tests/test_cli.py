@@ -189,8 +189,12 @@ def test_no_job_builds_a_command_line_to_call_another():
     """Jobs compose as functions: no module outside tests parses an argv list it built itself (issue 15)."""
     import re
 
-    calls = re.compile(r"\b(parse_args|main)\(\s*\[|\bargv \+= \[|\bargv = \[\"--")
+    calls = re.compile(r"\b(parse_args|main)\(\s*\[|\bargv \+= \[|\bargv = \[\"--|sys\.executable, \"-m\"")
+    # the one process started on purpose: the load check measures the app in a process of its own (its memory
+    # and CPU apart from the clients'), as a user runs it
+    allowed = {"serve/load_test.py": 'command = [sys.executable, "-m", "serve", "--port", "0", "--recall", "off"]'}
     offenders = [f"{path.relative_to(ROOT)}:{n}" for package in ("adapters", "extract", "train", "serve")
                  for path in (ROOT / package).rglob("*.py")
-                 for n, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if calls.search(line) and allowed.get(str(path.relative_to(ROOT))) != line.strip()]
     assert not offenders, offenders

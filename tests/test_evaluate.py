@@ -365,3 +365,23 @@ def test_only_heads_that_read_tokens_alone_merge_captions_truncation_made_equal(
         keys = scorer.text_input_keys(cut)
         assert (keys[0] == keys[1]) is merged
         assert keys == (token_keys(bb, cut) if merged else cut)
+
+
+def test_no_data_option_evaluates_on_the_embedded_toy_world(world, tmp_path, monkeypatch, capsys):
+    """`python -m train.evaluate` alone evaluates on the embedded default (as train.adapter trains on it), instead
+    of writing an empty table."""
+    import shutil
+
+    calls = []
+
+    def ensure(*args, say=print, **kwargs):  # the embedded world, stood in for by the small one of this module
+        calls.append(args)
+        shutil.copytree(world, tmp_path / "runs" / "toy", dirs_exist_ok=True)
+        return toyworld.DEFAULT_PATH
+
+    monkeypatch.setattr(toyworld, "ensure", ensure)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--tasks", "retrieval", "--out", "eval"]) == 0
+    out = capsys.readouterr().out
+    assert calls and "data: the embedded toy world runs/toy (no --data given)" in out
+    assert "| retrieval T2I R@1 |" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from extract import toyworld
@@ -73,3 +74,16 @@ def test_compare_trains_each_method_and_tabulates_the_evaluation(tmp_path, monke
     assert {"retrieval T2I R@1", "retrieval I2T R@1", "zero-shot top-1", "toyworld all"} <= rows
     data = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert data["runs"]["filip"]["steps"] >= 1 and "retrieval" in data["results"]["filip"]
+
+
+def test_compare_takes_typed_pretrain_options_from_python(tmp_path):
+    """From Python the runs' common settings are a PretrainOptions, checked like the flags, not a string of flags."""
+    import train.pretrain as pt
+    from train.pretrain_compare import CompareOptions, compare, parse_args
+
+    assert parse_args(["--extra", "--lr 5e-4"]).pretrain.lr == 5e-4
+    with pytest.raises(ValueError, match="pass pretrain=PretrainOptions"):
+        compare(CompareOptions(out=str(tmp_path / "a"), extra="--lr 5e-4"))
+    with pytest.raises(ValueError, match="lr: "):
+        compare(CompareOptions(out=str(tmp_path / "b"), pretrain=pt.PretrainOptions(lr=-1.0)))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before any work

@@ -3,6 +3,7 @@ marked ``<!-- runnable -->`` (shell or Python) runs as written, in order, in a f
 default, and reads well in a log (issue 15)."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -48,4 +49,44 @@ def test_a_runnable_block_runs_as_written(workdir, index):
     log = done.stdout
     assert done.returncode == expected, f"block {index} ({lang}):\n{body}\n--- output ---\n{log[-4000:]}"
     assert "Traceback" not in log, log[-4000:]
+    if expected:  # a block that is meant to stop says why and what to do (so far: weights to supply)
+        assert log.startswith("error: ") and "To supply them" in log and "--pretrained /path" in log, log[-4000:]
     assert max(map(len, log.splitlines() or [""])) <= 300, max(log.splitlines(), key=len)
+
+
+def _readme_commands():
+    """Every ``python -m MODULE ...`` command in the README's code blocks (continuation lines joined) and inline
+    code spans (which the text wraps over lines)."""
+    commands = []
+    spans = [s.replace("\n", " ") for s in re.findall(r"(?<!`)`(python -m [^`]+)`(?!`)", README)]
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S) + spans:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0]
+            for m in re.finditer(r"python -m ([\w.]+)(.*?)(?=&&|\||$)", line):
+                commands.append((m.group(1), m.group(2).split(" -- ", 1)[0]))  # after " -- ": another job's flags
+    return commands
+
+
+def test_every_flag_the_readme_shows_exists():
+    """A README command with a flag its module no longer has fails for the user at once: check them all."""
+    import importlib
+
+    parsers, unknown, checked = {}, [], 0
+    for name, args in _readme_commands():
+        module_name = {"extract": "extract.pipeline", "serve": "serve.__main__"}.get(name, name)
+        if module_name not in parsers:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                parsers[module_name] = None
+            else:
+                parsers[module_name] = module.build_parser() if hasattr(module, "build_parser") else None
+        parser = parsers[module_name]
+        if parser is None or any(a.nargs == argparse.REMAINDER for a in parser._actions):
+            continue  # no parser of its own, or one that passes its options on to another program's
+        known = {s for a in parser._actions for s in a.option_strings}
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", args):
+            checked += 1
+            if flag not in known:
+                unknown.append(f"python -m {name} ... {flag}")
+    assert checked > 100 and not unknown, unknown

@@ -73,6 +73,7 @@ def test_a_version_1_index_with_parquet_metadata_still_opens(index):
 
     def to_v1(m):
         m["version"] = 1
+        m.pop("digests")  # recorded since; a manifest without them is still read (sizes checked only)
         for side in ("image", "text"):
             m["indexes"][side]["metadata"] = f"{side}.parquet"
             m["files"].pop(f"{side}.arrow")
@@ -102,13 +103,29 @@ def test_a_damaged_index_is_refused_naming_the_file(index, damage, message):
 
 
 def _replace_table(index: Path, side: str, table) -> None:
-    """Swap a side's metadata for ``table`` and record its size, as a hand-made "fix" of a metadata file would:
-    only the row checks can catch it then."""
+    """Swap a side's metadata for ``table`` and record its size and digest, as a hand-made "fix" of a metadata file
+    would: only the row checks can catch it then."""
     path = index / f"{side}.arrow"
     table = table.combine_chunks()
     path.unlink()  # ``table`` may be memory-mapped from it
     layout.write_table(table, path)
-    edit_manifest(index, lambda m: m["files"].update({f"{side}.arrow": path.stat().st_size}))
+
+    def record(m):
+        m["files"][f"{side}.arrow"] = path.stat().st_size
+        m["digests"][f"{side}.arrow"] = layout.file_digest(path)
+
+    edit_manifest(index, record)
+
+
+def test_a_metadata_file_edited_to_the_same_size_is_refused(index):
+    """An edit that keeps the size (one image path changed to another) passes the size check; the digest sees it."""
+    path = index / "image.arrow"
+    data = bytearray(path.read_bytes())
+    at = data.index(b".png") - 1
+    data[at] = ord("0") + (data[at] - ord("0") + 1) % 10
+    path.write_bytes(bytes(data))
+    with pytest.raises(IndexDirError, match=r"image\.arrow does not match the SHA-256 .*manifest\.json recorded"):
+        layout.read_manifest(index)
 
 
 def test_metadata_that_does_not_line_up_with_the_index_is_refused(index):

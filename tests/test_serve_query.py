@@ -124,6 +124,10 @@ BAD_QUERIES = [  # (argv after the index, the error's start or a fragment of it)
     (["--where", "image_id"], "expected COLUMN=VALUE"),
     ([QUERY, "--where", "colour=red"], "filter on 'colour'"),
     ([QUERY, "--model", "tiny"], "was built with tiny + comalign"),
+    ([("a large red circle to the left of a small blue square " * 200)[:10_000]],
+     "query of 10,000 characters refused: a search phrase has at most 2,000"),
+    ([QUERY, "--k", "500"], "--k 500 is more than the 12 images in the collection: ask for at most --k 12"),
+    (["--image", "CAPTIONED", "--k", "54"], "--k 54 is more than the 53 captions in the collection"),
 ]
 
 
@@ -134,6 +138,7 @@ def test_a_bad_query_is_one_error_line_and_exit_2(setup, tmp_path, capsys, argv,
         (tmp_path / name).write_bytes(data)
     _bomb(tmp_path / "BOMB")
     argv = [str(tmp_path / a) if a in ("CORRUPT", "NOT_AN_IMAGE", "BOMB", "MISSING") else a for a in argv]
+    argv = [str(setup.world / "images" / "000008.png") if a == "CAPTIONED" else a for a in argv]
     if argv[0] == "--where":
         argv = [QUERY] + argv
     before = _digest(setup.adapter_index)
@@ -156,13 +161,12 @@ def test_flags_the_parser_refuses(setup, capsys):
         assert e.value.code == 2 and message in err and "usage:" not in err
 
 
-def test_k_beyond_the_collection_and_a_long_query_are_noted_not_refused(setup, capsys):
-    rc, out, err = _run(capsys, [setup.adapter_index, QUERY, "--k", "500"])
+def test_a_query_past_the_text_context_is_noted_and_a_k_of_the_whole_collection_is_served(setup, capsys):
+    rc, out, err = _run(capsys, [setup.adapter_index, QUERY, "--k", "12"])
     assert rc == 0 and len([line for line in out.splitlines()[2:] if not line.startswith("note:")]) == 12
-    assert "note: k=500 is more than the 12 images in the collection: clamped to 12" in out
-    long = ("a large red circle to the left of a small blue square " * 200)[:10_000]
+    long = ("a large red circle to the left of a small blue square " * 200)[:1_500]
     rc, out, err = _run(capsys, [setup.adapter_index, long, "--k", "2"])
-    assert rc == 0 and "note: the query (10,000 characters) is longer than the model's 77-token text context" in out
+    assert rc == 0 and "note: the query (1,49" in out and "is longer than the model's 77-token text context" in out
 
 
 def _tamper_manifest(folder: Path, change) -> None:
@@ -180,8 +184,23 @@ def _cut(path: Path, sizes_fixed: bool = False) -> None:
 
 
 def _fix_sizes(folder: Path) -> None:
-    """Record the files' sizes as they are now: a replaced file the manifest's size check cannot see."""
-    _tamper_manifest(folder, lambda m: m["files"].update({k: (folder / k).stat().st_size for k in m["files"]}))
+    """Record the files' sizes and metadata digests as they are now: a replaced file the manifest's checks cannot
+    see, so what is tested is the check behind them."""
+    from serve.layout import file_digest
+
+    def fix(m):
+        m["files"].update({k: (folder / k).stat().st_size for k in m["files"]})
+        m["digests"].update({k: file_digest(folder / k) for k in m["digests"]})
+
+    _tamper_manifest(folder, fix)
+
+
+def _same_size_edit(path: Path) -> None:
+    """Change one digit of the first image path in a metadata file: same size, another image named."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b".png") - 1
+    data[at] = ord("0") + (data[at] - ord("0") + 1) % 10
+    path.write_bytes(bytes(data))
 
 
 def _rewrite_table(path: Path, change) -> None:
@@ -230,6 +249,8 @@ BAD_INDEXES = {  # name -> (how the copy is damaged, the message's fragment)
     "metadata cut": (lambda d: _cut(d / "text.arrow"), "text.arrow is "),
     "metadata cut, sizes fixed": (lambda d: _cut(d / "text.arrow", True),
                                   "text.arrow is not a readable Arrow table"),
+    "metadata edited, same size": (lambda d: _same_size_edit(d / "image.arrow"),
+                                   "image.arrow does not match the SHA-256"),
     "metadata rows reordered": (lambda d: _rewrite_table(d / "image.arrow", _reverse_rows),
                                 "column 'row' is not 0..11 in order"),
     "cache rows swapped": (lambda d: _rewrite_table(d / "text.arrow", _swap_cache_rows),

@@ -97,3 +97,18 @@ def test_readers(tmp_path):
     (tmp_path / "bad.csv").write_text("path,label\nx,1\n")
     with pytest.raises(ValueError, match="filepath"):
         read_classification(tmp_path / "bad.csv")
+
+
+def test_the_labels_flag_names_the_classes_of_a_zero_shot_folder(tmp_path):
+    """`train.evaluate --zeroshot-data DIR --labels FILE` reads the class names from FILE (a comparison field of
+    the same name once replaced the flag, and the README's command failed)."""
+    from train.evaluate import load_tasks, parse_args
+
+    for cls in ("n01", "n02"):
+        (tmp_path / "folder" / cls).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / "folder" / cls / "0.png")
+    (tmp_path / "names.txt").write_text("tench\ngoldfish\n")
+    args = parse_args(["--zeroshot-data", str(tmp_path / "folder"), "--labels", str(tmp_path / "names.txt"),
+                       "--tasks", "zeroshot", "--out", str(tmp_path / "out")])
+    data, _templates = load_tasks(args)["zeroshot"]
+    assert data.classes == ["tench", "goldfish"] and data.labels == [0, 1]

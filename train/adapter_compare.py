@@ -257,11 +257,11 @@ def compare(opts: CompareOptions) -> dict:
         names = {key: "{name}" + (f" ({label})" if label else "") for key, label in order}
         if opts.seeds > 1:  # one column per method, its runs averaged; each run's results under "<name> seed <s>"
             grouping = dict(columns=["{name}", *(names[key] for key, _ in order for _ in by_key[key])],
-                            labels=["{name}", *(f"{names[key]} seed {e['seed']}" for key, _ in order
+                            result_labels=["{name}", *(f"{names[key]} seed {e['seed']}" for key, _ in order
                                                 for e in by_key[key])])
         elif opts.variants:  # a variant's column carries its label
             grouping = dict(columns=["{name}", *(names[key] for key, _ in order)],
-                            labels=["{name}", *(names[key] for key, _ in order)])
+                            result_labels=["{name}", *(names[key] for key, _ in order)])
         report = evaluate(EvaluateOptions(
             model=[opts.base, *checkpoints],
             pretrained=[opts.pretrained] if opts.pretrained is not None else [], tasks=opts.eval_tasks, out=str(out),

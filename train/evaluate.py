@@ -58,7 +58,9 @@ class EvaluateOptions(SourceOptions, BoxOptions):
                               help="weights for each --model in order: tag, checkpoint path or 'none' (default: the "
                                    "alias's)")
     tasks: Any = option(",".join(TASKS), help=f"comma list from {', '.join(TASKS)}")
-    data: str | None = option(None, help="a toy-world folder: every task from it", group="data")
+    data: str | None = option(None, group="data",
+                              help="a toy-world folder: every task from it (default, when no other data option is "
+                                   "given: the embedded toy world, runs/toy, generated on first use)")
     split: str = option("test", help="toy world split to evaluate", group="data")
     retrieval_data: str | None = option(None, help="any extract data source for retrieval (CSV/TSV, COCO JSON, "
                                                    "webdataset shards)", group="data")
@@ -88,16 +90,17 @@ class EvaluateOptions(SourceOptions, BoxOptions):
     # Not command-line options: how a comparison (train.adapter_compare --seeds N) groups models into columns.
     # One entry per --model, each may use "{name}" (the model's own name): ``columns`` names the column the model
     # belongs to (models sharing one are runs of it, e.g. training seeds: the table shows their mean +/- sd),
-    # ``labels`` the model's key in results.json. Empty: each model is its own column, under its name.
+    # ``result_labels`` the model's key in results.json. Empty: each model is its own column, under its name.
+    # (Not ``labels``: that is the --labels option above, which a field of the same name would silently replace.)
     columns: list = field(default_factory=list)
-    labels: list = field(default_factory=list)
+    result_labels: list = field(default_factory=list)
 
     def __post_init__(self):
         self.model = list(self.model or ["tiny"])
         self.pretrained = list(self.pretrained or [])
         if len(self.pretrained) > len(self.model):
             raise ValueError("more --pretrained than --model values")
-        for what in ("columns", "labels"):
+        for what in ("columns", "result_labels"):
             if getattr(self, what) and len(getattr(self, what)) != len(self.model):
                 raise ValueError(f"{what}: one entry per model ({len(self.model)}), got {len(getattr(self, what))}")
         self.pretrained += [None] * (len(self.model) - len(self.pretrained))
@@ -839,6 +842,11 @@ def evaluate(opts: EvaluateOptions) -> dict:
     scores, small splits) are printed once each; the table itself is left to the caller (the command line prints
     it)."""
     check_options(opts, build_parser())
+    if not any((opts.data, opts.retrieval_data, opts.cache, opts.zeroshot_data, opts.benchmark, opts.probe_data)):
+        from extract import toyworld  # the embedded default, as train.adapter and train.pretrain use it
+
+        opts = dataclasses.replace(opts, data=str(toyworld.ensure(say=say)))
+        say(f"data: the embedded toy world {opts.data} (no --data given)")
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tasks = load_tasks(opts)  # every file read and checked before a model loads
     out = Path(opts.out)
@@ -866,7 +874,7 @@ def evaluate(opts: EvaluateOptions) -> dict:
         res["warnings"] = result_warnings(scorer.name, res)
         for line in res["warnings"]:  # a split's warning once, not once per model (or per run of a comparison)
             warn_once(line)
-        label = opts.labels[k].format(name=scorer.name) if opts.labels else scorer.name
+        label = opts.result_labels[k].format(name=scorer.name) if opts.result_labels else scorer.name
         while label in all_results:
             label += "'"
         all_results[label] = res
@@ -879,7 +887,7 @@ def evaluate(opts: EvaluateOptions) -> dict:
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     notes = list(dict.fromkeys(line for r in all_results.values() for line in r["warnings"]))
     (out / "results.md").write_text(text + "".join(f"\n- {line}" for line in notes) + ("\n" if notes else ""))
-    save_config({k: v for k, v in config.items() if k not in ("columns", "labels")}, out / "config.json")
+    save_config({k: v for k, v in config.items() if k not in ("columns", "result_labels")}, out / "config.json")
     png = bar_plot(all_results, out / "results.png", table)
     reports = [out / "results.json", out / "results.md"] + ([png] if png else [])
     return {**report, "markdown": text, "reports": [str(p) for p in reports], "per_query": per_query}

@@ -21,7 +21,7 @@ import shlex
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,6 +49,10 @@ class CompareOptions:
     workers: int = option(1, type=nonnegative_int, help="data-loader processes")
     calibration_steps: int = option(12, type=positive_int, help="steps of each method's timing run")
     extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --num-masks 5'")
+    # Not a command-line option: the train.pretrain options every run starts from (each run then sets its method,
+    # folder, steps and the fields above). The command line's --extra is parsed into it; Python callers pass
+    # PretrainOptions(lr=5e-4, ...) here instead of a string of flags.
+    pretrain: Any = field(default=None)
 
     def __post_init__(self):
         if isinstance(self.methods, str):
@@ -61,7 +65,15 @@ def build_parser() -> Parser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
-    return parse_options(CompareOptions, build_parser(), argv)
+    """The command line as CompareOptions, ``--extra`` parsed into ``pretrain`` (train.pretrain's own checks)."""
+    opts = parse_options(CompareOptions, build_parser(), argv)
+    if opts.extra.strip():
+        from train import pretrain as pt
+
+        level = verbosity()
+        opts.pretrain = pt.parse_args(shlex.split(opts.extra))
+        set_verbosity(level)  # parsing --extra must not undo this command's --quiet / --verbose
+    return opts
 
 
 def _step_seconds(log_csv: Path) -> float:
@@ -91,9 +103,13 @@ def compare(opts: CompareOptions) -> dict:
     unknown = [m for m in opts.methods if m not in PRETRAIN]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(PRETRAIN.names())}")
-    level = verbosity()
-    base = pt.parse_args(shlex.split(opts.extra)) if opts.extra.strip() else pt.PretrainOptions()
-    set_verbosity(level)  # parsing --extra must not undo this command's --quiet / --verbose
+    if opts.extra.strip() and opts.pretrain is None:
+        raise ValueError("extra: a string of command-line flags; from Python pass pretrain=PretrainOptions(...) "
+                         "(python -m train.pretrain_compare parses --extra into it)")
+    base = opts.pretrain if opts.pretrain is not None else pt.PretrainOptions()
+    if not isinstance(base, pt.PretrainOptions):
+        raise ValueError(f"pretrain: expected train.pretrain.PretrainOptions, got {type(base).__name__}")
+    check_options(base, pt.build_parser())
     out = Path(opts.out)
     claim(out, dataclasses.asdict(opts))
     out.mkdir(parents=True, exist_ok=True)

@@ -218,20 +218,60 @@ class JobFailed(RuntimeError):
     exit_code = 3
 
 
+# 128 + SIGPIPE: the status a shell reports for a tool that SIGPIPE ended (``yes | head -1`` under pipefail).
+# Python ignores SIGPIPE and raises BrokenPipeError instead; run_job ends such a job with the same status.
+EXIT_BROKEN_PIPE = 141
+
+
+def _stdout_gone() -> bool:
+    """True when standard output is a pipe whose reader has closed it (``... | head -1`` after its line): poll
+    reports POLLERR on such a pipe's write end. False where that cannot be asked (no file descriptor, no poll)."""
+    try:
+        import select
+
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)  # POLLERR is reported whatever is asked for
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _quiet_broken_pipe() -> int:
+    """End a job whose standard output was closed by its reader, as the Python documentation recommends
+    (library/signal.html, "Note on SIGPIPE"): point file descriptor 1 at /dev/null, so the output still buffered
+    is dropped at exit instead of raising BrokenPipeError again ("Exception ignored ... BrokenPipeError");
+    :data:`EXIT_BROKEN_PIPE`, no message."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def run_job(job, opts, *, debug: bool = False) -> int:
     """Exit status of ``job(opts)`` for a command line: 0; 2 for what the user can fix (a missing or damaged file,
     absent weights, a bad setting, a missing extra: ``ValueError`` / ``OSError`` / ``ImportError`` and their
     kin); a :class:`JobFailed`'s own status (3: training diverged). Each failure is one ``error:`` line on
-    stderr, no traceback (``PLUGVLM_DEBUG=1`` re-raises, for bug reports)."""
+    stderr, no traceback (``PLUGVLM_DEBUG=1`` re-raises, for bug reports). A standard output its reader closed
+    (``python -m serve.query IDX "..." --json | head -1``) is no failure of the job: it ends quietly with
+    :data:`EXIT_BROKEN_PIPE` (141, as a tool that SIGPIPE ends), debug or not; stdout is flushed before the job
+    counts as done, so that shows here rather than at interpreter exit."""
     debug = debug or os.environ.get("PLUGVLM_DEBUG", "") not in ("", "0")
     try:
         job(opts)
+        if sys.stdout is not None:  # None under pythonw
+            sys.stdout.flush()
     except JobFailed as e:
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except (ValueError, OSError, ImportError, NotImplementedError) as e:
+        if isinstance(e, BrokenPipeError) and _stdout_gone():  # another pipe (a worker's) is an error like any
+            return _quiet_broken_pipe()
         if debug:
             raise
         print(f"error: {e}", file=sys.stderr)

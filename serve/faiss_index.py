@@ -39,8 +39,11 @@ is no miss.
 
 IVF training uses at most 64 points per list (FAISS's k-means caps at 256; see :func:`train_sample`). On-disk
 IVF (:func:`fill_ondisk`): one trained index is filled shard by shard, each shard written as a block, and the
-blocks' inverted lists merged into one ``.ivfdata`` file served memory-mapped (``faiss.contrib.ondisk.merge_ondisk``;
-how clip-retrieval serves LAION-5B's index from one machine). Memory while filling stays at one shard.
+blocks' inverted lists merged into one ``.ivfdata`` file served memory-mapped (how clip-retrieval serves LAION-5B's
+index from one machine). Memory while filling stays at one shard. The merge is our :func:`merge_ondisk`, which
+takes the steps of ``faiss.contrib.ondisk.merge_ondisk`` (the blocks read with ``IO_FLAG_MMAP``, their lists merged
+by FAISS's ``OnDiskInvertedLists.merge_from_multiple`` into the lists of an empty copy of the trained index) but
+takes loaded indices as well as block files, so ``--add`` puts an existing on-disk index's lists first.
 """
 from __future__ import annotations
 
@@ -297,9 +300,9 @@ def fill_ondisk(trained, vectors, ivfdata: Path, scratch: Path, *, shard_rows: i
                 keep: Sequence = (), pbar=None):
     """Fill a copy of the empty trained IVF index ``trained`` with ``vectors`` shard by shard (ids ``start +
     row``), each shard written as a block under ``scratch``, and merge the blocks' inverted lists -- after those of
-    the IVF indices in ``keep`` (an existing index being extended) -- into the on-disk file ``ivfdata``
-    (``faiss.contrib.ondisk.merge_ondisk``, generalised to take loaded indices too). Returns the index, whose
-    lists live in ``ivfdata``; write it with ``faiss.write_index`` next to that file."""
+    the IVF indices in ``keep`` (an existing index being extended) -- into the on-disk file ``ivfdata`` with
+    :func:`merge_ondisk`. Returns the index, whose lists live in ``ivfdata``; write it with ``faiss.write_index``
+    next to that file."""
     faiss = import_faiss()
     scratch.mkdir(parents=True, exist_ok=True)
     blocks = []
@@ -317,7 +320,15 @@ def fill_ondisk(trained, vectors, ivfdata: Path, scratch: Path, *, shard_rows: i
 
 def merge_ondisk(empty, sources: Sequence, ivfdata: Path):
     """The inverted lists of the IVF indices ``sources``, in order, merged into ``ivfdata`` as the lists of
-    ``empty`` (a trained IVF index without vectors), which is returned (faiss.contrib.ondisk.merge_ondisk)."""
+    ``empty`` (a trained IVF index without vectors), which is returned.
+
+    Ours, not ``faiss.contrib.ondisk.merge_ondisk`` itself, though the same steps: an ``OnDiskInvertedLists`` on
+    ``ivfdata`` filled by ``merge_from_multiple`` from the sources' lists, then swapped into ``empty``
+    (``replace_invlists``, owned by it). The differences: the sources are loaded indices (the contrib function
+    reads file names), so an existing on-disk index can be one; ids are kept as the sources hold them
+    (``shift_ids=False``: the blocks were added with their global ids); the sources stay referenced (``sources``)
+    while their lists are read, instead of having those lists disowned; and FAISS's unconditional "resizing"
+    printf on file descriptor 1 is silenced (:func:`quiet_stdout`)."""
     faiss = import_faiss()
     ivf = faiss.extract_index_ivf(empty)
     if empty.ntotal != 0:

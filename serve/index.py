@@ -5,10 +5,12 @@ serve/__init__.py describes).
 The collection is anything ``python -m extract`` reads -- a folder of images (no captions: then only the image
 index is built), a toy world (its ``--split``, default test), a CSV/TSV table, COCO JSON or webdataset shards. Its
 features come from the feature cache (``--cache-dir``), built once with the model's own extraction settings (an
-adapter: those in its checkpoint's description; a bare backbone: global embeddings only) and reused by fingerprint
-afterwards, never recomputed. The first-stage vectors are computed from the cached arrays: per image
-``scorer.first_stage_image(reps, "t2i")``, per caption ``scorer.first_stage_text(reps, "i2t")`` (a bare backbone:
-its cached global embeddings, fp16 -> float32), in batches of ``--batch-size``.
+adapter: those in its checkpoint's description; a bare backbone: global embeddings only; a FILIP pre-trained
+checkpoint: patch and token embeddings too) and reused by fingerprint afterwards, never recomputed. The first-stage
+vectors are computed from the cached arrays: per image ``scorer.first_stage_image(reps, "t2i")``, per caption
+``scorer.first_stage_text(reps, "i2t")`` (a bare backbone: its cached global embeddings, fp16 -> float32; FILIP:
+the mean of the item's unit patch / token embeddings, an approximation of its late-interaction score, which
+re-ranking then computes on the candidates), in batches of ``--batch-size``.
 
 The FAISS index type follows ``--kind`` (``auto``: :func:`serve.faiss_index.auto_keys`, chosen from the number of
 vectors and the ``--max-memory`` / ``--max-latency-ms`` budgets), tuned to the latency budget on real queries (an
@@ -178,7 +180,8 @@ def load_model(opts: IndexOptions):
 # --------------------------------------------------------------------------------------------- the cache
 def extraction_options(opts: IndexOptions, scorer, data: str, split: str | None):
     """The ``python -m extract`` options of the collection's cache: an adapter's own extraction settings (its
-    checkpoint's ``extraction.args``) for the new data, or a bare backbone's global embeddings."""
+    checkpoint's ``extraction.args``) for the new data, else the backbone's global embeddings plus the components
+    the scorer reads (``scorer.cache_components``: none for a bare backbone, ``patches``, ``tokens`` for FILIP)."""
     from adapters.scoring import pretrained_checkpoint
     from extract.extract_options import ExtractOptions
 
@@ -196,7 +199,8 @@ def extraction_options(opts: IndexOptions, scorer, data: str, split: str | None)
         return ExtractOptions(**args)
     ours = pretrained_checkpoint(opts.model) if opts.pretrained is None else None
     base, pretrained = ours or (opts.model, opts.pretrained)
-    return ExtractOptions(base=base, pretrained=pretrained, components=[], **run)
+    return ExtractOptions(base=base, pretrained=pretrained, components=list(getattr(scorer, "cache_components", ())),
+                          **run)
 
 
 def obtain_cache(opts: IndexOptions, scorer, data: str, split: str | None):
@@ -220,35 +224,38 @@ def obtain_cache(opts: IndexOptions, scorer, data: str, split: str | None):
 
 # --------------------------------------------------------------------------------------------- first-stage vectors
 def _array_keys(scorer, side: str) -> tuple[str, ...]:
-    if hasattr(scorer, "encode_arrays"):  # an adapter: its head's arrays
-        return tuple(scorer.cache_keys(side))
-    return ("image_embed",) if side == "image" else ("text_embed",)
+    """The cache arrays ``scorer`` reads per item of ``side`` (``serve.search.cache_keys``: a bare backbone's
+    global embeddings, an adapter's head arrays, FILIP's patch / token embeddings)."""
+    from serve.search import cache_keys
+
+    return cache_keys(scorer, side)
 
 
 def _check_indexable(scorer) -> None:
-    """Vectors come from the cache: a bare backbone's global embeddings, an adapter's head arrays; refuse others."""
-    from adapters.scoring import BackboneScorer
-
-    if not (hasattr(scorer, "encode_arrays") or isinstance(scorer, BackboneScorer)):
-        raise ValueError(f"{scorer.name} ({type(scorer).__name__}) cannot be indexed yet: an index reads its vectors "
-                         "from the feature cache, as a bare backbone's global embeddings or an adapter's head arrays, "
-                         "and this model scores with neither")
+    """Vectors come from the cache (:func:`_array_keys`); refuse a model whose representations cannot be read
+    from one."""
+    try:
+        _array_keys(scorer, "image"), _array_keys(scorer, "text")
+    except ValueError:
+        raise ValueError(f"{scorer.name} ({type(scorer).__name__}) cannot be indexed: an index reads its vectors "
+                         "from the feature cache (a bare backbone's global embeddings, an adapter's head arrays, "
+                         "FILIP's patch and token embeddings), and this model reads none of them") from None
 
 
 def first_stage(scorer, cache, side: str, rows: np.ndarray, direction: str, reps_out: list | None = None):
     """[len(rows), F] float32 first-stage vectors of cache rows (image rows for ``side`` "image", caption rows for
-    "text") in ``direction``: from the head's representations of the cached arrays (``scorer.encode_arrays``), or
-    for a bare backbone its cached global embeddings. ``reps_out``: receives those representations (what stage 2
-    re-ranks with, :mod:`serve.stage2`)."""
+    "text") in ``direction``: ``first_stage_image`` / ``first_stage_text`` of the scorer's representations of the
+    cached arrays (``serve.search.encode_arrays``: a bare backbone's cached global embeddings, an adapter's head
+    representations, FILIP's unit patch / token embeddings, whose first stage is their mean -- an approximation of
+    its score that re-ranking corrects). ``reps_out``: receives those representations (what stage 2 re-ranks with,
+    :mod:`serve.stage2`)."""
     import torch
+
+    from serve.search import encode_arrays
 
     arrays = {k: cache.gather(k, rows) for k in _array_keys(scorer, side)}
     with torch.no_grad():
-        if hasattr(scorer, "encode_arrays"):
-            reps = scorer.encode_arrays(arrays, side)
-        else:  # a bare backbone: its representation is the global embedding (adapters.scoring.BackboneScorer)
-            key = "image_embed" if side == "image" else "text_embed"
-            reps = {"embed": torch.from_numpy(np.asarray(arrays[key], dtype=np.float32)).to(scorer.device)}
+        reps = encode_arrays(scorer, arrays, side)
         out = scorer.first_stage_image(reps, direction) if side == "image" else scorer.first_stage_text(reps, direction)
     if reps_out is not None:
         reps_out.append(reps)

@@ -18,6 +18,13 @@ the feature cache the manifest names (image rows for images, caption rows for ca
 ordered by that score (non-finite scores last, ties by first-stage rank). A bare backbone has no second stage:
 its first stage is its exact score, ``has_second_stage`` is False and ``rerank`` is ignored with a note.
 
+A FILIP pre-trained checkpoint is served the same way: its first stage is the mean of each item's unit patch /
+token vectors (``FILIPScorer.first_stage_image`` / ``first_stage_text``), an approximation of its late-interaction
+score (neither a lower nor an upper bound: a candidate FILIP ranks high can rank low here), and its second stage is
+that late interaction (s^T for a text's images, s^I for an image's captions) on the candidates' cached patches /
+tokens (``--components patches,tokens``). A search of it without ``rerank`` says so in its notes (the scorer's
+``first_stage_note``); with ``rerank`` covering the collection the order is FILIP's own.
+
 Filters (``where``): a mapping ``{column: value}`` of metadata columns (``image.arrow`` / ``text.arrow``; a
 list, tuple or set of values is a membership test, several columns must all match; a list column such as
 ``captions`` matches when it holds a value), or a callable on the metadata row (a dict) returning True to keep
@@ -110,7 +117,8 @@ class Hit:
 
 class Hits(list):
     """The hits of one search, best first (a list of :class:`Hit`), with ``notes`` (one line each: a clamped
-    k, an ignored rerank, a truncated query, a filter that left fewer hits) and what was asked: ``query`` (the
+    k, an ignored rerank, a truncated query, a filter that left fewer hits, an approximate first stage searched
+    without re-ranking -- FILIP's) and what was asked: ``query`` (the
     text, or the image's name), ``direction`` ("t2i": images for a text, "i2t": captions for an image), ``k``,
     ``rerank``, ``offset`` (as used, after clamping), ``considered`` (candidates that passed the filter);
     ``timings``: milliseconds per stage (``encode`` the query, ``first_stage`` with its filter, ``rerank``,
@@ -138,17 +146,14 @@ def has_second_stage(scorer) -> bool:
 
 
 def cache_keys(scorer, side: str) -> tuple[str, ...]:
-    """The feature-cache arrays ``scorer`` reads per item of ``side`` ("image" / "text"), see :func:`encode_arrays`."""
+    """The feature-cache arrays ``scorer`` reads per item of ``side`` ("image" / "text"), see :func:`encode_arrays`.
+    Raises ValueError for a scorer that cannot be read from a cache."""
     if side not in SIDES:
         raise ValueError(f"side must be 'image' or 'text', got {side!r}")
-    if hasattr(scorer, "cache_keys"):  # adapters: the head's image_keys / text_keys
+    if hasattr(scorer, "cache_keys"):  # adapters (the head's image_keys / text_keys), FILIP (patches / tokens)
         return tuple(scorer.cache_keys(side))
     if isinstance(scorer, BackboneScorer):
         return ("image_embed",) if side == "image" else ("text_embed",)
-    from adapters.pretrain.filip import FILIPScorer
-
-    if isinstance(scorer, FILIPScorer):
-        return ("patch_tokens",) if side == "image" else ("token_embed", "token_mask")
     raise ValueError(f"{scorer.name}: no known way to read its representations from a feature cache")
 
 
@@ -157,24 +162,13 @@ def encode_arrays(scorer, arrays: Mapping[str, np.ndarray], side: str) -> Reps:
     """Representations of items of ``side`` from their cached arrays (``cache.gather(key, rows)`` for each of
     :func:`cache_keys`): what the scorer's live encoding gives for the same arrays. A bare backbone's are the
     cached global embeddings as stored (fp16, unit norm before rounding: ``train.evaluate --cache`` scores the
-    same); FILIP's the normalised patch / token embeddings with start-of-text and padding masked out."""
+    same); an adapter's and FILIP's come from their own ``encode_arrays`` (FILIP: the normalised patch / token
+    embeddings with start-of-text and padding masked out, ``adapters.pretrain.filip.FILIPScorer``)."""
     if hasattr(scorer, "encode_arrays"):
         return scorer.encode_arrays(dict(arrays), side)
-    device = scorer.device
     if isinstance(scorer, BackboneScorer):
         key = cache_keys(scorer, side)[0]
-        return {"embed": torch.as_tensor(np.asarray(arrays[key])).float().to(device)}
-    from adapters.pretrain.filip import FILIPScorer
-
-    if isinstance(scorer, FILIPScorer):
-        f = torch.nn.functional
-        if side == "image":
-            patches = torch.as_tensor(np.asarray(arrays["patch_tokens"])).float()
-            return {"patches": f.normalize(patches, dim=-1).to(device)}
-        mask = torch.as_tensor(np.asarray(arrays["token_mask"])).bool().clone()
-        mask[:, 0] = False  # start-of-text, as FILIPScorer.encode_texts
-        return {"tokens": f.normalize(torch.as_tensor(np.asarray(arrays["token_embed"])).float(), dim=-1).to(device),
-                "mask": mask.to(device)}
+        return {"embed": torch.as_tensor(np.asarray(arrays[key])).float().to(scorer.device)}
     raise ValueError(f"{scorer.name}: no known way to read its representations from a feature cache")
 
 
@@ -364,8 +358,9 @@ class Searcher:
 
     Attributes: ``index_dir``, ``manifest``, ``scorer`` (the model), ``has_second_stage``, ``num_images``,
     ``num_captions`` (0 without ``text.index``), ``caches`` (the feature caches stage 2 reads, one per part of
-    the collection -- one per source ``serve.index --add`` added; None for a bare backbone). Safe to share
-    between threads: searches only read."""
+    the collection -- one per source ``serve.index --add`` added; None for a bare backbone). A model whose first
+    stage only approximates its score and says so (``scorer.first_stage_note``: FILIP's mean token vectors) adds
+    that note to every search without ``rerank``. Safe to share between threads: searches only read."""
 
     def __init__(self, index_dir: Path, manifest: dict, scorer, sides: dict[str, _Side], caches: list | None,
                  image_query_problem: str | None = None):
@@ -533,6 +528,8 @@ class Searcher:
         notes = list(notes)
         k = _whole(k, "k", 1)
         offset = _whole(offset, "offset", 0)
+        if rerank is None and reps is not None and getattr(self.scorer, "first_stage_note", None):
+            notes.append(f"{self.scorer.name}: {self.scorer.first_stage_note}")  # FILIP: an approximate first stage
         if rerank is not None:
             rerank = _whole(rerank, "rerank", 1)
             if not self.has_second_stage:

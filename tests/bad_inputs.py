@@ -1,20 +1,23 @@
 """The bad-input corpus: every kind of broken input a user can hand plugvlm, in one folder.
 
-:func:`build` writes it once per session (``conftest.bad_inputs``); ``tests/test_bad_inputs.py`` runs every
-entry point that reads data, configs, checkpoints or caches against it. Each entry says what must happen: a
-report line (the run goes on and the good rows are kept, unchanged) or a one-line error naming the file and
-what to do (exit status 2), never a traceback and never a silently wrong result.
+:func:`build` writes the data part once per test module (the module-scoped ``corpus`` fixture of
+``tests/test_bad_inputs.py``; its ``full_corpus`` adds the checkpoints and caches through :func:`add_checkpoints`
+and :func:`add_truncated_cache`), and that file runs every entry point that reads data, configs, checkpoints or
+caches against it. Each entry says what must happen: a report line (the run goes on and the good rows are kept,
+unchanged) or a one-line error naming the file and what to do (exit status 2), never a traceback and never a
+silently wrong result.
 
-Layout under the corpus root::
+Layout under the corpus root (the tables lie next to their images: relative paths resolve against a table's folder)::
 
     images/             good, converted (CMYK, 16-bit, palette + transparency) and broken image files
-    mixed.csv           good rows among bad images, bad captions and an unterminated quote (issue 14, item 3)
-    tables/*.csv        tables no command can read: wrong columns, tab-separated .csv, empty, UTF-16 (item 8)
-    coco.json           COCO captions with an annotation of an unknown image and a bad caption
+    images/mixed.csv    good rows among bad images, bad captions and an unterminated quote (issue 14, item 3)
+    images/*.csv        tables no command can read: wrong columns, tab-separated .csv, empty, UTF-16 (item 8)
+    images/coco.json    COCO captions with an annotation of an unknown image and a bad caption
     shards/             a webdataset shard cut in the middle
     configs/*.yaml      values that must fail the command line's checks (item 4)
-    checkpoints/        an adapter with flipped bytes, one with NaN weights, a damaged pre-training checkpoint,
-                        a foreign pickle (items 2 and 9)
+    checkpoints/        an adapter and a training state with flipped bytes, an adapter with NaN weights, a damaged
+                        pre-training checkpoint, a foreign pickle (items 2 and 9); --pretrained files torch cannot
+                        use: a .pt cut in half, a 404 page saved as .pt, another architecture's state dict
     caches/truncated    a feature cache with a cut .npy (item 10)
 """
 from __future__ import annotations
@@ -109,6 +112,8 @@ BAD_CONFIGS = {
     "epochs_negative.yaml": ("epochs: -3\n", "key 'epochs': expected an integer >= 1, got -3"),
     "precision_fp64.yaml": ("precision: fp64\n", "key 'precision': invalid choice: 'fp64'"),
     "syntax_error.yaml": ("epochs: [3\n", "not valid YAML"),
+    "workers_true.yaml": ("workers: true\n", "key 'workers': --workers expects a value as on the command line"),
+    "batch_size_zero.yaml": ("batch_size: 0\n", "key 'batch_size': expected an integer >= 1, got 0"),
 }
 
 
@@ -194,8 +199,17 @@ def flip_tensor_bytes(path: Path, at: int | None = None, count: int = 64) -> Non
     path.write_bytes(bytes(data))
 
 
-def add_checkpoints(corpus: Corpus, adapter: Path) -> None:
-    """Tampered copies of a trained adapter checkpoint, a damaged pre-training checkpoint and a foreign pickle."""
+# --pretrained files torch cannot use, with what the one error line must say (issue 14, item 9)
+UNUSABLE_WEIGHTS = {
+    "cut.pt": "is not a readable PyTorch file (cut short or not a checkpoint",
+    "junk.pt": "is not a readable PyTorch file (cut short or not a checkpoint",
+    "wrong_arch.pt": "does not fit architecture plugvlm-tiny: ",
+}
+
+
+def add_checkpoints(corpus: Corpus, adapter: Path, state: Path | None = None) -> None:
+    """Tampered copies of a trained adapter checkpoint (and of its run's training ``state``, when given), a damaged
+    pre-training checkpoint, a foreign pickle and the :data:`UNUSABLE_WEIGHTS` files."""
     from adapters.checkpoint import read, write
     from extract.backbone import load_backbone
     from train import pretrain_checkpoint as ck
@@ -216,6 +230,19 @@ def add_checkpoints(corpus: Corpus, adapter: Path) -> None:
     torch.save({"state_dict": model.state_dict(), "args": argparse.Namespace(lr=1e-3)}, foreign)
     corpus.checkpoints.update(adapter_flipped=flipped, adapter_nan=nan_path, pretrain_flipped=pretrain,
                               foreign_pickle=foreign)
+    if state is not None:
+        state_flipped = folder / "state_flipped.safetensors"
+        shutil.copy(state, state_flipped)
+        flip_tensor_bytes(state_flipped)
+        corpus.checkpoints["state_flipped"] = state_flipped
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    whole = buffer.getvalue()
+    (folder / "cut.pt").write_bytes(whole[: len(whole) // 2])  # an interrupted download or copy
+    (folder / "junk.pt").write_bytes(b"<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>"
+                                     b"<body>Not Found</body></html>\n")  # what a failed download may save
+    torch.save(load_backbone("tiny-coca").model.state_dict(), folder / "wrong_arch.pt")  # readable, another model
+    corpus.checkpoints.update({name.removesuffix(".pt"): folder / name for name in UNUSABLE_WEIGHTS})
 
 
 def add_truncated_cache(corpus: Corpus, cache_path: Path) -> None:

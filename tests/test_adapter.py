@@ -219,7 +219,7 @@ def test_nan_steps_are_skipped_logged_and_abort_keeping_the_last_good_checkpoint
                                 "--max-bad-steps", "3", "--save-every", "1"), "--resume"])
     assert code == DIVERGED
     err = capsys.readouterr().err
-    assert "3 non-finite steps in a row" in err and str(state) in err
+    assert "3 non-finite steps in a row" in err and str(state) in err and err.rstrip().endswith("then --resume")
     assert state.read_bytes() == before
 
 
@@ -233,7 +233,8 @@ def test_divergence_before_any_good_state_does_not_claim_one(run, root, tmp_path
     assert code == DIVERGED
     captured = capsys.readouterr()
     assert "no good state has been saved yet" in captured.out and "keeps the last good state" not in captured.out
-    assert "(none saved yet)" in captured.err
+    assert "No good checkpoint has been saved yet" in captured.err
+    assert "then --resume" not in captured.err and "no state to --resume from" in captured.err  # nothing to resume
     assert not (out / "checkpoints" / "last.safetensors").exists()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import bad_inputs as bi
+from bad_inputs import Corpus
 
 
 def _error_line(err: str) -> str:
@@ -31,13 +32,13 @@ def full_corpus(corpus, tmp_path_factory, tiny_toy_cache):
     from test_adapter import toy_root, trained_comalign
 
     run = trained_comalign(toy_root(tmp_path_factory))
-    bi.add_checkpoints(corpus, run / "adapter.safetensors")
+    bi.add_checkpoints(corpus, run / "adapter.safetensors", run / "checkpoints" / "last.safetensors")
     bi.add_truncated_cache(corpus, tiny_toy_cache([]).path)
     return corpus
 
 
 # --------------------------------------------------------------------------------------------- data sources
-DATA_COMMANDS = ["check_data", "extract", "evaluate", "adapter", "pretrain", "index"]
+DATA_COMMANDS = ["check_data", "extract", "evaluate", "adapter", "adapter_compare", "pretrain", "index"]
 
 
 def _run(command: str, spec: Path, tmp_path: Path) -> int:
@@ -65,9 +66,15 @@ def _run(command: str, spec: Path, tmp_path: Path) -> int:
 
         return main(["--method", "comalign", "--data", str(spec), "--out", str(out), "--cache-dir", str(out / "cache"),
                      "--workers", "0"])
+    if command == "adapter_compare":
+        from train.adapter_compare import main
+
+        return main(["--data", str(spec), "--out", str(out), "--methods", "comalign", "--workers", "0"])
     from train.pretrain import main
 
-    return main(["--data", str(spec), "--out", str(out), "--workers", "0", "--no-tensorboard", "--epochs", "1"])
+    # one epoch of one step over the whole table (12 records), no evaluation: every row is read once
+    return main(["--data", str(spec), "--out", str(out), "--workers", "0", "--no-tensorboard", "--epochs", "1",
+                 "--batch-size", "12", "--eval-every-n-epochs", "0", "--save-every-n-steps", "0"])
 
 
 @pytest.mark.parametrize("command", DATA_COMMANDS)
@@ -147,6 +154,56 @@ def test_evaluation_skips_the_bad_images_and_counts_them(corpus, tmp_path, capsy
     assert "warning: retrieval: only 6 images" in capsys.readouterr().out  # too few for the metrics to mean much
 
 
+def _assert_bad_rows_reported(corpus: Corpus, report: Path) -> None:
+    """Every bad row of the mixed table is in ``report`` (a data_report.json / a cache's report.json) at its line,
+    and each converted image is noted once."""
+    where = {(s["location"], s["kind"]) for s in _report(report)}
+    for line, _, _, outcome in bi.MIXED_ROWS:
+        if outcome is not None:
+            assert (f"{corpus.mixed_csv}:{line}", "image" if outcome == "image" else "caption") in where, line
+    notes = json.loads(report.read_text())["converted"]
+    assert sorted(n["image_id"] for n in notes) == sorted(bi.CONVERTED), notes
+
+
+def test_pretraining_uses_every_good_row_and_reports_the_bad_ones(corpus, tmp_path, capsys, monkeypatch):
+    """One epoch visits every record once: the good images are all drawn, each with one of its own captions; the
+    bad images (replaced by good ones) and captions are in data_report.json, and the converted images are counted
+    (they were "converted 0 images")."""
+    from train.pretrain_data import TrainData
+
+    drawn, records = [], []
+    epoch_batches = TrainData.epoch_batches
+
+    def spy(self, epoch, start_step):
+        records[:] = self.loader.dataset.records
+        for micro in epoch_batches(self, epoch, start_step):
+            drawn.extend(pair for b in micro for pair in zip(b["image_ids"], b["captions"]))
+            yield micro
+
+    monkeypatch.setattr(TrainData, "epoch_batches", spy)
+    assert _run("pretrain", corpus.mixed_csv, tmp_path) == 0
+    good_images = {image for image, _ in bi.MIXED_GOOD}
+    indexed = {(r.image_id, c.text) for r in records for c in r.captions if r.image_id not in bi.BAD_IMAGES}
+    assert indexed == bi.MIXED_GOOD  # the index holds every good row, unchanged, and no bad caption
+    assert len(drawn) == 12 and set(drawn) <= bi.MIXED_GOOD and {i for i, _ in drawn} == good_images
+    _assert_bad_rows_reported(corpus, tmp_path / "pretrain" / "data_report.json")
+    out = capsys.readouterr().out
+    assert "converted 3 images" in out and "Traceback" not in out
+
+
+def test_an_index_of_the_mixed_table_holds_exactly_its_good_rows(corpus, tmp_path, capsys):
+    from pyarrow import feather
+
+    assert _run("index", corpus.mixed_csv, tmp_path) == 0
+    texts = feather.read_table(tmp_path / "index" / "index" / "text.arrow").to_pylist()
+    assert {(t["image_id"], t["text"]) for t in texts} == bi.MIXED_GOOD and len(texts) == len(bi.MIXED_GOOD)
+    images = feather.read_table(tmp_path / "index" / "index" / "image.arrow").to_pylist()
+    assert sorted(i["image_id"] for i in images) == sorted({image for image, _ in bi.MIXED_GOOD})
+    (report,) = (tmp_path / "index" / "cache").glob("*/report.json")
+    _assert_bad_rows_reported(corpus, report)
+    assert "Traceback" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["check_data", "extract", "evaluate"])
 def test_coco_with_an_unknown_image_and_a_cut_shard_are_reported_and_reading_goes_on(corpus, tmp_path, capsys,
                                                                                       command):
@@ -182,48 +239,127 @@ def test_a_bad_config_value_fails_the_flags_own_check(corpus, tmp_path, capsys, 
     assert f"--config {path}" in line and message in line, line
 
 
+def _unknown(key: str) -> str:
+    return f"unknown key(s) {key}; accepted: "
+
+
+# extract, train.evaluate and extract.check_data take fewer keys: one they lack is refused by name, the others checked
+@pytest.mark.parametrize("command, config, message", [
+    *[("extract", c, bi.BAD_CONFIGS[c][1]) for c in ("precision_fp64.yaml", "workers_true.yaml",
+                                                      "batch_size_zero.yaml", "syntax_error.yaml")],
+    ("extract", "lr_true.yaml", _unknown("lr")),
+    ("evaluate", "batch_size_zero.yaml", bi.BAD_CONFIGS["batch_size_zero.yaml"][1]),
+    ("evaluate", "syntax_error.yaml", "not valid YAML"), ("evaluate", "lr_true.yaml", _unknown("lr")),
+    ("check_data", "workers_true.yaml", bi.BAD_CONFIGS["workers_true.yaml"][1]),
+    ("check_data", "syntax_error.yaml", "not valid YAML"), ("check_data", "lr_true.yaml", _unknown("lr")),
+])
+def test_a_bad_config_is_refused_by_the_extraction_and_evaluation_commands_too(corpus, tmp_path, capsys, command,
+                                                                                config, message):
+    path = corpus.configs[config][0]
+    if command == "extract":
+        from extract.pipeline import parse_args
+
+        argv = ["--data", "x", "--out", str(tmp_path), "--config", str(path)]
+    elif command == "evaluate":
+        from train.evaluate import parse_args
+
+        argv = ["--model", "tiny", "--config", str(path)]
+    else:
+        from extract.check_data import parse_args
+
+        argv = ["x", "--config", str(path)]
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"--config {path}" in line and message in line, line
+
+
 # --------------------------------------------------------------------------------------------- checkpoints, caches
 @pytest.mark.parametrize("name, message", [
     ("adapter_flipped", "is damaged: its tensor data do not match the digest"),
     ("adapter_nan", "non-finite"),
     ("pretrain_flipped", "is damaged: its tensor data do not match the digest"),
 ])
-def test_a_tampered_checkpoint_is_refused_naming_the_file(full_corpus, tmp_path, capsys, name, message):
-    from train.evaluate import main
-
+@pytest.mark.parametrize("command", ["evaluate", "index"])
+def test_a_tampered_checkpoint_is_refused_naming_the_file(full_corpus, tmp_path, capsys, name, message, command):
     path = full_corpus.checkpoints[name]
-    assert main(["--model", str(path), "--tasks", "retrieval",
-                 "--retrieval-data", str(full_corpus.mixed_csv), "--out", str(tmp_path)]) in (2,)
+    if command == "evaluate":
+        from train.evaluate import main
+
+        code = main(["--model", str(path), "--tasks", "retrieval", "--retrieval-data", str(full_corpus.mixed_csv),
+                     "--out", str(tmp_path)])
+    else:
+        from serve.index import main
+
+        code = main(["--model", str(path), "--data", str(full_corpus.mixed_csv), "--out", str(tmp_path / "index"),
+                     "--cache-dir", str(tmp_path / "cache"), "--workers", "0"])
+    assert code == 2
     line = _error_line(capsys.readouterr().err)
     assert str(path) in line and message in line, line
+    assert not (tmp_path / "cache").exists()  # refused before any extraction
+
+
+def test_resuming_from_a_tampered_training_state_is_refused_naming_the_file(full_corpus, tmp_path_factory, tmp_path,
+                                                                           capsys):
+    """The run's own data and cache (reused): only the state is damaged."""
+    from test_adapter import adapter_argv, toy_root
+    from train.adapter import main
+
+    path = full_corpus.checkpoints["state_flipped"]
+    root = toy_root(tmp_path_factory)
+    assert main(adapter_argv(root, "comalign", tmp_path / "run", "--epochs", "2", "--resume", str(path))) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert str(path) in line and "is damaged: its tensor data do not match the digest" in line, line
+
+
+def _with_pretrained(command: str, path: Path, corpus: Corpus, tmp_path: Path) -> int:
+    """Run an entry point that takes ``--pretrained path`` (each fails on it before reading any data)."""
+    if command == "backbone":
+        from extract.backbone import main
+
+        return main(["--base", "tiny", "--pretrained", str(path)])
+    if command == "extract":
+        from extract.pipeline import main
+
+        return main(["--data", str(corpus.mixed_csv), "--out", str(tmp_path), "--pretrained", str(path),
+                     "--components", "tokens"])
+    if command == "evaluate":
+        from train.evaluate import main
+
+        return main(["--model", "tiny", "--pretrained", str(path), "--retrieval-data", str(corpus.mixed_csv),
+                     "--tasks", "retrieval", "--out", str(tmp_path)])
+    if command == "adapter":
+        from train.adapter import main
+
+        return main(["--method", "comalign", "--pretrained", str(path), "--data", str(corpus.mixed_csv), "--out",
+                     str(tmp_path / "run"), "--cache-dir", str(tmp_path / "cache"), "--workers", "0"])
+    from train.pretrain import main
+
+    return main(["--data", str(corpus.mixed_csv), "--out", str(tmp_path), "--pretrained", str(path)])
 
 
 @pytest.mark.parametrize("command", ["backbone", "extract", "evaluate", "pretrain"])
 def test_a_foreign_pickle_is_never_unpickled_and_the_message_says_how_to_convert(full_corpus, tmp_path, capsys,
                                                                                  command):
     path = str(full_corpus.checkpoints["foreign_pickle"])
-    if command == "backbone":
-        from extract.backbone import main
-
-        code = main(["--base", "tiny", "--pretrained", path])
-    elif command == "extract":
-        from extract.pipeline import main
-
-        code = main(["--data", str(full_corpus.mixed_csv), "--out", str(tmp_path), "--pretrained", path,
-                     "--components", "tokens"])
-    elif command == "evaluate":
-        from train.evaluate import main
-
-        code = main(["--model", "tiny", "--pretrained", path, "--retrieval-data", str(full_corpus.mixed_csv),
-                     "--tasks", "retrieval", "--out", str(tmp_path)])
-    else:
-        from train.pretrain import main
-
-        code = main(["--data", str(full_corpus.mixed_csv), "--out", str(tmp_path), "--pretrained", path])
-    assert code == 2
+    assert _with_pretrained(command, Path(path), full_corpus, tmp_path) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "weights_only=False" not in err.split("will not")[0]
     assert path in err and "safetensors" in err and "argparse.Namespace" in err
+
+
+@pytest.mark.parametrize("command", ["backbone", "evaluate", "adapter", "pretrain"])
+@pytest.mark.parametrize("name", sorted(bi.UNUSABLE_WEIGHTS))
+def test_pretrained_weights_torch_cannot_use_are_one_error_line(full_corpus, tmp_path, capsys, command, name):
+    """A cut .pt was diagnosed as "does not fit architecture" with a traceback, a 404 page ended in torch's unpickler
+    error, another architecture's state dict in a RuntimeError traceback listing every key."""
+    path = full_corpus.checkpoints[name.removesuffix(".pt")]
+    assert _with_pretrained(command, path, full_corpus, tmp_path) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {path} ") and bi.UNUSABLE_WEIGHTS[name] in line, line
+    assert len(line) < 400  # a few key names, not all of them
+    assert not (tmp_path / "cache").exists()  # refused before any extraction
 
 
 @pytest.mark.parametrize("command", ["evaluate", "adapter"])
@@ -241,3 +377,23 @@ def test_a_truncated_cache_is_refused_naming_the_shard_file(full_corpus, tmp_pat
     assert code == 2
     line = _error_line(capsys.readouterr().err)
     assert str(full_corpus.caches["truncated_file"]) in line and "rebuild" in line, line
+
+
+# --------------------------------------------------------------------------------------------- --out
+@pytest.mark.parametrize("command", ["adapter", "pretrain"])
+def test_an_unusable_out_is_refused_before_any_extraction_or_training(corpus, tmp_path, capsys, command):
+    """--out under a file (as /etc/passwd/x): the adapter failed only after extraction, with [Errno 20] alone."""
+    out = corpus.mixed_csv / "run"
+    if command == "adapter":
+        from train.adapter import main
+
+        code = main(["--method", "comalign", "--data", str(corpus.mixed_csv), "--out", str(out), "--cache-dir",
+                     str(tmp_path / "cache"), "--workers", "0", "--batch-size", "2"])
+    else:
+        from train.pretrain import main
+
+        code = main(["--data", str(corpus.mixed_csv), "--out", str(out), "--workers", "0", "--epochs", "1"])
+    assert code == 2
+    line = _error_line(capsys.readouterr().err)
+    assert f"--out {out} cannot be used as the run folder (Not a directory" in line, line
+    assert not (tmp_path / "cache").exists()

@@ -81,6 +81,34 @@ def test_run_job_turns_user_errors_into_one_line_and_exit_codes(capsys):
         cli.run_job(job, "other")
 
 
+_CLOSED_STDOUT_JOB = """
+import sys
+from extract.cli import run_job
+sys.stdin.readline()  # the reader of stdout has gone by now
+lines = int(sys.argv[1])
+sys.exit(run_job(lambda _: [print("hit", k) for k in range(lines)], None))
+"""
+
+
+@pytest.mark.parametrize("lines", [1, 100_000])  # still buffered when the job ends / written during it
+def test_a_stdout_closed_by_its_reader_ends_quietly(lines):
+    """``python -m serve.query IDX "..." --json | head -1``: the reader closes the pipe; the job ends with 141 (as a
+    tool that SIGPIPE ends) and prints nothing -- no "error: [Errno 32] Broken pipe", no "Exception ignored"."""
+    proc = subprocess.Popen([sys.executable, "-c", _CLOSED_STDOUT_JOB, str(lines)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()
+    _, err = proc.communicate(b"go\n", timeout=120)
+    assert proc.returncode == cli.EXIT_BROKEN_PIPE == 141 and err == b"", err.decode()
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error(capsys):
+    def job(_):
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a worker process gone; stdout is fine
+
+    assert cli.run_job(job, None) == 2
+    assert capsys.readouterr().err == "error: [Errno 32] Broken pipe\n"
+
+
 def test_quiet_and_verbose(capsys):
     cli.say("status")
     assert capsys.readouterr().out == "status\n"

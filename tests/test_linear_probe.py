@@ -226,6 +226,28 @@ def test_cli_round_trip(tmp_path, capsys):
     assert "missing array" in capsys.readouterr().err
 
 
+def _object_npz(path):
+    np.savez(path, x=np.zeros((2, 3)), y=np.array([{"label": "cat"}, None], dtype=object))
+
+
+@pytest.mark.parametrize("name, write, message", [
+    ("junk.npz", lambda p: p.write_bytes(b"not an npz file " * 8), "is not an .npz file: numpy would read it as a "
+                                                                   "pickle, and plugvlm will not unpickle it"),
+    ("objects.npz", _object_npz, "array 'y' holds pickled Python objects (dtype object) and plugvlm will not unpickle"),
+    ("cut.npz", lambda p: (np.savez(p, x=np.zeros((4, 3)), y=np.arange(4)), p.write_bytes(p.read_bytes()[:100])),
+     "is not a readable .npz file (cut short or not an .npz"),
+    ("empty.npz", lambda p: p.write_bytes(b""), "is not a readable .npz file (cut short or not an .npz"),
+])
+def test_an_unusable_npz_is_one_line_naming_the_file_and_never_unpickled(tmp_path, capsys, name, write, message):
+    """numpy reads a file that is neither .npz nor .npy as a pickle and advised allow_pickle=True, naming no file."""
+    path = tmp_path / name
+    write(path)
+    assert main(["--train", str(path), "--test", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}") and message in err and err.count("\n") == 1, err
+    assert "allow_pickle" not in err and "Traceback" not in err
+
+
 def test_cli_argument_errors_are_one_line(capsys):
     for argv, message in ((["--test", "t.npz"], "--train and --test are required"),
                           (["--train", "a.npz", "--test", "b.npz", "--val-fraction", "1.5"], "--val-fraction"),

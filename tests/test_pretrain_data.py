@@ -121,6 +121,25 @@ def test_webdataset_stream_skips_bad_samples_and_keeps_batches_full(toy, tmp_pat
     assert first["image_ids"] == again["image_ids"]
 
 
+def test_converted_images_are_noted_once_however_often_they_are_drawn(toy, tmp_path, parts):
+    """Images are decoded (and converted) in the data-loader workers, whose own reports never reach the main process:
+    the notes travel with the batches (train.pretrain's data_report.json said "converted 0 images"), and an image
+    drawn in several batches and epochs is noted once."""
+    import bad_inputs as bi
+
+    encoded = bi._images()
+    pngs = sorted((toy / "images").glob("*.png"))
+    samples = [(f"s{k:03d}", p.read_bytes(), f"caption {k}") for k, p in enumerate(pngs[:9])]
+    samples += [(name.split(".")[0], encoded[name], f"a {name}") for name in bi.CONVERTED]
+    _shard(tmp_path / "00000.tar", samples)
+    data = _data(str(tmp_path / "00000.tar"), parts, train_num_samples=24, workers=1)
+    converted = {name.split(".")[0] for name in bi.CONVERTED}
+    drawn = [i for epoch in range(2) for step in data.epoch_batches(epoch, 0) for m in step for i in m["image_ids"]]
+    assert sum(i in converted for i in drawn) > len(converted)  # drawn more than once each, on average
+    assert sorted(n.image_id for n in data.report.notes) == sorted(converted)
+    assert sum(data.report.counts()["converted"].values()) == len(converted)
+
+
 def _stream_shards(toy: Path, folder: Path) -> str:
     """Two small shards (a bad image in one, a sample without caption in the other); returns their pattern."""
     pngs = sorted((toy / "images").glob("*.png"))

@@ -278,6 +278,19 @@ def test_a_missing_half_written_or_tampered_index_is_one_error_line(setup, tmp_p
     assert (_digest(folder) if folder.exists() else None) == after_damage  # the search side writes nothing
 
 
+def test_json_into_a_closed_pipe_ends_quietly(setup):
+    """``python -m serve.query IDX "..." --json | head -1``: the reader is gone before the JSON is written; the
+    process ends with 141 (as a tool that SIGPIPE ends) and says nothing (extract.cli.run_job)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PLUGVLM_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "serve.query", str(setup.adapter_index), QUERY, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    proc.stdout.close()  # before the model has loaded: the JSON meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141
+    assert "error" not in err.decode() and "Traceback" not in err.decode() and "Exception ignored" not in err.decode()
+
+
 def test_debug_shows_the_traceback(setup, tmp_path):
     """The real process: exit status 2 and one line; --debug / PLUGVLM_DEBUG=1 give the traceback instead."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -1,6 +1,7 @@
 """serve.search: the two-stage search (FAISS first stage, the model's own re-ranking from the feature cache) against
-brute-force references, filters and paging, the served recall against train.evaluate --cache (the exactness check),
-model mismatch, bad queries, and FILIP's first stage.
+brute-force references, filters and paging, the served recall against train.evaluate --cache (the exactness check)
+for the bare backbone and every adapter (ComAlign, SmartCLIP, PowerCLIP) and a FILIP checkpoint, model mismatch,
+bad queries, and FILIP's first stage and re-ranking.
 
 The setup is shared with tests/test_serve_query.py and tests/test_evaluate.py and made once per session: the
 120-scene toy world and trained ComAlign of tests/test_adapter.py, and two flat index directories of the world's test
@@ -250,6 +251,120 @@ def test_served_recall_equals_evaluate_from_the_cache(adapter, backbone, setup, 
     assert served_recall(adapter, 100)["text_to_image"]["rerank"] == 12  # clamped to the 12 images
 
 
+def _served_models() -> tuple[str, ...]:
+    """Every registered adapter but the setup's ComAlign (a new method is covered when it registers), and FILIP."""
+    from adapters.registry import ADAPTERS
+
+    return (*(name for name in ADAPTERS.names() if name != "comalign"), "filip")
+
+
+SERVED_MODELS = _served_models()  # besides the setup's ComAlign and bare backbone
+
+
+def served_model(setup, method: str) -> tuple[str, Path]:
+    """Session-wide: ``method`` trained one epoch on the setup's world (an adapter: ``train.adapter``; "filip": the
+    tiny backbone pre-trained with ``train.pretrain``) and the flat index of the world's test split built for it by
+    ``serve.index``: (the model as ``--model`` takes it, the index directory). Seconds each on the tiny backbone."""
+    from serve.index import IndexOptions, build_index
+
+    run = setup.root / f"{method}-1-epoch"
+    if method == "filip":
+        from train.pretrain import PretrainOptions, pretrain
+
+        if not (run / "model.json").is_file():  # written after the weights
+            pretrain(PretrainOptions(method="filip", model="tiny", data=str(setup.world), epochs=1, batch_size=32,
+                                     seed=0, out=str(run), workers=0, eval_every_n_epochs=0, save_every_n_steps=0,
+                                     tensorboard=False, device="cpu"))
+        model = run / "model.safetensors"
+    else:
+        from train.adapter import AdapterOptions, train
+
+        if not (run / "summary.json").is_file():
+            train(AdapterOptions(method=method, data=str(setup.world), out=str(run),
+                                 cache_dir=str(setup.root / "cache"), workers=0, extract_batch_size=64, batch_size=48,
+                                 eval_batch_size=256, epochs=1, final_eval=False))
+        model = run
+    index = setup.root / f"index-{method}"
+    if not (index / "manifest.json").is_file():
+        build_index(IndexOptions(model=str(model), data=str(setup.world), out=str(index), kind="flat",
+                                 cache_dir=str(setup.root / "serve-cache"), workers=0))
+    return str(model), index
+
+
+@pytest.mark.parametrize("method", SERVED_MODELS)
+def test_every_models_served_recall_equals_evaluate_from_the_cache(setup, tmp_path, method):
+    """The exactness check for the other adapters and a FILIP checkpoint: with a flat index and K covering the
+    collection, served R@1/5/10 are train.evaluate --cache's on the cache the index was built from, and R@k for
+    every k is the ranks of the scorer's full matrices of the cached arrays (ComAlign and the backbone: above)."""
+    from adapters.ranking import image_to_text_ranks, text_to_image_ranks
+    from serve.search import directed_score
+    from train.evaluate import main
+
+    model, index = served_model(setup, method)
+    searcher = Searcher.open(index)
+    assert searcher.has_second_stage and searcher.num_images == 12 and searcher.num_captions == 53
+    cache = searcher.manifest["cache"]["path"]
+    assert main(["--model", model, "--tasks", "retrieval", "--cache", cache, "--annotations", str(setup.world),
+                 "--out", str(tmp_path / "eval")]) == 0
+    (ev,) = (r["retrieval"] for r in json.loads((tmp_path / "eval" / "results.json").read_text())["results"].values())
+    served = served_recall(searcher, 53)
+    for d in ("text_to_image", "image_to_text"):
+        assert served[d]["n"] == ev[d]["n"]
+        for k in ("R@1", "R@5", "R@10"):
+            assert served[d][k] == ev[d][k], (method, d, k, served[d][k], ev[d][k])
+    scorer = searcher.scorer
+    images, captions = _all_reps(searcher, "image"), _all_reps(searcher, "text")
+    caption_image = torch.from_numpy(np.asarray(searcher.collection("text").column("image_row"), dtype=np.int64))
+    everything = served_recall(searcher, 53, ks=range(1, 54))
+    want_t2i = _rank_recalls(text_to_image_ranks(directed_score(scorer, images, captions, "t2i"), caption_image), 53)
+    want_i2t = _rank_recalls(image_to_text_ranks(directed_score(scorer, images, captions, "i2t"), caption_image), 53)
+    assert [everything["text_to_image"][f"R@{k}"] for k in range(1, 54)] == pytest.approx(want_t2i, abs=1e-9)
+    assert [everything["image_to_text"][f"R@{k}"] for k in range(1, 54)] == pytest.approx(want_i2t, abs=1e-9)
+
+
+def test_a_filip_checkpoint_is_indexed_and_reranked_by_its_late_interaction(setup):
+    """serve.index reads FILIP's patch and token embeddings from a cache extracted with them; the first stage is
+    the mean of the unit tokens (an approximation, said in the notes of a search without re-ranking), and the
+    re-ranked order is FILIP's own s^T (a text's images) / s^I (an image's captions) of the candidates."""
+    from adapters.pretrain.filip import FILIPScorer
+    from extract.cache import FeatureCache
+    from PIL import Image
+
+    _, index = served_model(setup, "filip")
+    searcher = Searcher.open(index)
+    scorer = searcher.scorer
+    assert isinstance(scorer, FILIPScorer) and searcher.manifest["model"]["kind"] == "pretrain"
+    cache = FeatureCache.open(searcher.manifest["cache"]["path"])
+    assert {"patch_tokens", "token_embed", "token_mask"} <= set(cache.keys)  # --components patches,tokens
+    images = _all_reps(searcher, "image")
+    q = scorer.encode_texts([QUERY])
+    first = (scorer.first_stage_image(images, "t2i") @ scorer.first_stage_text(q, "t2i")[0]).numpy()
+    own = scorer.score_directed(images, q, "t2i")[:, 0].numpy()
+    plain = searcher.search_text(QUERY, k=12)
+    rows = [h.row for h in plain]
+    _assert_ordered_by(rows, [h.score for h in plain], first)
+    assert any("only approximates FILIP's late-interaction score" in n for n in plain.notes)
+    for k, K in ((12, 12), (4, 6)):
+        hits = searcher.search_text(QUERY, k=k, rerank=K)
+        assert not any("approximates" in n for n in hits.notes)
+        candidates = rows[:K]
+        assert {h.row for h in hits} <= set(candidates) and hits.rerank == K
+        assert [h.rank_before for h in hits] == [candidates.index(h.row) + 1 for h in hits]
+        _assert_ordered_by([h.row for h in hits], [h.rerank_score for h in hits], own)
+        best = sorted(candidates, key=lambda r: -own[r])[:k]
+        assert np.allclose(own[[h.row for h in hits]], own[best], atol=1e-5)
+    # an image query: its captions re-ranked by s^I
+    path = str(setup.world / "images" / "000008.png")
+    captions = _all_reps(searcher, "text")
+    qi = scorer.encode_images(scorer.preprocess(Image.open(path).convert("RGB"))[None])
+    own_i = scorer.score_directed(qi, captions, "i2t")[0].numpy()
+    full = [h.row for h in searcher.search_image(path, k=53)]
+    hits = searcher.search_image(path, k=5, rerank=20)
+    assert {h.row for h in hits} <= set(full[:20])
+    _assert_ordered_by([h.row for h in hits], [h.rerank_score for h in hits], own_i)
+    assert np.allclose(sorted(own_i[full[:20]], reverse=True)[:5], [h.rerank_score for h in hits], atol=1e-5)
+
+
 def test_a_collection_of_two_parts_reranks_each_from_its_own_cache(setup, tmp_path):
     """serve.index --add appends a source with its own cache: stage 2 reads each candidate from its part's cache."""
     import shutil
@@ -378,6 +493,11 @@ def test_filip_first_stage_is_the_mean_of_its_unit_tokens(tiny_toy_cache):
     caps = encode_arrays(scorer, {k: cache.gather(k, rows) for k in cache_keys(scorer, "text")}, "text")
     captions = {c.id: c.text for r in records.values() for c in r.captions}
     live_t = scorer.encode_texts([captions[c] for c in cache.caption_ids()[:4]])
-    assert torch.equal(caps["mask"], live_t["mask"][:, :caps["mask"].shape[1]])
+    assert torch.equal(caps["mask"], live_t["mask"])  # padded to the context, as live encoding
+    # a shard trimmed to a shorter longest caption gives the same width and scores (batches of two shards concatenate)
+    width = int(cache.gather("token_mask", rows).sum(1).max())
+    short = encode_arrays(scorer, {k: cache.gather(k, rows)[:, :width] for k in cache_keys(scorer, "text")}, "text")
+    assert short["tokens"].shape == caps["tokens"].shape and torch.equal(short["mask"], caps["mask"])
+    assert torch.equal(scorer.score_directed(images, short, "t2i"), scorer.score_directed(images, caps, "t2i"))
     assert torch.allclose(scorer.first_stage_text(caps), scorer.first_stage_text(live_t), atol=5e-3)
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import extract.weights as weights
-from extract.backbone import PickledObjectsError, _register_configs, load_backbone, main
+from extract.backbone import ArchitectureMismatchError, PickledObjectsError, _register_configs, load_backbone, main
 from extract.weights import WeightsNotFoundError, resolve_weights
 
 
@@ -123,7 +123,9 @@ def test_a_foreign_pickle_is_explained_with_a_conversion_that_works(tmp_path, ca
 def test_wrong_architecture_is_named(tmp_path):
     path = tmp_path / "other.safetensors"
     save_file({"visual.proj": torch.zeros(3, 3)}, path)
-    with pytest.raises(RuntimeError, match="does not fit architecture plugvlm-tiny"):
+    with pytest.raises(ArchitectureMismatchError, match=r"other.safetensors does not fit architecture plugvlm-tiny: "
+                       r"\d+ of the model's tensors missing \(.*\); 1 of another shape \(visual.proj \(3, 3\) in the "
+                       r"file, \(64, 64\) in the model\)"):
         load_backbone("tiny", str(path))
 
 

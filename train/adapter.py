@@ -1024,10 +1024,13 @@ def _skipped_step(run: Run, reason: str) -> None:
     if state.bad_in_a_row >= run.opts.max_bad_steps:
         run.logs.close()
         path = run.env.state_path
+        # --resume continues from a saved state: advise it only when there is one (else the fix is a fresh run)
+        kept = (f"The last good checkpoint is kept: {path}" if path.exists()
+                else "No good checkpoint has been saved yet")
+        then = "; then --resume" if path.exists() else "; then rerun (there is no state to --resume from)"
         raise TrainingDiverged(
-            f"training diverged: {state.bad_in_a_row} non-finite steps in a row (last at step {state.step}). The last "
-            f"good checkpoint is kept: {path if path.exists() else '(none saved yet)'}. Lower --lr, set "
-            "--grad-clip, or check the cache for NaN features; then --resume")
+            f"training diverged: {state.bad_in_a_row} non-finite steps in a row (last at step {state.step}). {kept}. "
+            f"Lower --lr, set --grad-clip, or check the cache for NaN features{then}")
 
 
 def save_state(run: Run) -> bool:

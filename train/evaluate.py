@@ -67,7 +67,8 @@ class EvaluateOptions(SourceOptions, BoxOptions):
     cache: str | None = option(None, group="data",
                                help="a python -m extract cache of the retrieval data, read instead of re-encoding "
                                     "it: a bare backbone reads its global features (same weights as the cache's), an "
-                                    "adapter its head's arrays (a cache extracted with the adapter's own settings)")
+                                    "adapter its head's arrays (a cache extracted with the adapter's own settings), a "
+                                    "FILIP checkpoint its patch and token embeddings (--components patches,tokens)")
     zeroshot_data: str | None = option(None, help="image folder or filepath,label CSV", group="data")
     labels: str | None = option(None, help="class-name file for --zeroshot-data (txt or JSON)", group="data")
     templates: str = option("imagenet80", choices=sorted(TEMPLATE_SETS), group="data",
@@ -277,8 +278,10 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
     ``text_keys``) read from the cache: the cache must have been extracted with the adapter's own extraction
     settings (its checkpoint's ``extraction.settings``; the data aside), so it holds exactly the arrays live
     extraction would give the head, and the head's directions are ranked as in :func:`retrieval_from_reps`.
-    Other scorers are refused. Both refusals name the two sides. ``scenes`` (a toy world's, by image id) add
-    multi-positive retrieval, as in :func:`run_retrieval`."""
+    A scorer that reads itself from a cache without being an adapter (``cache_keys`` / ``encode_arrays``: FILIP's
+    late interaction on the cached patch and token embeddings) needs the backbone check of a bare backbone and a
+    cache holding its arrays (``scorer.cache_components``). Other scorers are refused. The refusals name the two
+    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in :func:`run_retrieval`."""
     from adapters.adapter_scorer import AdapterScorer
     from adapters.scoring import BackboneScorer
     from extract.cache import settings_diff
@@ -298,13 +301,27 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
                                   image_keys=cache.image_ids())
         out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
         return out
-    if not isinstance(scorer, BackboneScorer):
-        raise ValueError(f"--cache is read by bare backbones and adapters; {scorer.name} scores with its own method: "
-                         "evaluate it without --cache")
+    own_arrays = hasattr(scorer, "encode_arrays") and hasattr(scorer, "cache_keys")  # FILIP
+    if not (isinstance(scorer, BackboneScorer) or own_arrays):
+        raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
+                         "method: evaluate it without --cache")
     theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
     if theirs != ours:
         raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
                          + "\n  ".join(settings_diff(theirs, ours)[:8]))
+    if own_arrays:
+        missing = sorted({k for side in ("image", "text") for k in scorer.cache_keys(side)} - set(cache.keys))
+        if missing:
+            components = ",".join(getattr(scorer, "cache_components", ()))
+            raise ValueError(f"--cache {cache.path} lacks the arrays {missing} that {scorer.name} scores with: extract "
+                             f"the retrieval data with --components {components}, or drop --cache")
+        image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
+        text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
+        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
+                                  truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
+                                  image_keys=cache.image_ids())
+        out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
+        return out
     image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
     text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
     out = retrieval_from_reps(scorer, {"embed": image}, {"embed": text}, torch.from_numpy(cache.caption_image_index()),
@@ -315,7 +332,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
 
 
 def _cached_reps(scorer, cache, side: str, n: int, batch_size: int):
-    """An adapter's representations of every cache row of ``side`` ("image" / "text"), in batches."""
+    """An adapter's (or FILIP's) representations of every cache row of ``side`` ("image" / "text"), in batches."""
     return cat_reps([scorer.encode_arrays({k: cache.gather(k, np.arange(a, min(a + batch_size, n)))
                                            for k in scorer.cache_keys(side)}, side) for a in range(0, n, batch_size)])
 

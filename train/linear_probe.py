@@ -384,15 +384,50 @@ def format_result(r: dict) -> str:
 
 # --------------------------------------------------------------------------------------------- CLI
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """Arrays ``x`` [N, D] and ``y`` [N] of an .npz file (no pickled objects: strings as a unicode array)."""
+    """Arrays ``x`` [N, D] and ``y`` [N] of an .npz file (no pickled objects: strings as a unicode array).
+
+    Raises ValueError, one line naming the file, for a file that is missing, cut short, not an .npz, lacks ``x`` or
+    ``y``, or holds pickled Python objects: numpy reads a file that is neither .npz nor .npy as a pickle and then
+    advises ``allow_pickle=True``, which would run code from the file; plugvlm never unpickles it."""
+    import zipfile
+
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    with np.load(path, allow_pickle=False) as data:
+    never = "plugvlm will not unpickle it (unpickling can run code from the file)"
+    try:
+        data = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        if "pickled" in str(e):  # neither zip nor .npy magic: numpy would fall back to pickle
+            raise ValueError(f"{path} is not an .npz file: numpy would read it as a pickle, and {never}; save the "
+                             "arrays with numpy.savez(path, x=features, y=labels)") from None
+        if "allow_pickle" in str(e):  # an .npy of dtype object
+            raise ValueError(f"{path} is an .npy array of pickled Python objects (dtype object), not an .npz, and "
+                             f"{never}; save the arrays with numpy.savez(path, x=features, y=labels)") from None
+        raise ValueError(f"{path} is not a readable .npz file ({e})") from None
+    except (EOFError, OSError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path} is not a readable .npz file (cut short or not an .npz: {type(e).__name__}: {e}); "
+                         "save it again with numpy.savez(path, x=features, y=labels)") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} is a single .npy array, not an .npz holding arrays x and y: save them with "
+                         "numpy.savez(path, x=features, y=labels)")
+    with data:
         absent = [k for k in ("x", "y") if k not in data.files]
         if absent:
             raise ValueError(f"{path}: missing array(s) {absent}; found {data.files}")
-        return data["x"], data["y"]
+        out = []
+        for key in ("x", "y"):
+            try:
+                out.append(data[key])
+            except ValueError as e:  # "Object arrays cannot be loaded when allow_pickle=False"
+                if "allow_pickle" not in str(e):
+                    raise ValueError(f"{path}: array {key!r} is not readable ({e})") from None
+                raise ValueError(f"{path}: array {key!r} holds pickled Python objects (dtype object) and {never}; "
+                                 "save labels as strings (np.array(labels, dtype=str)), features as floats") from None
+            except (EOFError, OSError, zipfile.BadZipFile) as e:
+                raise ValueError(f"{path}: array {key!r} is not readable (cut short or damaged: {type(e).__name__}: "
+                                 f"{e})") from None
+        return out[0], out[1]
 
 
 def build_parser() -> Parser:

@@ -357,7 +357,7 @@ def create_model(arch: str, quick_gelu: bool, seed: int, pretrained: str | None 
         if weights.path is not None:  # verified if plugvlm wrote it; a foreign pickle is explained, not unpickled
             from extract.backbone import load_weights_file
 
-            load_weights_file(model, weights.path)
+            load_weights_file(model, weights.path, arch)
     pp = PreprocessCfg(**model.visual.preprocess_cfg)
     return (model, image_transform_v2(pp, is_train=True), image_transform_v2(pp, is_train=False),
             open_clip.get_tokenizer(arch))

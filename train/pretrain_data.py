@@ -82,8 +82,9 @@ class SeededTransform:
 class IndexedPairs(Dataset):
     """Map-style dataset over an indexed source; an index is ``(epoch, image position)``.
 
-    Returns a dict: ``image`` (tensor), ``caption`` (str), ``image_id`` and ``skips`` (the Skip records of
-    images that failed and were replaced to produce this item).
+    Returns a dict: ``image`` (tensor), ``caption`` (str), ``image_id``, ``location`` and ``note`` (how its pixels
+    were converted, or None: the report counts conversions from these, since a worker's own report never reaches the
+    main process) and ``skips`` (the Skip records of images that failed and were replaced to produce this item).
     """
 
     def __init__(self, source: IndexedSource, transform: SeededTransform, seed: int):
@@ -110,7 +111,8 @@ class IndexedPairs(Dataset):
             rng = _rng(self.seed, epoch, position, "sample")
             caption = record.captions[int(rng.integers(len(record.captions)))].text
             image = self.transform(sample.image, int(rng.integers(2 ** 63 - 1)))
-            return {"image": image, "caption": caption, "image_id": record.image_id, "skips": skips}
+            return {"image": image, "caption": caption, "image_id": record.image_id, "location": record.location,
+                    "note": sample.note, "skips": skips}
         raise RuntimeError(f"{MAX_REPLACEMENTS} unreadable images in a row in {self.source.name} (last: "
                            f"{skips[-1].location}: {skips[-1].reason}); check it with python -m extract.check_data")
 
@@ -230,7 +232,8 @@ class StreamPairs(IterableDataset):
             caption = sample.captions[int(rng.integers(len(sample.captions)))].text
             skips = source.report.skips
             item = {"image": self.transform(sample.image, int(rng.integers(2 ** 63 - 1))), "caption": caption,
-                    "image_id": sample.image_id, "skips": skips[seen:]}
+                    "image_id": sample.image_id, "location": sample.location, "note": sample.note,
+                    "skips": skips[seen:]}
             seen = len(skips)
             position += 1
             yield item
@@ -254,8 +257,8 @@ class StreamPairs(IterableDataset):
 # --------------------------------------------------------------------------------------------- batches
 class Collate:
     """Items -> a batch dict: ``image`` [b, 3, H, W], ``text`` [b, L] (the model's tokenizer, unless the
-    objective's ``prepare`` supplies it), the objective's extras, and ``image_ids`` / ``captions`` / ``skips``
-    (lists, not moved to the device). Runs in the data-loader workers."""
+    objective's ``prepare`` supplies it), the objective's extras, and ``image_ids`` / ``captions`` / ``locations`` /
+    ``notes`` / ``skips`` (lists, not moved to the device). Runs in the data-loader workers."""
 
     def __init__(self, tokenizer, objective):
         self.tokenizer, self.objective = tokenizer, objective
@@ -267,11 +270,12 @@ class Collate:
         extras = self.objective.prepare(captions, image_ids, self.tokenizer)
         batch["text"] = extras.pop("text") if "text" in extras else self.tokenizer(captions)
         batch.update(extras)
-        batch.update(image_ids=image_ids, captions=captions, skips=[s for it in items for s in it["skips"]])
+        batch.update(image_ids=image_ids, captions=captions, locations=[it["location"] for it in items],
+                     notes=[it["note"] for it in items], skips=[s for it in items for s in it["skips"]])
         return batch
 
 
-TENSOR_FREE_KEYS = ("image_ids", "captions", "skips")
+TENSOR_FREE_KEYS = ("image_ids", "captions", "locations", "notes", "skips")
 
 
 def to_device(batch: dict[str, Any], device, input_dtype=None) -> dict[str, Any]:
@@ -327,8 +331,8 @@ class TrainData:
             it = self._stream
         for _ in range(start_step, self.steps_per_epoch):
             micro = [next(it) for _ in range(self.accum_freq)]
-            for b in micro:
-                self.report.add_batch({"image_ids": [], "locations": [], "notes": []}, b["skips"])
+            for b in micro:  # a converted image is noted once per (image, location), however often it is drawn
+                self.report.add_batch(b, b["skips"])
             yield micro
 
 

@@ -1,10 +1,11 @@
 """Run folders: where a training job writes, chosen when the user names none, and never another run's.
 
 ``python -m train.adapter --method comalign`` writes ``runs/tiny-comalign``; ``--base ViT-B-32`` makes it
-``runs/ViT-B-32-comalign``. A run folder holds ``config.json`` (the resolved options). :func:`claim` lets a run
-write into a folder that is new, empty, or holds a run with the same settings (rerunning a command; settings
-that do not change the result -- device, workers, verbosity, resume -- do not count), and refuses, naming the
-differences and the fix, a folder holding a run with other settings: a run never silently overwrites another.
+``runs/ViT-B-32-comalign``. A run folder holds ``config.json`` (the resolved options). :func:`claim` creates the
+folder, refusing one that cannot be written, and lets a run write into a folder that is new, empty, or holds a run
+with the same settings (rerunning a command; settings that do not change the result -- device, workers, verbosity,
+resume -- do not count); it refuses, naming the differences and the fix, a folder holding a run with other
+settings: a run never silently overwrites another.
 """
 from __future__ import annotations
 
@@ -26,9 +27,29 @@ def default_out(*parts: str) -> Path:
     return Path("runs") / name
 
 
+def ensure_writable(out: Path) -> None:
+    """Create the run folder ``out`` (parents included) and write and remove a file in it; raise ValueError naming
+    ``--out`` when either fails (a path through a file, no permission, a read-only disk), so an unusable --out
+    stops a run before extraction or training rather than at its first write, minutes later."""
+    import tempfile
+
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder: pass a folder for the run")
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot be used as the run folder ({e.strerror or type(e).__name__}"
+                         + (f": {e.filename}" if e.filename and str(e.filename) != str(out) else "")
+                         + "): pass a folder you can write to") from None
+
+
 def claim(out: Path, config: dict, *, resume: bool = False, neutral: Iterable[str] = NEUTRAL) -> None:
-    """Raise ValueError when ``out`` holds a run (its ``config.json``) whose settings differ from ``config``
-    in anything but ``neutral`` keys, unless ``resume`` (continuing a run checks its own settings)."""
+    """Raise ValueError when ``out`` cannot be created or written (:func:`ensure_writable`: it exists afterwards) or
+    holds a run (its ``config.json``) whose settings differ from ``config`` in anything but ``neutral`` keys, unless
+    ``resume`` (continuing a run checks its own settings)."""
+    ensure_writable(out)
     path = Path(out) / "config.json"
     if resume or not path.is_file():
         return

@@ -18,13 +18,17 @@ its images against every text and every image against its texts (the ``local_los
 :mod:`adapters.contrastive`), so two ranks give one process's loss and gradients.
 
 Evaluation scores with the same late interaction (:class:`FILIPScorer`, as the FILIP paper does for retrieval
-and zero-shot); ``adapters.scoring.load_scorer`` picks it from the checkpoint's JSON.
+and zero-shot); ``adapters.scoring.load_scorer`` picks it from the checkpoint's JSON. It reads its representations
+from a feature cache too (``--components patches,tokens``), so ``train.evaluate --cache`` scores a cached collection
+and ``serve.index`` indexes one: the first stage searches the mean of each item's unit token vectors, an
+approximation, and re-ranking scores the candidates with the late interaction itself.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -206,6 +210,41 @@ class FILIPScorer:
             raise ValueError(f"direction must be 'i2t' or 't2i', got {direction!r}")
         return s_i if direction == "i2t" else s_t
 
+    # -- the feature cache (serve.index, serve.search's re-ranking, train.evaluate --cache) -------------------------
+    # The arrays of ``python -m extract --components patches,tokens`` under the same backbone are what
+    # encode_images / encode_texts compute, stored in fp16: reading them gives the live representations to fp16
+    # rounding, so a collection is indexed and re-ranked without re-encoding it.
+    cache_components = ("patches", "tokens")
+
+    def cache_keys(self, side: str) -> tuple[str, ...]:
+        """The cache arrays :meth:`encode_arrays` reads per item of ``side`` ("image" / "text")."""
+        if side not in ("image", "text"):
+            raise ValueError(f"side must be 'image' or 'text', got {side!r}")
+        return ("patch_tokens",) if side == "image" else ("token_embed", "token_mask")
+
+    @torch.no_grad()
+    def encode_arrays(self, arrays: dict, side: str) -> dict[str, Tensor]:
+        """The representations of :meth:`encode_images` / :meth:`encode_texts` from cached arrays (numpy or
+        tensors, first dimension = items): images ``patch_tokens`` [B, K, D] -> unit ``patches``; texts
+        ``token_embed`` [B, L, D] and ``token_mask`` [B, L] -> unit ``tokens`` and the mask without start-of-text,
+        both padded to the backbone's text context [B, C, ...] as :meth:`encode_texts` gives them (padding False)."""
+        if side == "image":
+            patches = torch.as_tensor(np.asarray(arrays["patch_tokens"])).float()
+            return {"patches": F.normalize(patches, dim=-1).to(self.device)}
+        if side != "text":
+            raise ValueError(f"side must be 'image' or 'text', got {side!r}")
+        mask = torch.as_tensor(np.asarray(arrays["token_mask"])).bool().clone()
+        mask[:, 0] = False  # start-of-text, as encode_texts
+        tokens = F.normalize(torch.as_tensor(np.asarray(arrays["token_embed"])).float(), dim=-1)
+        # A cache trims tokens to each shard's longest caption, so batches from two shards would differ in length
+        # and not concatenate (train.evaluate --cache, served recall) nor stack (serve.stage2); the context length
+        # is every batch's. Padding is masked out of every max and mean, so no score changes.
+        pad = int(getattr(self.backbone, "context_length", 0) or 0) - tokens.shape[1]
+        if pad > 0:
+            tokens = F.pad(tokens, (0, 0, 0, pad))
+            mask = F.pad(mask, (0, pad), value=False)
+        return {"tokens": tokens.to(self.device), "mask": mask.to(self.device)}
+
     # -- serving: the first stage (adapters.base.AdapterHead explains the contract) ------------------------------
     # Late interaction has no exact one-vector form. The mean of an item's unit token vectors stands in:
     # <mean_k x_k, mean_l y_l> is the mean of all token similarities (normalising the means rescales it per item),
@@ -213,6 +252,12 @@ class FILIPScorer:
     # untrained (measured on a 600-scene toy world's test split, 60 images / 266 captions, the tiny backbone after
     # 6 FILIP epochs: R@10 t2i / i2t 39.1 / 28.3 with mean tokens, 29.7 / 15.0 with the global embedding, 60.2 /
     # 63.3 with FILIP's own score).
+    # An approximation, not a bound: an item the late interaction ranks high can rank low here, so a served
+    # search without re-ranking says so (serve.search adds this note), and one with rerank=K covering the
+    # collection ranks exactly as FILIP's own score.
+    first_stage_note = ("its first stage (the mean of its unit token vectors) only approximates FILIP's "
+                        "late-interaction score: rerank=K re-scores the first K candidates with that score")
+
     def first_stage_image(self, image_reps: dict[str, Tensor], direction: str = "t2i") -> Tensor:
         """[I, D]: the normalised mean of the image's normalised patch embeddings (both directions)."""
         _check_direction(direction)

@@ -31,8 +31,8 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
   ``versions``.
 - Added by ``serve.index`` beyond that: ``parts`` (one per source, in row order, the first being ``data`` /
   ``cache``; more after ``--add``): ``data``, ``cache``, ``images``, ``captions``, ``image_rows`` / ``caption_rows``
-  ([start, end) of its rows); ``files`` (every file's byte size, checked on open); ``digests`` (SHA-256 of the metadata tables, checked on
-  open); ``options`` (the budgets it
+  ([start, end) of its rows); ``files`` (every file's byte size, checked on open);
+  ``digests`` (SHA-256 of the metadata tables, checked on open); ``options`` (the budgets it
   was built under); ``created_first`` (after ``--add``). Per index: ``queries`` (what the recall / latency queries
   were), ``ms_per_query`` (single-threaded, at ``params``), ``tuning`` (each setting tried: params, ms, recall),
   ``tried`` (each candidate index built, with its figures); on-disk IVF: ``ivfdata`` (``image.ivfdata``, opened

@@ -3,16 +3,17 @@ and how a build replaces a directory atomically under a lock.
 
 What the directory holds is the contract in :mod:`serve` (``serve/__init__.py``). This module is both sides of it:
 
-Reading (the search side). :func:`read_manifest` validates ``manifest.json`` (format, version, the keys the
-contract names) and that every file it lists exists with the byte size it recorded (a copy cut short fails here,
-naming the file, not at the first search) and that the metadata tables still have the SHA-256 it recorded (an
-edit that keeps a file's size would otherwise pair hits with the wrong images); :func:`open_index` loads ``image.index`` / ``text.index`` with the
-tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata` reads a side's
-metadata table (an Arrow IPC file, memory-mapped: opening a 1M-row table reads nothing but its footer; indices of
-format version 1 hold parquet, still read); :func:`check_alignment` checks that every index's ``ntotal``, its metadata's rows and the manifest agree --
-the most reported failure of self-hosted clip-retrieval indices (an index rebuilt without its metadata, or the
-other way round, silently returns the wrong images). Every failure is an :class:`IndexDirError` (a ValueError,
-so command lines print it as one line and exit 2) naming the file and what to do.
+Reading (the search side). :func:`read_manifest` validates ``manifest.json`` (format, version, the keys the contract
+names) and that every file it lists exists with the byte size it recorded (a copy cut short fails here, naming the
+file, not at the first search) and that the metadata tables still have the SHA-256 it recorded (an edit that keeps a
+file's size would otherwise pair hits with the wrong images); :func:`open_index` loads ``image.index`` /
+``text.index`` with the tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata`
+reads a side's metadata table (an Arrow IPC file, memory-mapped: opening a 1M-row table reads nothing but its
+footer; indices of format version 1 hold parquet, still read); :func:`check_alignment` checks that every index's
+``ntotal``, its metadata's rows and the manifest agree -- the most reported failure of self-hosted clip-retrieval
+indices (an index rebuilt without its metadata, or the other way round, silently returns the wrong images). Every
+failure is an :class:`IndexDirError` (a ValueError, so command lines print it as one line and exit 2) naming the
+file and what to do.
 
 Memory mapping, as measured with faiss 1.15 here: ``faiss.IO_FLAG_MMAP`` maps the inverted lists of IVF indices
 but still reads a Flat index (and HNSW's vectors) into RAM; ``faiss.IO_FLAG_MMAP_IFC`` maps all four kinds
@@ -182,7 +183,8 @@ def read_manifest(index_dir: str | os.PathLike) -> dict:
                                 "copy the whole folder again or rebuild the index")
     digests = manifest.get("digests") or {}  # absent in indices built before digests were recorded
     if not isinstance(digests, dict):
-        raise IndexDirError(f"{path}: 'digests' is not a mapping: the manifest was edited or damaged; rebuild the index")
+        raise IndexDirError(f"{path}: 'digests' is not a mapping: the manifest was edited or damaged; rebuild the "
+                            "index")
     for name, digest in digests.items():
         f = index_dir / name
         if not f.is_file():

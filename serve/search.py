@@ -35,16 +35,16 @@ page of ten; with ``rerank`` the re-ranked list holds at least ``offset + k`` ca
 note), so every hit returned has been re-ranked.
 
 Bad input: an empty, blank, non-text or letter-less query is refused (``QueryError``); a query longer than the
-model's text context (77 tokens for CLIP) is truncated to it, as captions are at extraction, with a note; a
-query of more than ``MAX_QUERY_CHARS`` (2,000) characters is refused. A query image is decoded by
+model's text context (77 tokens for CLIP) is truncated to it, as captions are at extraction, with a note; a query of
+more than ``MAX_QUERY_CHARS`` (2,000) characters is refused. A query image is decoded by
 ``extract.images.decode_image`` (corrupt files, non-images and decompression bombs, read from the header, are
 refused). ``k`` and ``rerank`` must be >= 1, ``offset`` >= 0; a ``k`` or ``rerank`` larger than the collection is
 clamped to it with a note (as clip-retrieval's service returns what it has; ``python -m serve.query`` refuses a
-``--k`` larger than the collection instead). A missing, half-written (no manifest) or tampered index directory, a cache that is not
-the one indexed, and a model other than the index's (by weights fingerprint) are refused with serve.layout's
-``IndexDirError`` / ``ModelMismatchError`` naming the file or both models. All of these are ValueErrors, so
-``python -m serve.query`` reports them as one line (exit status 2). Searching never writes to the index
-directory or the cache.
+``--k`` larger than the collection instead). A missing, half-written (no manifest) or tampered index directory, a
+cache that is not the one indexed, and a model other than the index's (by weights fingerprint) are refused with
+serve.layout's ``IndexDirError`` / ``ModelMismatchError`` naming the file or both models. All of these are
+ValueErrors, so ``python -m serve.query`` reports them as one line (exit status 2). Searching never writes to the
+index directory or the cache.
 
 :func:`served_recall` measures R@k of the served results on the collection itself (every caption searching
 the images, every image the captions), with the evaluation suite's protocol (``train.retrieval``), for

@@ -163,7 +163,8 @@ def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, 
         (str(out / "comalign-random-boxes"), 1e-3, {"max_entities": 5, "boxes": "random"})]
     (table,) = evaluated
     assert table.model == ["tiny", *(f"{o.out}/a.safetensors" for o in trained)]
-    assert table.columns == table.result_labels == ["{name}", "{name}", "{name} (detector boxes)", "{name} (random boxes)"]
+    assert table.columns == table.result_labels == [
+        "{name}", "{name}", "{name} (detector boxes)", "{name} (random boxes)"]
     assert list(result["methods"]) == ["comalign", "comalign-detector-boxes", "comalign-random-boxes"]
 
     # with seeds, each variant's runs average into its own column

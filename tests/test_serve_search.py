@@ -85,13 +85,18 @@ def _assert_ordered_by(rows, scores, reference, tol=1e-5):
 
 
 # --------------------------------------------------------------------------------------------- the two stages
-def test_first_stage_is_the_flat_search_and_reranking_is_the_scorers_own_order(adapter, setup):
-    scorer = adapter.scorer
-    assert adapter.has_second_stage and adapter.num_images == 12 and adapter.num_captions == 53
-    images = _all_reps(adapter, "image")
+def _query_scores(searcher):
+    """[N] scores of QUERY against every image of ``searcher``'s collection: first stage and the scorer's own."""
+    scorer = searcher.scorer
+    images = _all_reps(searcher, "image")
     q = scorer.encode_texts([QUERY])
     first = (scorer.first_stage_image(images, "t2i") @ scorer.first_stage_text(q, "t2i")[0]).numpy()
-    own = scorer.score_directed(images, q, "t2i")[:, 0].numpy()
+    return first, scorer.score_directed(images, q, "t2i")[:, 0].numpy()
+
+
+def test_first_stage_is_the_flat_search_and_reranking_is_the_scorers_own_order(adapter, setup):
+    assert adapter.has_second_stage and adapter.num_images == 12 and adapter.num_captions == 53
+    first, own = _query_scores(adapter)
 
     plain = adapter.search_text(QUERY, k=12)
     rows = [h.row for h in plain]
@@ -336,10 +341,7 @@ def test_a_filip_checkpoint_is_indexed_and_reranked_by_its_late_interaction(setu
     assert isinstance(scorer, FILIPScorer) and searcher.manifest["model"]["kind"] == "pretrain"
     cache = FeatureCache.open(searcher.manifest["cache"]["path"])
     assert {"patch_tokens", "token_embed", "token_mask"} <= set(cache.keys)  # --components patches,tokens
-    images = _all_reps(searcher, "image")
-    q = scorer.encode_texts([QUERY])
-    first = (scorer.first_stage_image(images, "t2i") @ scorer.first_stage_text(q, "t2i")[0]).numpy()
-    own = scorer.score_directed(images, q, "t2i")[:, 0].numpy()
+    first, own = _query_scores(searcher)
     plain = searcher.search_text(QUERY, k=12)
     rows = [h.row for h in plain]
     _assert_ordered_by(rows, [h.score for h in plain], first)

@@ -10,7 +10,7 @@ accuracy per hard-negative type, each adapter's difference from the base with it
 over the test images (``*``: the interval excludes 0). ``--seeds N`` trains every adapter N times (mean ± sd over
 seeds; the interval is that of the seed-averaged difference).
 
-``--full`` is the long run (about 20 minutes on 2 CPU cores with ``--seeds 3``): each method where its paper makes
+``--full`` is the long run (57 minutes on 2 CPU cores with ``--seeds 3``, measured): each method where its paper makes
 its claim. It also trains a small YOLO on the toy world's train split (``extract.toy_detector``) and adds ComAlign
 on those detected boxes and on random boxes next to its ground-truth ones (the oracle no user has), adds the
 PowerCLIP head trained with its CLIP term alone (the control of its powerset loss), and it builds a
@@ -73,7 +73,7 @@ class DemoOptions:
                         help="the long run: also ComAlign on detected boxes (a YOLO trained on the toy world) and on "
                              "random boxes, the PowerCLIP head with its CLIP term alone (the control of its powerset "
                              "loss), and SmartCLIP on a long-caption toy world (frozen, --unfreeze with 248 tokens, "
-                             "trained on short captions only); about 20 min on 2 CPU cores with --seeds 3")
+                             "trained on short captions only); 57 min on 2 CPU cores with --seeds 3")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.toy_detector --epochs)")
@@ -173,7 +173,8 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
 
     long_world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line),
                                  replace=True, long_captions=True)
-    variants = [Variant(f"{LONG_CONTEXT} tokens", "smartclip",  # its column: "<base> fine-tuned + smartclip (248 tokens)"
+    # its column: "<base> fine-tuned + smartclip (248 tokens)"
+    variants = [Variant(f"{LONG_CONTEXT} tokens", "smartclip",
                         {"unfreeze": True, "context_length": LONG_CONTEXT}),
                 Variant("trained on short captions", "smartclip", {"data": str(world)})]
     copts = CompareOptions(data=str(long_world), out=str(out), base=opts.base, pretrained=pretrained,

@@ -294,13 +294,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
                              f"settings than {scorer.name} was trained on ({ours}); checkpoint's -> cache's:\n  "
                              + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
                              "(python -m extract with its --components and extraction flags), or drop --cache")
-        image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
-        text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
-        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
-                                  truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
-                                  image_keys=cache.image_ids())
-        out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
-        return out
+        return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
     own_arrays = hasattr(scorer, "encode_arrays") and hasattr(scorer, "cache_keys")  # FILIP
     if not (isinstance(scorer, BackboneScorer) or own_arrays):
         raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
@@ -315,18 +309,24 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
             components = ",".join(getattr(scorer, "cache_components", ()))
             raise ValueError(f"--cache {cache.path} lacks the arrays {missing} that {scorer.name} scores with: extract "
                              f"the retrieval data with --components {components}, or drop --cache")
-        image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
-        text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
-        out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
-                                  truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
-                                  image_keys=cache.image_ids())
-        out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
-        return out
+        return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
     image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
     text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
     out = retrieval_from_reps(scorer, {"embed": image}, {"embed": text}, torch.from_numpy(cache.caption_image_index()),
                               truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
                               image_keys=cache.image_ids(), score=lambda i, t: i["embed"] @ t["embed"].T)
+    out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
+    return out
+
+
+def _retrieval_of_own_reps(scorer, cache, batch_size: int, scenes: dict | None, per_query):
+    """Retrieval of a scorer that reads its representations from the cache itself (``cache_keys`` /
+    ``encode_arrays``: adapters, FILIP), every image against every caption."""
+    image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
+    text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
+    out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
+                              truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
+                              image_keys=cache.image_ids())
     out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
     return out
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 # torch loads in the figures' functions: --help and argument errors stay cheap
-from extract.cli import Parser, help_description
+from extract.cli import Parser, help_description, run_job
 from extract.config import nonnegative_int, positive_int
 
 TARGETS = {"overhead": 1.10, "spacy": 500.0, "read": 20_000.0}
@@ -208,7 +208,14 @@ def read_throughput(args, work: Path) -> dict:
 
 # --------------------------------------------------------------------------------------------- driver
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)  # before importing torch: --help and argument errors stay cheap
+    # parsed before torch is imported: --help and argument errors stay cheap; run_job: a missing file or weights
+    # is one error line, and ``| head`` ends quietly
+    return run_job(run, parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict[str, bool]:
+    """Measure the figures ``args.only`` names, print one line each and the targets' verdict; returns target ->
+    met."""
     import torch
 
     only = set(args.only)
@@ -237,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['bytes'] / 2**30:.2f} GiB, shuffled batches of {r['batch']}): {cold}{r['warm']:.0f}/s warm "
                   f"(target >= {TARGETS['read']:.0f})")
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in held.items()))
-    return 0
+    return held
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Frozen backbones: global embeddings equal open_clip's, patch/token embeddings equal independent references."""
 import json
 
-import open_clip
 import pytest
 import torch
 

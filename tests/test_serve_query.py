@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-from io import BytesIO
 from pathlib import Path
 
 import pytest

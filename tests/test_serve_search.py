@@ -9,7 +9,6 @@ split built by serve.index (one for the adapter, one for the bare backbone).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace

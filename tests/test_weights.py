@@ -1,6 +1,5 @@
 """Weights resolution: local first, download only when reachable, otherwise fail fast and say what to do."""
 import time
-from pathlib import Path
 
 import open_clip
 import pytest

@@ -9,7 +9,7 @@ import argparse
 import time
 from typing import Sequence
 
-from extract.cli import Parser, help_description
+from extract.cli import Parser, help_description, run_job
 from extract.config import nonnegative_int, positive_int
 
 
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    run(parse_args(argv))
-    return 0
+    return run_job(run, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -207,11 +207,12 @@ def obtain_cache(opts: IndexOptions, scorer, data: str, split: str | None):
     """(the opened FeatureCache of the collection, its ExtractOptions): built, or reused by fingerprint."""
     from extract.cache import FeatureCache
     from extract.pipeline import run
+    from serve.search import cache_keys
 
     ext = extraction_options(opts, scorer, data, split)
     manifest = run(ext, backbone=scorer.backbone)
     cache = FeatureCache.open(ext.out, fingerprint=manifest["fingerprint"])
-    need = set(_array_keys(scorer, "image")) | set(_array_keys(scorer, "text") if cache.num_captions else ())
+    need = set(cache_keys(scorer, "image")) | set(cache_keys(scorer, "text") if cache.num_captions else ())
     missing = sorted(need - set(cache.keys))
     if missing:
         raise ValueError(f"cache {cache.path} lacks arrays {missing} that {scorer.name} reads")
@@ -223,19 +224,13 @@ def obtain_cache(opts: IndexOptions, scorer, data: str, split: str | None):
 
 
 # --------------------------------------------------------------------------------------------- first-stage vectors
-def _array_keys(scorer, side: str) -> tuple[str, ...]:
-    """The cache arrays ``scorer`` reads per item of ``side`` (``serve.search.cache_keys``: a bare backbone's
-    global embeddings, an adapter's head arrays, FILIP's patch / token embeddings)."""
+def _check_indexable(scorer) -> None:
+    """Vectors come from the cache (``serve.search.cache_keys``: a bare backbone's global embeddings, an adapter's
+    head arrays, FILIP's patch / token embeddings); refuse a model whose representations cannot be read from one."""
     from serve.search import cache_keys
 
-    return cache_keys(scorer, side)
-
-
-def _check_indexable(scorer) -> None:
-    """Vectors come from the cache (:func:`_array_keys`); refuse a model whose representations cannot be read
-    from one."""
     try:
-        _array_keys(scorer, "image"), _array_keys(scorer, "text")
+        cache_keys(scorer, "image"), cache_keys(scorer, "text")
     except ValueError:
         raise ValueError(f"{scorer.name} ({type(scorer).__name__}) cannot be indexed: an index reads its vectors "
                          "from the feature cache (a bare backbone's global embeddings, an adapter's head arrays, "
@@ -251,9 +246,9 @@ def first_stage(scorer, cache, side: str, rows: np.ndarray, direction: str, reps
     :mod:`serve.stage2`)."""
     import torch
 
-    from serve.search import encode_arrays
+    from serve.search import cache_keys, encode_arrays
 
-    arrays = {k: cache.gather(k, rows) for k in _array_keys(scorer, side)}
+    arrays = {k: cache.gather(k, rows) for k in cache_keys(scorer, side)}
     with torch.no_grad():
         reps = encode_arrays(scorer, arrays, side)
         out = scorer.first_stage_image(reps, direction) if side == "image" else scorer.first_stage_text(reps, direction)

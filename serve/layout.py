@@ -49,6 +49,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from extract.weights import file_sha256
+
 FORMAT = "plugvlm-index"
 VERSION = 2  # 2: metadata as Arrow IPC files (``.arrow``); 1: parquet, still read
 METADATA_SUFFIX = ".arrow"
@@ -141,10 +143,12 @@ def _missing_dir_message(index_dir: Path) -> str:
             f"SOURCE --out {index_dir}`")
 
 
-def read_manifest(index_dir: str | os.PathLike) -> dict:
+def read_manifest(index_dir: str | os.PathLike, *, check_digests: bool = True) -> dict:
     """The validated ``manifest.json`` of a finished index directory: format ``plugvlm-index``, a version this
-    code reads, the contract's keys, and every file it lists present at its recorded size. A folder left by a
-    killed two-rename swap is put back first (:func:`recover`). Raises :class:`IndexDirError` naming the file."""
+    code reads, the contract's keys, every file it lists present at its recorded size and, with ``check_digests``,
+    the metadata tables at their recorded SHA-256 (reading them whole; a caller that opens the index afterwards
+    leaves that to the open). A folder left by a killed two-rename swap is put back first (:func:`recover`).
+    Raises :class:`IndexDirError` naming the file."""
     index_dir = Path(index_dir)
     if not index_dir.exists():
         recover(index_dir)
@@ -181,7 +185,7 @@ def read_manifest(index_dir: str | os.PathLike) -> dict:
         if actual != size:
             raise IndexDirError(f"{f} is {actual:,} bytes, {path} says {size:,}: the file was cut short or replaced; "
                                 "copy the whole folder again or rebuild the index")
-    digests = manifest.get("digests") or {}  # absent in indices built before digests were recorded
+    digests = (manifest.get("digests") or {}) if check_digests else {}  # absent in indices built before digests
     if not isinstance(digests, dict):
         raise IndexDirError(f"{path}: 'digests' is not a mapping: the manifest was edited or damaged; rebuild the "
                             "index")
@@ -190,22 +194,11 @@ def read_manifest(index_dir: str | os.PathLike) -> dict:
         if not f.is_file():
             raise IndexDirError(f"{f} is missing (listed in {path}): the index is incomplete; copy the whole folder "
                                 "again or rebuild it")
-        if file_digest(f) != digest:
+        if file_sha256(f) != digest:
             raise IndexDirError(f"{f} does not match the SHA-256 {path} recorded: it was edited or damaged after the "
                                 "build, and its rows may no longer describe the index's vectors; copy the whole "
                                 "folder again or rebuild the index")
     return manifest
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def index_entry(manifest: dict, side: str, index_dir: str | os.PathLike = "") -> dict:
@@ -569,7 +562,7 @@ class BuildDir:
 
     def digests(self) -> dict[str, str]:
         """SHA-256 of the new folder's metadata files (for the manifest's ``digests``; see DIGESTED_SUFFIXES)."""
-        return {p.name: file_digest(p) for p in sorted(self.path.iterdir())
+        return {p.name: file_sha256(p) for p in sorted(self.path.iterdir())
                 if p.is_file() and p.name.endswith(DIGESTED_SUFFIXES)}
 
     def discard(self) -> None:

@@ -17,6 +17,7 @@ pytest.importorskip("faiss")
 pytest.importorskip("pyarrow")
 
 from extract.toyworld import generate  # noqa: E402
+from extract.weights import file_sha256  # noqa: E402
 from serve import layout  # noqa: E402
 from serve.index import IndexOptions, build_index  # noqa: E402
 from serve.layout import IndexBusyError, IndexDirError, ModelMismatchError  # noqa: E402
@@ -112,7 +113,7 @@ def _replace_table(index: Path, side: str, table) -> None:
 
     def record(m):
         m["files"][f"{side}.arrow"] = path.stat().st_size
-        m["digests"][f"{side}.arrow"] = layout.file_digest(path)
+        m["digests"][f"{side}.arrow"] = file_sha256(path)
 
     edit_manifest(index, record)
 

@@ -185,11 +185,11 @@ def _cut(path: Path, sizes_fixed: bool = False) -> None:
 def _fix_sizes(folder: Path) -> None:
     """Record the files' sizes and metadata digests as they are now: a replaced file the manifest's checks cannot
     see, so what is tested is the check behind them."""
-    from serve.layout import file_digest
+    from extract.weights import file_sha256
 
     def fix(m):
         m["files"].update({k: (folder / k).stat().st_size for k in m["files"]})
-        m["digests"].update({k: file_digest(folder / k) for k in m["digests"]})
+        m["digests"].update({k: file_sha256(folder / k) for k in m["digests"]})
 
     _tamper_manifest(folder, fix)
 

@@ -106,3 +106,47 @@ def tiny_toy_cache(tmp_path_factory):
         return built[key]
 
     return make
+
+
+# What a failure report needs first: which versions pip resolved. A fresh venv takes the newest release of every
+# unpinned package (pytest 9.2 broke a test that passed on 9.0), so the run names them before any test result.
+KEY_PACKAGES = ("pytest", "torch", "torchvision", "open_clip_torch", "numpy", "hypothesis", "gradio", "gradio_client",
+                "faiss-cpu", "pyarrow", "accelerate", "spacy", "ultralytics", "sam2", "scikit-learn", "clip-benchmark",
+                "playwright", "safetensors", "pillow")
+
+
+def installed_versions(names=KEY_PACKAGES) -> list[str]:
+    """``["pytest 9.2.0", "torch 2.14.1", ...]``: each distribution's installed version, or "absent"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    return [f"{name} {one(name)}" for name in names]
+
+
+def pytest_report_header(config):
+    import sys
+    import time
+
+    rows = [[]]
+    for item in installed_versions():  # a few per line, never split inside "name version"
+        if rows[-1] and len(", ".join(rows[-1] + [item])) > 100:
+            rows.append([])
+        rows[-1].append(item)
+    return [f"plugvlm test environment: Python {sys.version.split()[0]} at {sys.prefix}, {time.strftime('%H:%M:%S')}",
+            *(("packages: " if n == 0 else "  ") + ", ".join(row) + ("," if n < len(rows) - 1 else "")
+              for n, row in enumerate(rows))]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    """``-q`` hides pytest's header (the README's and CI's command use it): write the same lines anyway."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and config.get_verbosity() < 0:
+        for line in pytest_report_header(config):
+            reporter.write_line(line)

@@ -154,7 +154,7 @@ def walk_the_page(page, served, tmp_path, walk: Walk) -> None:
     walk.step("image -> text search")
     page.get_by_role("tab", name="Image → text").click()
     page.locator("#search-captions").click()
-    table = page.locator("#i2t-table [role=grid]")
+    table = page.locator("#i2t-table [role=grid][aria-rowcount]")  # the grid that counts its rows
     expect(table).to_have_attribute("aria-rowcount", "11")  # a header and 10 captions
     path = served.searcher.collection("image").column("path")[served.row_of(served.image_ids()[0])]
     top = served.searcher.search_image(str(path), k=1, rerank=50)[0].text
@@ -180,7 +180,7 @@ def walk_the_page(page, served, tmp_path, walk: Walk) -> None:
     example = served.examples[0]
     expect(page.locator("#caption-b textarea")).to_have_value(example.negative)
     page.locator("#compare").click()
-    preferences = page.locator("#preferences [role=grid]")
+    preferences = page.locator("#preferences [role=grid][aria-rowcount]")
     expect(preferences).to_have_attribute("aria-rowcount", "3")  # a header, the base and the adapter
     expect(preferences).to_contain_text("base: " + served.base.name)
     expect(preferences).to_contain_text(served.searcher.scorer.name)

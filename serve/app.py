@@ -30,6 +30,7 @@ import html
 import json
 import math
 import os
+import re
 import threading
 import time
 import traceback
@@ -39,6 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from serve.heatmap_render import fit, render
 from serve.search import QueryError, Searcher
 
 #: the longest side of a gallery thumbnail (px); smaller images are enlarged by a whole factor, pixels kept sharp
@@ -109,6 +111,16 @@ class Gate:
         finally:
             with self._lock:
                 self._inside -= 1
+
+
+def whole_number(value, name: str) -> int:
+    """A request's count as an int: a whole number, which Gradio's sliders send as a float; anything else (text,
+    infinity, NaN, 2.5, a bool) is a QueryError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or (
+            not math.isfinite(value) or value != int(value)):
+        shown = repr(value) if isinstance(value, (int, float, str)) else type(value).__name__
+        raise QueryError(f"{name} must be a whole number, got {shown[:80]}")
+    return int(value)
 
 
 # --------------------------------------------------------------------------------------------- what is served
@@ -191,6 +203,7 @@ class Served:
         self._lock = threading.Lock()
         self._rows: dict[str, int] | None = None  # image id -> row, made on first use
         self.started = time.time()
+        self.upload_dir: str | None = None  # where uploads may be read from; None: Gradio's upload folder
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike, *, device: str = "cpu", annotations=None, detector: str | None = None,
@@ -228,13 +241,25 @@ class Served:
         return QueryImage(decoded.image, path, str(image_id).strip(), decoded.note)
 
     def uploaded_image(self, path) -> QueryImage:
-        """An uploaded file (Gradio's upload folder): size in bytes checked before reading, then decoded."""
+        """An uploaded file: a regular file inside Gradio's upload folder (serve.request_guard, which refuses any
+        other reference before Gradio sees it; checked again here, on the name alone), its size in bytes checked
+        before reading, then decoded."""
+        from serve.request_guard import in_folder
+
+        if not isinstance(path, (str, os.PathLike)):
+            raise QueryError(f"an upload is a file sent to the upload route, got {type(path).__name__}")
         path = os.fspath(path)
         name = os.path.basename(path) or "upload"
+        if not in_folder(path, self.upload_dir):
+            raise QueryError(f"{name[:80]!r} was not uploaded to this server: only files sent to its upload route "
+                             "are read")
+        path = os.path.realpath(path)
         try:
             size = os.path.getsize(path)
         except OSError:
             raise QueryError(f"the upload {name!r} is gone (uploads are kept a while only): upload it again") from None
+        if not os.path.isfile(path):
+            raise QueryError(f"the upload {name[:80]!r} is not a file")
         if size > self.limits.max_upload_bytes:
             raise QueryError(f"{name}: {size:,} bytes is more than the {self.limits.max_upload_bytes:,} an upload "
                              "may have")
@@ -265,16 +290,16 @@ class Served:
                 image = im.convert("RGB")
         except (OSError, ValueError, Image.DecompressionBombError):
             return grey
-        return enlarge(image, THUMBNAIL)
+        return fit(image, THUMBNAIL)
 
     # -- searching -------------------------------------------------------------------------------------
     def _bounded(self, k, candidates) -> tuple[int, int | None]:
+        k = whole_number(k, "k")
+        candidates = None if candidates is None else whole_number(candidates, "candidates")
         for name, value in (("k", k), ("candidates", candidates)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)):
-                raise QueryError(f"{name} must be a whole number, got {value!r}")
             if value is not None and not 1 <= value <= self.limits.max_results:
                 raise QueryError(f"{name} must be between 1 and {self.limits.max_results}, got {value}")
-        return int(k), None if candidates is None else int(candidates)
+        return k, candidates
 
     def text_to_image(self, query, k: int = 10, rerank: int | None = None, where=None, offset: int = 0):
         """Images for a text (serve.search.Searcher.search_text), ``rerank`` first-stage candidates re-scored."""
@@ -329,8 +354,7 @@ class Served:
             maps, explanation = mapper.explained_maps(image.image, text, method, image_id=image.name)
         if not explain:
             explanation = None
-        pil, annotations = mapper.overlay(image.image, maps)
-        pil, annotations = enlarge_annotated(pil, annotations, THUMBNAIL * 2)
+        pil, annotations = render(image.image, maps)
         return Heatmaps(pil, annotations, maps, explanation, method or self.heatmap_methods[0])
 
     # -- the caption probe -----------------------------------------------------------------------------
@@ -487,40 +511,6 @@ def probe_examples(searcher: Searcher, per_type: int = 2) -> list[ProbeExample]:
 
 
 # --------------------------------------------------------------------------------------------- display helpers
-def enlarge(image, size: int):
-    """``image`` fitted to ``size`` px on its long side: shrunk (antialiased) when larger, enlarged by the largest
-    whole factor that fits when smaller (nearest neighbour: a 64 px toy scene stays crisp)."""
-    from PIL import Image
-
-    long_side = max(image.size)
-    if long_side > size:
-        image = image.copy()
-        image.thumbnail((size, size))
-        return image
-    factor = size // long_side
-    if factor <= 1:
-        return image
-    return image.resize((image.size[0] * factor, image.size[1] * factor), Image.NEAREST)
-
-
-def enlarge_annotated(image, annotations: list, size: int):
-    """An image and its gr.AnnotatedImage masks enlarged together by a whole factor (nearest neighbour) when the
-    image is small; masks stay aligned pixel for pixel. Larger images are returned as they are."""
-    long_side = max(image.size)
-    factor = size // long_side
-    if factor <= 1:
-        return image, annotations
-    big = enlarge(image, size)
-    out = []
-    for mask, label in annotations:
-        if isinstance(mask, np.ndarray):
-            mask = np.repeat(np.repeat(mask, factor, axis=0), factor, axis=1)
-        else:  # a box (x0, y0, x1, y1)
-            mask = tuple(int(round(c * factor)) for c in mask)
-        out.append((mask, label))
-    return big, out
-
-
 def rank_change(hit) -> str:
     """"↑2" (moved up two places by re-ranking), "↓1", or "=" ."""
     moved = hit.rank_before - hit.rank_after
@@ -584,6 +574,76 @@ def explanation_text(heat: Heatmaps) -> str:
 def probe_table(probe: Probe) -> dict:
     data = [[r["model"], f"{r['score_a']:.4f}", f"{r['score_b']:.4f}", r["prefers"]] for r in probe.rows]
     return {"headers": ["model", "caption A", "caption B", "prefers"], "data": data}
+
+
+# --------------------------------------------------------------------------------------------- calls through the API
+_CALL = re.compile(r"^/gradio_api/(?:call|run|api)/(?!v2/)([^/]+)/?$")
+_CALL_V2 = re.compile(r"^/gradio_api/call/v2/([^/]+)/?$")
+
+
+def call_problem(blocks, path: str, body) -> str | None:
+    """Why a Gradio API call of this page (``POST /gradio_api/call|run|api/<name>``, ``/call/v2/<name>`` or the
+    page's ``/gradio_api/queue/join``) cannot be run as sent, or None: its ``data`` checked against its event's
+    input components -- how many arguments, and the kind of value each takes (:func:`argument_problem`). Gradio
+    answers a value of the wrong kind with an error event too, but prints its traceback in the server's log first,
+    once per request; refused here, before Gradio runs, it is one line for the client and nothing in the log.
+    Anything else (an unknown name, a body of another shape) is left to Gradio, which answers it."""
+    if not isinstance(body, dict):
+        return None
+    fn = None
+    m = _CALL.match(path) or _CALL_V2.match(path)
+    if m:
+        fn = next((f for f in blocks.fns.values() if f.api_name == m.group(1)), None)
+    elif path.rstrip("/") == "/gradio_api/queue/join" and isinstance(body.get("fn_index"), int):
+        fn = blocks.fns.get(body["fn_index"])
+    data = body.get("data")
+    if fn is None or not isinstance(data, list):
+        return None
+    name = fn.api_name if isinstance(fn.api_name, str) else f"event {fn._id}"
+    if len(data) != len(fn.inputs):
+        return f"{name} takes {len(fn.inputs)} arguments, got {len(data)}"
+    for k, (component, value) in enumerate(zip(fn.inputs, data)):
+        problem = argument_problem(component, value)
+        if problem:
+            label = getattr(component, "label", None) or type(component).__name__
+            return f"{name}: argument {k + 1} ({label}): {problem}"
+    return None
+
+
+def argument_problem(component, value) -> str | None:
+    """What is wrong with ``value`` as the input of ``component`` of this page (a file reference is checked by
+    serve.request_guard.file_problem), or None."""
+    import gradio as gr
+
+    def number() -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if isinstance(component, gr.File):
+        return None if value is None or isinstance(value, dict) else "expected a file (upload it: " \
+            "gradio_client.handle_file) or null"
+    if isinstance(component, gr.Slider):
+        if not number():
+            return f"expected a number, got {_shown(value)}"
+        if not component.minimum <= value <= component.maximum:
+            return f"expected {component.minimum:g} to {component.maximum:g}, got {value:g}"
+        return None
+    if isinstance(component, gr.Checkbox):
+        return None if isinstance(value, bool) else f"expected true or false, got {_shown(value)}"
+    if isinstance(component, (gr.Radio, gr.Dropdown)):
+        choices = [c[1] if isinstance(c, (tuple, list)) else c for c in (component.choices or [])]
+        if value is None or (isinstance(component, gr.Dropdown) and component.allow_custom_value
+                             and isinstance(value, (str, int, float)) and not isinstance(value, bool)):
+            return None
+        return None if value in choices else f"expected one of {', '.join(map(str, choices[:8]))}, got {_shown(value)}"
+    if isinstance(component, gr.Textbox):
+        return None if value is None or isinstance(value, str) else f"expected text, got {_shown(value)}"
+    return None
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, ensure_ascii=True) if isinstance(value, (str, int, float, bool, type(None))) else \
+        type(value).__name__
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 # --------------------------------------------------------------------------------------------- the page
@@ -653,7 +713,7 @@ def build_blocks(served: Served):
 
     @_guard
     def text_to_image(query, k, rerank, candidates):
-        hits = served.text_to_image(query, int(k), int(candidates) if rerank else None)
+        hits = served.text_to_image(query, k, candidates if rerank else None)
         state = {"query": hits.query, "ids": [h.id for h in hits]}
         return gallery_items(served, hits), hits_table(hits), notes_text(hits), state, hits.query
 
@@ -669,9 +729,9 @@ def build_blocks(served: Served):
     @_guard
     def image_to_text(upload, image_id, k, rerank, candidates):
         image = served.query_image(upload, image_id)
-        hits = served.image_to_text(image, int(k), int(candidates) if rerank else None)
+        hits = served.image_to_text(image, k, candidates if rerank else None)
         caption = hits[0].text if hits else ""
-        return enlarge(image.image, THUMBNAIL), hits_table(hits), notes_text(hits), caption
+        return fit(image.image, THUMBNAIL), hits_table(hits), notes_text(hits), caption
 
     @_guard
     def caption_heatmap(upload, image_id, caption, method):

@@ -365,14 +365,72 @@ def quiet_stdout():
         os.close(saved)
 
 
+# --------------------------------------------------------------------------------------------- exact re-scoring
+class Refined:
+    """A product-quantised index whose shortlist is re-scored exactly: ``search(q, k)`` asks the PQ index for its
+    top ``k x k_factor`` (approximate inner products of the codes), then computes the true inner products of those
+    candidates from the collection's own vectors, stored as fp16 and memory-mapped from disk (``vectors``: an
+    [N, d] array or ``np.load(..., mmap_mode="r")``), and keeps the best ``k``. FAISS's ``IndexRefine`` does the
+    same with a refinement index held in RAM (4 d bytes per vector: as much as IVF-Flat); here the vectors stay on
+    disk and only the ``k x k_factor`` rows a query touches are read, so RAM holds the PQ codes alone (m + 8 bytes
+    per vector). PQ at 64 bytes per 512-d vector ranks the true neighbours well enough to have them in a shortlist
+    of a few hundred, not well enough to order them: this is what makes it usable for retrieval (serve.benchmark:
+    recall@10 0.23 without, table in the README). ``k_factor`` is tuned like nprobe (:func:`tune`).
+
+    Everything else (``ntotal``, ``d``, ``metric_type``, ...) is the wrapped index's; ``reconstruct_batch`` returns
+    the stored vectors (exact, unlike PQ's reconstruction)."""
+
+    def __init__(self, index, vectors, k_factor: int = 8):
+        if len(vectors) != index.ntotal or vectors.shape[1] != index.d:
+            raise ValueError(f"refinement vectors {tuple(vectors.shape)} do not match the index ({index.ntotal} x "
+                             f"{index.d})")
+        self.index, self.vectors, self.k_factor = index, vectors, int(k_factor)
+
+    def __getattr__(self, name):
+        return getattr(self.index, name)
+
+    def search(self, queries: np.ndarray, k: int):
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        shortlist = max(k, min(self.index.ntotal, k * self.k_factor))
+        _, ids = self.index.search(q, shortlist)
+        scores = np.full((len(q), k), -np.inf, dtype=np.float32)
+        out = np.full((len(q), k), -1, dtype=np.int64)
+        for i in range(len(q)):
+            found = ids[i][ids[i] >= 0]
+            if not len(found):
+                continue
+            order = np.argsort(found, kind="stable")  # rows read in file order
+            rows = np.asarray(self.vectors[found[order]], dtype=np.float32)
+            exact = np.empty(len(found), dtype=np.float32)
+            exact[order] = rows @ q[i]
+            top = np.lexsort((found, -exact.astype(np.float64)))[:k]  # best first, ties by row
+            scores[i, :len(top)], out[i, :len(top)] = exact[top], found[top]
+        return scores, out
+
+    def reconstruct_batch(self, rows):
+        return np.asarray(self.vectors[np.asarray(rows, dtype=np.int64)], dtype=np.float32)
+
+
 # --------------------------------------------------------------------------------------------- search parameters
+#: shortlist multiples :func:`tune` tries for a Refined index
+K_FACTORS = (2, 4, 8, 16, 32, 64)
+
+
 def apply_params(index, params: dict) -> None:
     """Set search parameters (``{"nprobe": 8}``, ``{"efSearch": 64}``, ``{"nprobe": 8, "quantizer_efSearch":
-    16}``) through ``faiss.ParameterSpace``, which reaches through OPQ pre-transforms to the IVF / HNSW inside."""
+    16}``) through ``faiss.ParameterSpace``, which reaches through OPQ pre-transforms to the IVF / HNSW inside;
+    ``k_factor`` sets a :class:`Refined` index's shortlist (as FAISS names IndexRefine's)."""
+    params = dict(params or {})
+    k_factor = params.pop("k_factor", None)
+    if k_factor is not None:
+        if not isinstance(index, Refined):
+            raise ValueError("k_factor applies to an index with exact re-scoring (Refined) only")
+        index.k_factor = int(k_factor)
     if not params:
         return
     faiss = import_faiss()
-    faiss.ParameterSpace().set_index_parameters(index, ",".join(f"{k}={v}" for k, v in params.items()))
+    inner = index.index if isinstance(index, Refined) else index
+    faiss.ParameterSpace().set_index_parameters(inner, ",".join(f"{k}={v}" for k, v in params.items()))
 
 
 def param_ladder(key: str) -> list[dict]:
@@ -387,6 +445,25 @@ def param_ladder(key: str) -> list[dict]:
     if "_HNSW" in key:  # autofaiss: the HNSW coarse quantiser searched at efSearch 2 nprobe
         return [{"nprobe": p, "quantizer_efSearch": max(16, 2 * p)} for p in probes]
     return [{"nprobe": p} for p in probes]
+
+
+def max_norm(vectors, chunk: int = 1 << 16) -> float:
+    """The largest Euclidean norm among ``vectors`` (a memmap is read in chunks): recorded at build, it bounds every
+    inner product a query ``q`` can have with them, ``|<q, v>| <= |q| max_norm`` (serve.search checks each score)."""
+    best = 0.0
+    for a in range(0, len(vectors), chunk):
+        block = np.asarray(vectors[a:a + chunk], dtype=np.float32)
+        if len(block):
+            best = max(best, float(np.sqrt(np.einsum("nd,nd->n", block, block).max())))
+    return round(best, 6)
+
+
+def score_bound(kind: str, norm_bound: float, query_norm: float) -> float:
+    """The largest first-stage score an undamaged index of ``kind`` can give a query of norm ``query_norm``: the
+    inner-product bound with slack for float rounding, and for PQ for its reconstructions, whose norms differ from
+    the vectors' (by up to a few tenths for unit vectors at 64 bytes per code)."""
+    slack = 0.5 if kind == "ivf-pq" else 0.01
+    return query_norm * norm_bound * (1 + slack) + 1e-3
 
 
 def exact_top(vectors, queries: np.ndarray, k: int, chunk_bytes: int = 1 << 26) -> np.ndarray:
@@ -470,18 +547,37 @@ def tune(index, key: str, vectors, queries: np.ndarray, max_latency_ms: float,
     if exact is None:
         exact = exact_top(vectors, queries, RECALL_K)
     tried, chosen = [], None
-    for params in ladder:
+
+    def measure(params: dict) -> tuple[float, float | None]:
         apply_params(index, params)
         ms = latency_ms(index, queries)
         if chosen is not None and ms > max_latency_ms:
             tried.append({**params, "ms": round(ms, 4), "recall": None})
-            break
+            return ms, None
         _, found = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(RECALL_K, index.ntotal))
         recall = recall_at_k(found, vectors, queries, exact)
         tried.append({**params, "ms": round(ms, 4), "recall": round(recall, 4)})
-        chosen = {"params": params, "recall_at_10": round(recall, 4), "ms_per_query": round(ms, 4)}
         say(f"  {key} {', '.join(f'{k} {v}' for k, v in params.items())}: recall@10 {recall:.3f}, {ms:.3f} ms/query")
-        if ms > max_latency_ms or recall >= SATURATED:
+        return ms, recall
+
+    factors = K_FACTORS if isinstance(index, Refined) else (None,)
+    for params in ladder:
+        stop, previous = False, None
+        for j, factor in enumerate(factors):  # a Refined index: longer shortlists at each nprobe while recall rises
+            step = params if factor is None else {**params, "k_factor": factor}
+            ms, recall = measure(step)
+            if recall is not None and (chosen is None or recall > chosen["recall_at_10"] + 1e-9):
+                chosen = {"params": step, "recall_at_10": round(recall, 4), "ms_per_query": round(ms, 4)}
+            if recall is None or ms > max_latency_ms:
+                stop = j == 0  # even the shortest shortlist is over budget: more probes would be too
+                break
+            if recall >= SATURATED:
+                stop = True
+                break
+            if previous is not None and recall < previous + 0.002:
+                break
+            previous = recall
+        if stop:
             break
     apply_params(index, chosen["params"])
     return {**chosen, "ladder": tried}

@@ -75,9 +75,9 @@ class PhraseMap:
     heat: [H, W] float32 in [0, 1] at the image's original pixel size; box / box_kind / box_score (ComAlign
     scorers): the image component (x0, y0, x1, y1 in original px, end-exclusive) that won the max of this phrase's
     entity component in fine-grained matching, "entity" or "relation", and that similarity (a term of eq. 10's
-    entity mean); None otherwise. method: "raw" or "surgery"; peak: the largest un-normalised score behind
-    ``heat`` (cosine for raw; the surgery score); whole_caption: True when the query has no noun phrase and this
-    one map is for the whole caption.
+    entity mean); None otherwise. method: "raw" or "surgery"; peak / low: the largest / smallest un-normalised
+    score behind ``heat`` (cosine for raw; the surgery score), the scale heat 1 / 0 stand for; whole_caption: True
+    when the query has no noun phrase and this one map is for the whole caption.
     """
 
     phrase: str
@@ -89,6 +89,7 @@ class PhraseMap:
     method: str = ""
     peak: float = 0.0
     whole_caption: bool = False
+    low: float = 0.0  # the smallest un-normalised score: heat 0 is ``low``, heat 1 is ``peak``
 
     @property
     def label(self) -> str:
@@ -426,10 +427,11 @@ class Heatmapper:
             scores = self.scores(feats, texts, method)  # [N, P]
             grid = minmax(scores).T.reshape(len(phrases), rows, cols).cpu().numpy()
             heat = np.clip(grid_to_pixels(grid, pil.size, self.input_size, self.resize_mode), 0.0, 1.0)
-            peaks = scores.amax(dim=0).tolist()
+            peaks, lows = scores.amax(dim=0).tolist(), scores.amin(dim=0).tolist()
             maps = []
             for k, p in enumerate(phrases):
-                pm = PhraseMap(p.text, p.span, heat[k], method=method, peak=float(peaks[k]), whole_caption=whole)
+                pm = PhraseMap(p.text, p.span, heat[k], method=method, peak=float(peaks[k]), whole_caption=whole,
+                               low=float(lows[k]))
                 m = won.get(p.entity.lower()) if not whole else None
                 if m is not None and m.box is not None:
                     pm.box, pm.box_kind, pm.box_score = m.box, m.kind, m.score

@@ -61,12 +61,12 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 from starlette.requests import Request  # module level: FastAPI resolves the routes' annotations here
 
 from serve.app import DEFAULT_CANDIDATES, Busy, QueryImage, Served, decode_checked, encode_image
+from serve.request_guard import RequestGuard
 
 #: clip_back's de-duplication threshold: results whose normalised vectors have inner product >= this are one
 DEDUP_THRESHOLD = 0.94
@@ -114,11 +114,24 @@ def _int(body: dict, name: str, default: int, lo: int, hi: int) -> int:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise RequestError(f"{name} must be a whole number, got {value!r}")
+    # JSON's Infinity / NaN / 1e400 arrive as floats that int() cannot take: refused here, by name
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and (
+            not math.isfinite(value) or not value.is_integer())):
+        raise RequestError(f"{name} must be a whole number, got {_shown(value)}")
     if not lo <= value <= hi:
-        raise RequestError(f"{name} must be between {lo} and {hi}, got {int(value)}")
+        raise RequestError(f"{name} must be between {lo} and {hi}, got {_shown(value)}")
     return int(value)
+
+
+def _name(field: str) -> str:
+    """A field name a client sent, as it is when plain, quoted and escaped otherwise."""
+    return field if re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", field) else _shown(field, 40)
+
+
+def _shown(value, limit: int = 80) -> str:
+    """A client's value for a message: JSON (Infinity, NaN, escaped lone surrogates), cut to ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=True) if isinstance(value, (int, float, str)) else type(value).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -136,13 +149,14 @@ def parse_knn(body: Any, served: Served, index_names: list[str]) -> KnnRequest:
         raise RequestError("the request body must be a JSON object with a text, image or embedding_input field")
     unknown = sorted(set(body) - set(CLIP_FIELDS) - set(EXTENSIONS))
     if unknown:
-        raise RequestError(f"unknown field(s) {', '.join(unknown)}; fields: {', '.join(CLIP_FIELDS + EXTENSIONS)}")
+        raise RequestError(f"unknown field(s) {', '.join(_name(u) for u in unknown[:5])}; fields: "
+                           f"{', '.join(CLIP_FIELDS + EXTENSIONS)}")
     name = body.get("indice_name")
     if name is not None and name not in index_names:
-        raise RequestError(f"indice_name {str(name)[:80]!r} is not served here; /indices-list: {index_names}")
+        raise RequestError(f"indice_name {_shown(name)} is not served here; /indices-list: {index_names}")
     modality = body.get("modality") or "image"
     if modality not in ("image", "text"):
-        raise RequestError(f"modality must be 'image' or 'text', got {modality!r}")
+        raise RequestError(f"modality must be 'image' or 'text', got {_shown(modality)}")
     if modality == "text" and served.searcher.num_captions == 0:
         raise RequestError("modality 'text' searches captions, and this collection has none")
     if body.get("use_mclip"):
@@ -322,18 +336,19 @@ def metadata_service(served: Served, body: Any, index_names: list[str], base_url
     if not isinstance(body, dict) or not isinstance(body.get("ids"), list):
         raise RequestError("the request body must be {\"ids\": [row, ...], \"indice_name\": ...}")
     if body.get("indice_name") is not None and body["indice_name"] not in index_names:
-        raise RequestError(f"indice_name {str(body['indice_name'])[:80]!r} is not served here; /indices-list: "
+        raise RequestError(f"indice_name {_shown(body['indice_name'])} is not served here; /indices-list: "
                            f"{index_names}")
     side = body.get("modality") or "image"
     if side not in ("image", "text") or (side == "text" and served.searcher.num_captions == 0):
-        raise RequestError(f"modality must be 'image' or 'text' (with captions), got {side!r}")
+        raise RequestError(f"modality must be 'image' or 'text' (with captions), got {_shown(side)}")
     ids = body["ids"]
     if len(ids) > served.limits.max_results:
         raise RequestError(f"at most {served.limits.max_results} ids per request, got {len(ids)}")
     collection = served.searcher.collection(side)
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < collection.n]
     if bad:
-        raise RequestError(f"ids must be rows 0..{collection.n - 1} of the {side} index, got {bad[:5]}")
+        raise RequestError(f"ids must be rows 0..{collection.n - 1} of the {side} index, got "
+                           f"{', '.join(_shown(i, 20) for i in bad[:5])}")
     images = served.searcher.collection("image")
     out = []
     for row, meta in zip(ids, collection.rows(ids)):
@@ -364,52 +379,19 @@ def rss_bytes(pid: int | None = None) -> int | None:
         return None
 
 
-_URL_FETCH = re.compile(r"/(file=(https?:|//)|proxy=)", re.IGNORECASE)
-
-
-class _Guard:
-    """ASGI middleware: request bodies above ``max_body`` bytes end the request (413 when Content-Length says so
-    up front), and Gradio's URL-fetching routes are refused (403): this server fetches nothing."""
-
-    def __init__(self, app, max_body: int):
-        self.app, self.max_body = app, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if _URL_FETCH.search(unquote(scope.get("path", ""))):
-            return await _json_reply(send, 403, {"error": "this server fetches no URLs"})
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await _json_reply(send, 413, {"error": f"request body of {int(length):,} bytes refused (at most "
-                                                          f"{self.max_body:,})"})
-        seen = 0
-
-        async def bounded():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:  # a chunked body without Content-Length: stop reading it
-                    return {"type": "http.disconnect"}
-            return message
-
-        return await self.app(scope, bounded, send)
-
-
-async def _json_reply(send, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
 def create_app(served: Served, blocks=None):
     """The FastAPI app: the JSON routes (module docstring) and, unless ``blocks`` is False, the Gradio page of
     ``served`` (``serve.app.build_blocks``; pass one to reuse it) mounted at ``/``."""
     from fastapi import FastAPI
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import FileResponse, JSONResponse
+
+    class AsciiJSON(JSONResponse):
+        """JSON escaped to ASCII: a message may quote what a client sent, lone surrogates ("\\ud800") included,
+        which UTF-8 cannot encode."""
+
+        def render(self, content) -> bytes:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
     name = served.searcher.index_dir.name or "index"
     names = [name]
@@ -418,14 +400,14 @@ def create_app(served: Served, blocks=None):
     counts_lock = threading.Lock()
 
     def error(status: int, message: str, **headers) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+        return AsciiJSON({"error": message}, status_code=status, headers=headers or None)
 
     async def answer(request: Request, work):
         with counts_lock:
             counts["requests"] += 1
         try:
             body = json.loads(await request.body() or b"null")
-        except ValueError:
+        except (ValueError, RecursionError):  # the guard refuses deep nesting first; this is the last line
             return error(400, "the request body is not JSON")
         try:
             return await run_in_threadpool(work, body, str(request.base_url))
@@ -441,7 +423,7 @@ def create_app(served: Served, blocks=None):
         results, timings, notes = knn_service(served, parse_knn(body, served, names), base_url)
         headers = {"Server-Timing": ", ".join(f"{k};dur={v}" for k, v in timings.items()),
                    "X-Plugvlm-Notes": json.dumps(notes, ensure_ascii=True)}
-        return JSONResponse(results, headers=headers)
+        return AsciiJSON(results, headers=headers)
 
     @app.post("/knn-service")
     async def knn_route(request: Request):
@@ -449,7 +431,7 @@ def create_app(served: Served, blocks=None):
 
     @app.post("/metadata")
     async def metadata_route(request: Request):
-        return await answer(request, lambda body, base: JSONResponse(metadata_service(served, body, names, base)))
+        return await answer(request, lambda body, base: AsciiJSON(metadata_service(served, body, names, base)))
 
     @app.get("/indices-list")
     def indices_list():
@@ -458,8 +440,8 @@ def create_app(served: Served, blocks=None):
     @app.get("/images/{row}")
     def image_file(row: str):
         images = served.searcher.collection("image")
-        if not row.isdigit() or int(row) >= images.n:
-            return error(404, f"no image row {row[:20]!r}: rows are 0..{images.n - 1}")
+        if not re.fullmatch(r"[0-9]{1,18}", row) or int(row) >= images.n:  # ASCII digits: "²" is a digit to isdigit
+            return error(404, f"no image row {_shown(row, 24)}: rows are 0..{images.n - 1}")
         path = str(images.column("path")[int(row)])
         if not os.path.isfile(path):
             return error(404, f"image row {row}: its file is gone from the collection")
@@ -483,8 +465,17 @@ def create_app(served: Served, blocks=None):
         app = gr.mount_gradio_app(app, blocks, path="/", allowed_paths=[], max_file_size=served.limits.max_upload_bytes,
                                   footer_links=["api"], run_history=False, show_error=True, ssr_mode=False,
                                   mcp_server=False, enable_monitoring=False, pwa=False, theme=page_theme())
+        # Gradio checks that a request's file came from its upload folder only once launch() ran, which a mounted
+        # app never calls: mark it launched so that check holds too (RequestGuard refuses such requests first)
+        blocks.has_launched = True
     max_body = 4 * math.ceil(served.limits.max_upload_bytes / 3) + BODY_SLACK
-    app.add_middleware(_Guard, max_body=max_body)
+    check_call = None
+    if blocks is not False:
+        from serve.app import call_problem
+
+        def check_call(path, body):
+            return call_problem(blocks, path, body)
+    app.add_middleware(RequestGuard, max_body=max_body, check_call=check_call)
     return app
 
 

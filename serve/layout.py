@@ -60,11 +60,17 @@ KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 HOOK_ENV = "PLUGVLM_INDEX_TEST_HOOK"
 #: indices larger than this are memory-mapped by :func:`open_index` unless told otherwise
 MMAP_ABOVE_BYTES = 256 << 20
-# Files whose SHA-256 the manifest records and every open checks: the metadata tables. An edit that keeps a file's
-# size (an image path changed to another of the same length) passes the size check and would pair hits with the
-# wrong images silently; hashing them costs ~0.1 s per 100 MB. Index and stage-2 files (gigabytes, memory-mapped)
-# are checked by size only: hashing them would read the whole file at every start-up.
-DIGESTED_SUFFIXES = (METADATA_SUFFIX, ".parquet")
+# Integrity. A build records the SHA-256 of every file of the index (the manifest's ``digests``). Opening the
+# index checks every file's size, and its SHA-256 for the metadata tables (a same-size edit there pairs hits with
+# the wrong images) and for any other file up to VERIFY_AT_OPEN_BYTES: FAISS files, stored stage-2 arrays and
+# refinement vectors of a collection up to ~100k vectors are hashed whole at every start-up (hashing runs at
+# ~1 GB/s here, so 256 MiB costs ~0.25 s). Larger files are checked in full by ``python -m serve.index --verify``;
+# at start-up they get FAISS's structural read and at query time every score they give is checked (finite, and
+# within the bound ``|q| * max_norm`` that the vectors' largest norm recorded at build allows: a score outside it
+# is a damaged file, never a hit; serve.search).
+VERIFY_AT_OPEN_BYTES = 256 << 20
+ALWAYS_VERIFIED_SUFFIXES = (METADATA_SUFFIX, ".parquet")
+VERIFY_LEVELS = ("none", "open", "full")
 
 #: metadata columns per side (serve/__init__.py), in order; ``part`` says which added source a row came from
 IMAGE_COLUMNS = ("row", "image_id", "path", "captions", "cache_row", "part")
@@ -143,15 +149,21 @@ def _missing_dir_message(index_dir: Path) -> str:
             f"SOURCE --out {index_dir}`")
 
 
-def read_manifest(index_dir: str | os.PathLike, *, check_digests: bool = True) -> dict:
+def read_manifest(index_dir: str | os.PathLike, *, verify: str = "open") -> dict:
     """The validated ``manifest.json`` of a finished index directory: format ``plugvlm-index``, a version this
-    code reads, the contract's keys, every file it lists present at its recorded size and, with ``check_digests``,
-    the metadata tables at their recorded SHA-256 (reading them whole; a caller that opens the index afterwards
-    leaves that to the open). A folder left by a killed two-rename swap is put back first (:func:`recover`).
-    Raises :class:`IndexDirError` naming the file."""
+    code reads, the contract's keys, every file it lists present at its recorded size, and the files' recorded
+    SHA-256 checked as ``verify`` says: "open" (the metadata tables and every file up to VERIFY_AT_OPEN_BYTES: what
+    every open does), "full" (every file: :func:`verify_files`) or "none" (a caller that opens the index afterwards
+    leaves it to the open). A folder left by a killed two-rename swap is put back first (:func:`recover`). Raises
+    :class:`IndexDirError` naming the file."""
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
     index_dir = Path(index_dir)
     if not index_dir.exists():
         recover(index_dir)
+    if index_dir.exists() and not index_dir.is_dir():
+        raise IndexDirError(f"{index_dir} is a file, not an index folder: give the folder python -m serve.index wrote "
+                            "(the one holding manifest.json)")
     if not index_dir.is_dir():
         raise IndexDirError(_missing_dir_message(index_dir))
     path = index_dir / MANIFEST
@@ -185,20 +197,46 @@ def read_manifest(index_dir: str | os.PathLike, *, check_digests: bool = True) -
         if actual != size:
             raise IndexDirError(f"{f} is {actual:,} bytes, {path} says {size:,}: the file was cut short or replaced; "
                                 "copy the whole folder again or rebuild the index")
-    digests = (manifest.get("digests") or {}) if check_digests else {}  # absent in indices built before digests
+    digests = manifest.get("digests") or {}  # absent in indices built before digests
     if not isinstance(digests, dict):
         raise IndexDirError(f"{path}: 'digests' is not a mapping: the manifest was edited or damaged; rebuild the "
                             "index")
-    for name, digest in digests.items():
+    if verify != "none":
+        verify_files(index_dir, manifest, whole=verify == "full")
+    return manifest
+
+
+def verify_files(index_dir: str | os.PathLike, manifest: dict, *, whole: bool = True,
+                 say=lambda line: None) -> dict[str, str]:
+    """Check the files of an index against the SHA-256 its build recorded: every file (``whole``), or those that
+    every open checks (the metadata tables and files up to VERIFY_AT_OPEN_BYTES). Returns file -> "ok" or
+    "not recorded" (built before whole-file digests); raises :class:`IndexDirError` at the first file that
+    differs, naming it. ``say``: called with a line per file checked (progress for a long --verify)."""
+    index_dir = Path(index_dir)
+    digests = manifest.get("digests") or {}
+    sizes = manifest.get("files") or {}
+    out = {}
+    for name in sorted(set(sizes) | set(digests)):
         f = index_dir / name
         if not f.is_file():
-            raise IndexDirError(f"{f} is missing (listed in {path}): the index is incomplete; copy the whole folder "
-                                "again or rebuild it")
-        if file_sha256(f) != digest:
-            raise IndexDirError(f"{f} does not match the SHA-256 {path} recorded: it was edited or damaged after the "
-                                "build, and its rows may no longer describe the index's vectors; copy the whole "
-                                "folder again or rebuild the index")
-    return manifest
+            raise IndexDirError(f"{f} is missing (listed in {index_dir / MANIFEST}): the index is incomplete; copy the "
+                                "whole folder again or rebuild it")
+        size = f.stat().st_size
+        if not whole and not name.endswith(ALWAYS_VERIFIED_SUFFIXES) and size > VERIFY_AT_OPEN_BYTES:
+            continue
+        if name not in digests:
+            out[name] = "not recorded"
+            continue
+        started = time.perf_counter()
+        if file_sha256(f) != digests[name]:
+            what = ("its rows may no longer describe the index's vectors" if name.endswith(ALWAYS_VERIFIED_SUFFIXES)
+                    else "searching it would give wrong hits")
+            raise IndexDirError(f"{f} does not match the SHA-256 {index_dir / MANIFEST} recorded: it was edited or "
+                                f"damaged after the build, and {what}; copy the whole folder again or rebuild the "
+                                "index")
+        out[name] = "ok"
+        say(f"  {name}: {size:,} bytes, SHA-256 as recorded ({time.perf_counter() - started:.2f} s)")
+    return out
 
 
 def index_entry(manifest: dict, side: str, index_dir: str | os.PathLike = "") -> dict:
@@ -246,8 +284,19 @@ def open_index(index_dir: str | os.PathLike, side: str, manifest: dict | None = 
         raise IndexDirError(f"{index_dir / entry['metadata']} has {rows:,} rows but {path} holds {index.ntotal:,} "
                             "vectors: the metadata does not line up with the index (one of them was replaced); "
                             "rebuild the index")
-    from serve.faiss_index import apply_params
+    from serve.faiss_index import Refined, apply_params
 
+    refine = entry.get("refine")
+    if refine:  # exact re-scoring of a PQ shortlist from the fp16 vectors beside the index, memory-mapped
+        import numpy as np
+
+        vectors_path = index_dir / refine["file"]
+        try:
+            vectors = np.load(vectors_path, mmap_mode="r")
+            index = Refined(index, vectors)
+        except (OSError, ValueError) as e:
+            raise IndexDirError(f"{vectors_path}: the refinement vectors cannot be used ({e}); rebuild the index"
+                                ) from None
     apply_params(index, entry.get("params") or {})
     return index
 
@@ -561,9 +610,9 @@ class BuildDir:
         return {p.name: p.stat().st_size for p in sorted(self.path.iterdir()) if p.is_file()}
 
     def digests(self) -> dict[str, str]:
-        """SHA-256 of the new folder's metadata files (for the manifest's ``digests``; see DIGESTED_SUFFIXES)."""
-        return {p.name: file_sha256(p) for p in sorted(self.path.iterdir())
-                if p.is_file() and p.name.endswith(DIGESTED_SUFFIXES)}
+        """SHA-256 of every file of the new folder (for the manifest's ``digests``; module docstring), scratch
+        excluded."""
+        return {p.name: file_sha256(p) for p in sorted(self.path.iterdir()) if p.is_file()}
 
     def discard(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

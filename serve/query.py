@@ -102,7 +102,7 @@ def query(opts: QueryOptions):
                          f"{MAX_QUERY_CHARS:,} (the model reads its first 77 or 248 tokens, a few hundred characters)")
     # the collection's size from the manifest, before the model loads: a --k beyond it is a mistake to say at once
     side = "images" if opts.query is not None else "captions"
-    held = read_manifest(opts.index, check_digests=False)["collection"].get(side) or 0  # Searcher.open hashes
+    held = read_manifest(opts.index, verify="none")["collection"].get(side) or 0  # Searcher.open hashes
     if held and opts.k > held:
         raise QueryError(f"--k {opts.k} is more than the {held:,} {side} in the collection: ask for at most "
                          f"--k {held}")

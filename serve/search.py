@@ -80,6 +80,11 @@ RERANK_BATCH = 1024  # candidates encoded from the cache at once in stage 2
 SUBSET_ROWS = 4096
 
 
+def _damaged(path: Path) -> str:
+    return (f"the file is damaged; python -m serve.index --verify {path.parent} checks every file of the index, then "
+            "copy it again or rebuild it")
+
+
 class QueryError(ValueError):
     """A query that cannot be searched for (empty text, a bad image, k <= 0 ...); a ValueError, so entry points
     report it as one line (exit status 2), like serve.layout's IndexDirError / ModelMismatchError."""
@@ -191,11 +196,37 @@ def first_stage_vectors(scorer, reps: Reps, side: str) -> np.ndarray:
 class _Side:
     """One searchable collection of the index directory: its FAISS index and its metadata table."""
 
-    def __init__(self, name: str, index, table, path: Path, meta_path: Path, stage2=None):
+    def __init__(self, name: str, index, table, path: Path, meta_path: Path, stage2=None, entry: dict | None = None):
         self.name, self.index, self.table, self.path, self.meta_path = name, index, table, path, meta_path
         self.n = int(index.ntotal)
         self.stage2 = stage2  # serve.stage2.Stage2Store: stored re-ranking representations, or None
+        self.kind = (entry or {}).get("kind", "flat")
+        self.max_norm = (entry or {}).get("max_norm")  # None: an index built before it was recorded
+        refine = (entry or {}).get("refine")
+        # what produced a score: the index, or the index's shortlist re-scored from its vectors file
+        self.scored_by = str(path) if not refine else f"{path} (re-scored from {path.parent / refine['file']})"
         self._columns: dict[str, np.ndarray] = {}
+
+    def check_found(self, ids: np.ndarray, scores: np.ndarray, query: np.ndarray) -> None:
+        """What FAISS returned for ``query`` is what an undamaged index can return: rows 0..n-1 (or -1: none), and
+        finite scores within the inner-product bound of the vectors' recorded largest norm (serve.faiss_index.
+        score_bound). Anything else comes from a damaged file: IndexDirError, never a ranked hit."""
+        from serve.faiss_index import score_bound
+
+        real = ids >= 0
+        bad = ids[real] >= self.n
+        if ids.min(initial=0) < -1 or bad.any():
+            row = int(ids[real][bad][0]) if bad.any() else int(ids.min())
+            raise IndexDirError(f"{self.scored_by} returned row {row} of an index of {self.n:,}: {_damaged(self.path)}")
+        found = scores[real]
+        limit = None if self.max_norm is None else score_bound(self.kind, self.max_norm,
+                                                                float(np.linalg.norm(query)))
+        wrong = ~np.isfinite(found) | (np.abs(found) > limit if limit is not None else False)
+        if wrong.any():
+            first = int(np.flatnonzero(wrong)[0])
+            raise IndexDirError(f"{self.scored_by} scored row {int(ids[real][first])} {float(found[first]):.6g}"
+                                + ("" if limit is None else f", outside the +/-{limit:.4g} its vectors allow")
+                                + f": {_damaged(self.path)}")
 
     def column(self, name: str) -> np.ndarray:
         if name not in self._columns:
@@ -239,7 +270,7 @@ def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
         stage2 = Stage2Store.open(index_dir, name, entry.get("stage2"), index.ntotal)
     except ValueError as e:
         raise IndexDirError(str(e)) from None
-    return _Side(name, index, table, index_path, meta_path, stage2)
+    return _Side(name, index, table, index_path, meta_path, stage2, entry)
 
 
 def _check_lineup(index_dir: Path, sides: dict[str, _Side], caches: list | None) -> None:
@@ -320,8 +351,8 @@ def _coerce(values, arrow_type, column: str) -> list:
                 out.append(v if isinstance(v, bool) else {"true": True, "false": False}[str(v).strip().lower()])
             else:
                 out.append(v if isinstance(v, str) else str(v))
-        except (ValueError, KeyError, TypeError):
-            raise QueryError(f"filter {column}={v!r}: column {column} holds {arrow_type} values") from None
+        except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: int(inf), JSON's 1e400
+            raise QueryError(f"filter {column}={str(v)[:80]!r}: column {column} holds {arrow_type} values") from None
     return out
 
 
@@ -587,6 +618,7 @@ class Searcher:
 
         faiss.omp_set_num_threads(1)  # per request: see the module docstring
         scores, ids = side.index.search(vector, int(n))
+        side.check_found(ids[0], scores[0], vector[0])
         keep = ids[0] >= 0  # approximate indexes may return fewer than n
         return _ordered(ids[0][keep].astype(np.int64), scores[0][keep])
 
@@ -641,6 +673,7 @@ class Searcher:
         sub.add(np.ascontiguousarray(vectors, dtype=np.float32))
         faiss.omp_set_num_threads(1)
         scores, ids = sub.search(vector, len(rows))
+        side.check_found(np.where(ids[0] >= 0, rows[np.maximum(ids[0], 0)], -1), scores[0], vector[0])
         keep = ids[0] >= 0
         return _ordered(rows[ids[0][keep]], scores[0][keep])
 

@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from serve.layout import IndexDirError
+
 MODES = ("auto", "stored", "encoded")
 
 
@@ -115,8 +117,9 @@ class Stage2Writer:
 class Stage2Store:
     """The stored representations of one side, memory-mapped: :meth:`take` gathers rows as the head's Reps."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    def __init__(self, arrays: dict[str, np.ndarray], paths: dict[str, Path] | None = None):
         self.arrays = arrays
+        self.paths = paths or {name: Path(name) for name in arrays}
 
     @classmethod
     def open(cls, index_dir: Path, side: str, entry: dict | None, rows: int) -> "Stage2Store | None":
@@ -124,9 +127,9 @@ class Stage2Store:
         the file when an array is missing or does not match the entry (``rows`` items, its dtype and shape)."""
         if not entry or not entry.get("stored"):
             return None
-        arrays = {}
+        arrays, paths = {}, {}
         for name, spec in (entry.get("arrays") or {}).items():
-            path = Path(index_dir) / str(spec.get("file", ""))
+            path = paths[name] = Path(index_dir) / str(spec.get("file", ""))
             try:
                 arr = np.load(path, mmap_mode="r")
             except (OSError, ValueError) as e:
@@ -139,7 +142,7 @@ class Stage2Store:
         if not arrays:
             raise ValueError(f"{index_dir}: the manifest says the {side} stage-2 store exists but names no array; "
                              "rebuild the index")
-        return cls(arrays)
+        return cls(arrays, paths)
 
     def take(self, rows: np.ndarray, device) -> dict:
         """Reps of ``rows`` (side rows = FAISS ids), in the order given."""
@@ -150,5 +153,9 @@ class Stage2Store:
         out = {}
         for name, arr in self.arrays.items():
             block = np.asarray(arr[rows[order]])[back]
+            if block.dtype.kind == "f" and not np.isfinite(block).all():  # what the head wrote is always finite
+                raise IndexDirError(f"{self.paths[name]} holds a non-finite value in a row re-ranking read: the file "
+                                    f"is damaged; python -m serve.index --verify {self.paths[name].parent} checks "
+                                    "every file of the index, then copy it again or rebuild it")
             out[name] = torch.from_numpy(block).to(device)
         return out

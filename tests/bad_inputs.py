@@ -253,3 +253,59 @@ def add_truncated_cache(corpus: Corpus, cache_path: Path) -> None:
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) - 100])
     corpus.caches.update(truncated=dst.parent, truncated_file=victim)
+
+
+# --------------------------------------------------------------------------------------------- hostile requests
+#: What a hostile client sends python -m serve's JSON API: (method, route, raw body, status, what the one-line
+#: error says). Python's JSON reader takes Infinity, NaN and 1e400 (-> inf); a route must refuse them by name.
+DEEP = 100_000
+HOSTILE_REQUESTS = [
+    *[("POST", "knn-service", f'{{"text": "a red circle", "rerank": true, "{field}": {value}}}', 400,
+       f"{field} must be a whole number, got {shown}")
+      for field in ("num_images", "num_result_ids", "k_candidates", "offset")
+      for value, shown in (("Infinity", "Infinity"), ("-Infinity", "-Infinity"), ("NaN", "NaN"), ("1e400", "Infinity"),
+                           ('"7"', '"7"'))],
+    ("POST", "knn-service", '{"text": "a red circle", "where": {"row": 1e400}}', 400, "column row holds int64"),
+    ("POST", "knn-service", '{"text": "a red circle", "where": {"row": NaN}}', 400, "column row holds int64"),
+    ("POST", "knn-service", "[" * DEEP + "]" * DEEP, 400, "nests deeper than"),
+    ("POST", "knn-service", '{"text": ' + "[" * DEEP + "]" * DEEP + "}", 400, "nests deeper than"),
+    ("POST", "metadata", '{"ids": ' + "[" * DEEP + "]" * DEEP + "}", 400, "nests deeper than"),
+    ("POST", "metadata", '{"ids": [Infinity, NaN]}', 400, "ids must be rows"),
+    ("POST", "knn-service", '{"text": "a red circle", "\\ud800": 1}', 400, 'unknown field(s) "\\ud800"'),
+    ("POST", "knn-service", '{"text": "a red circle", "indice_name": "\\udfff"}', 400, '"\\udfff" is not served'),
+    ("GET", "images/%C2%B2", None, 404, "no image row"),
+    ("GET", "images/%D9%A3", None, 404, "no image row"),  # Arabic-Indic three: a digit to isdigit, not to int
+    ("GET", "images/99999999999999999999999", None, 404, "no image row"),
+]
+
+
+# --------------------------------------------------------------------------------------------- damaged index files
+def flip_bit(path: Path, at: int, bit: int = 0x01) -> None:
+    """Flip one bit of byte ``at`` of ``path`` (a failing disk, a bad copy): the size stays."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def overwrite_block(path: Path, at: int, size: int = 4096, seed: int = 0) -> None:
+    """Overwrite ``size`` bytes of ``path`` from ``at`` (cut to the file) with random bytes: the size stays."""
+    data = bytearray(path.read_bytes())
+    at = max(0, min(at, len(data) - size))
+    block = np.random.default_rng(seed).integers(0, 256, min(size, len(data) - at), dtype=np.uint8).tobytes()
+    data[at:at + len(block)] = block
+    path.write_bytes(bytes(data))
+
+
+#: every way an index file is damaged here: (name, function of the file's path)
+INDEX_DAMAGE = {
+    "one bit flipped mid-file": lambda p: flip_bit(p, p.stat().st_size // 2),
+    "4 KiB overwritten mid-file": lambda p: overwrite_block(p, p.stat().st_size // 2 - 2048),
+    "the last byte flipped": lambda p: flip_bit(p, p.stat().st_size - 1, 0x80),
+}
+
+
+def blow_up_a_flat_vector(path: Path, d: int, from_end: int = 1) -> None:
+    """Flip the highest exponent bit of the first number of the ``from_end``-th last vector of a FAISS Flat index
+    file (its vectors are the file's last n x d little-endian float32 numbers): that number grows by ~2^64 or more,
+    the vector's scores become absurd."""
+    flip_bit(path, path.stat().st_size - from_end * 4 * d + 3, 0x40)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from serve.app import (Busy, Gate, Limits, Served, enlarge, enlarge_annotated, gallery_items, hits_table,
+from serve.app import (Busy, Gate, Limits, Served, gallery_items, hits_table,
                        page_error, rank_change)
 from serve.search import QueryError, Searcher
 from serve_app_setup import served, setup  # noqa: F401 - fixtures
@@ -66,8 +66,9 @@ def test_a_hits_heatmap_has_one_map_per_phrase_and_comalign_explains_its_score(s
     assert [m.phrase for m in heat.maps] == [p for p, _ in phrases] and len(phrases) == 2
     labels = [label for _, label in heat.annotations]
     assert all(p in labels for p, _ in phrases)
-    assert heat.image.size == (512, 512)  # the 64 px scene, enlarged 8x with its masks
-    assert all(m.shape == (512, 512) for m, _ in heat.annotations if isinstance(m, np.ndarray))
+    # one panel per phrase side by side (serve.heatmap_render): the 64 px scene enlarged 4x in each, outlines only
+    assert heat.image.size == (10 + 2 * (256 + 10), 10 + 22 + 256 + 30 + 10)
+    assert all(m.shape == heat.image.size[::-1] and m.mean() < 0.05 for m, _ in heat.annotations)
     # ComAlign: each phrase's winning box is drawn, and the parts add up to the re-ranked score of this hit
     assert heat.explanation is not None and any(m.box is not None for m in heat.maps)
     assert heat.explanation.score == pytest.approx(hits[0].rerank_score, abs=2e-3)  # live vs cached fp16 arrays
@@ -81,19 +82,18 @@ def test_a_hits_heatmap_has_one_map_per_phrase_and_comalign_explains_its_score(s
         served.heatmaps(image, QUERY, "gradcam")
 
 
-def test_enlarging_keeps_masks_aligned_with_the_image():
+def test_thumbnails_enlarge_small_images_by_a_whole_factor_and_keep_the_aspect():
+    from serve.heatmap_render import fit
+
     image = Image.fromarray(np.arange(48, dtype=np.uint8).reshape(6, 8).repeat(3).reshape(6, 8, 3))
-    mask = np.zeros((6, 8), np.float32)
-    mask[2, 3] = 1.0
-    big, ((m, label), (box, _)) = enlarge_annotated(image, [(mask, "a"), ((1, 1, 3, 2), "b")], 40)
-    assert big.size == (40, 30) and m.shape == (30, 40) and label == "a"
-    assert np.argwhere(m == 1.0).min(0).tolist() == [10, 15] and box == (5, 5, 15, 10)
-    assert np.array_equal(np.asarray(big)[::5, ::5], np.asarray(image))
-    assert enlarge(Image.new("RGB", (1000, 500)), 256).size == (256, 128)
+    big = fit(image, 40)
+    assert big.size == (40, 30) and np.array_equal(np.asarray(big)[::5, ::5], np.asarray(image))
+    assert fit(Image.new("RGB", (1000, 500)), 256).size == (256, 128)
 
 
 # --------------------------------------------------------------------------------------------- image -> text
-def test_image_to_text_from_the_collection_or_an_upload_of_the_same_file(served, tmp_path):
+def test_image_to_text_from_the_collection_or_an_upload_of_the_same_file(served, tmp_path, monkeypatch):
+    monkeypatch.setattr(served, "upload_dir", str(tmp_path))  # tmp_path stands in for Gradio's upload folder
     image_id = served.image_ids()[3]
     picked = served.query_image(None, image_id)
     copy = tmp_path / Path(picked.name).name  # an upload keeps its file name: the adapter finds its boxes by it
@@ -165,13 +165,15 @@ def test_the_about_line_names_the_model_the_index_and_its_served_recall(served):
 
 
 # --------------------------------------------------------------------------------------------- bad input
-def test_bad_input_is_one_readable_message(served, tmp_path):
+def test_bad_input_is_one_readable_message(served, tmp_path, monkeypatch):
     from bad_inputs import BAD_IMAGES, _images
 
+    monkeypatch.setattr(served, "upload_dir", str(tmp_path))  # tmp_path stands in for Gradio's upload folder
     for query in ("", "   ", "1234", "\x00binary"):
         with pytest.raises(QueryError, match="bad query"):
             served.text_to_image(query)
-    for k, rerank in ((0, None), (5, 0), (2000, None), (True, None)):
+    for k, rerank in ((0, None), (5, 0), (2000, None), (True, None), (float("inf"), None), (float("nan"), None),
+                      (2.5, None), ("7", None), (None, None), (5, float("inf"))):
         with pytest.raises(QueryError, match="k|candidates"):
             served.text_to_image(QUERY, k, rerank)
     files = _images()
@@ -194,6 +196,29 @@ def test_bad_input_is_one_readable_message(served, tmp_path):
     for upload, image_id, match in ((None, None, "no image"), (None, "<img src=x>", "no image '<img")):
         with pytest.raises(QueryError, match=match):
             served.query_image(upload, image_id)
+
+
+def test_only_files_of_the_upload_folder_are_read(served, setup, tmp_path, monkeypatch):
+    """The page's upload reader takes a regular file inside the upload folder, named by its path: a file elsewhere,
+    a link or ``..`` leading out, a folder and a URL are refused by name, before anything is opened."""
+    folder = tmp_path / "uploads"
+    folder.mkdir()
+    monkeypatch.setattr(served, "upload_dir", str(folder))
+    image = setup.world / "images" / "000000.png"
+    inside = folder / "mine.png"
+    shutil.copyfile(image, inside)
+    assert served.query_image(str(inside)).image.size == Image.open(image).size
+    (folder / "link.png").symlink_to(image)
+    (folder / "sub").mkdir()
+    for path in (str(image), "/etc/passwd", str(folder / "link.png"), str(folder / ".." / "uploads" / ".." /
+                 "x.png"), str(folder / "sub" / ".." / ".." / "x.png"), "http://127.0.0.1:9/x.png",
+                 "file:///etc/passwd"):
+        with pytest.raises(QueryError, match="not uploaded to this server"):
+            served.query_image(path)
+    with pytest.raises(QueryError, match="not a file"):
+        served.query_image(str(folder / "sub"))
+    with pytest.raises(QueryError, match="is gone"):
+        served.query_image(str(folder / "deleted.png"))
     # in the page the message is HTML-escaped: gradio renders it as HTML
     assert page_error(QueryError("no image '<img src=x onerror=alert(1)>'\nsecond line")) == \
         "no image &#x27;&lt;img src=x onerror=alert(1)&gt;&#x27;"

@@ -75,6 +75,44 @@ def test_approximate_indices_reach_their_recall_floor(data, pq_index, key, floor
     assert tuned["params"] == {k: v for k, v in tuned["ladder"][-1].items() if k not in ("ms", "recall")}
 
 
+def test_exact_rescoring_of_the_pq_shortlist_equals_its_reference(data, pq_index):
+    """Refined.search: the PQ index's top k x k_factor, re-scored with the stored vectors' exact inner products, best
+    k of them first (ties by row); every row it returns carries its exact score."""
+    base, queries = data
+    base = base[:2000]
+    stored = base.astype(np.float16)
+    refined = fi.Refined(pq_index, stored, k_factor=4)
+    fi.apply_params(refined, {"nprobe": 4})
+    scores, ids = refined.search(queries, 10)
+    _, shortlist = pq_index.search(queries, 40)
+    for q, row_ids, row_scores, short in zip(queries, ids, scores, shortlist):
+        exact = stored[short].astype(np.float32) @ q
+        order = np.lexsort((short, -exact.astype(np.float64)))[:10]
+        assert row_ids.tolist() == short[order].tolist()
+        np.testing.assert_allclose(row_scores, exact[order], rtol=1e-6)
+    np.testing.assert_array_equal(refined.reconstruct_batch([3, 1]), stored[[3, 1]].astype(np.float32))
+    assert refined.ntotal == 2000 and refined.d == 32 and refined.is_trained  # the rest is the PQ index's
+    with pytest.raises(ValueError, match="do not match the index"):
+        fi.Refined(pq_index, stored[:10])
+    with pytest.raises(ValueError, match="k_factor applies to an index with exact re-scoring"):
+        fi.apply_params(pq_index, {"k_factor": 4})
+
+
+def test_tuning_a_refined_index_lengthens_its_shortlist_while_recall_rises(data, pq_index):
+    base, queries = data
+    base = base[:2000]
+    _, ref = torch_topk(base, queries, 10)
+    fi.apply_params(pq_index, {"nprobe": 16})
+    _, plain = pq_index.search(queries, 10)
+    refined = fi.Refined(pq_index, base.astype(np.float16))
+    tuned = fi.tune(refined, PQ_KEY, base, queries, max_latency_ms=1e6)
+    _, found = refined.search(queries, 10)
+    assert exact_recall(found, ref) >= 0.97 > exact_recall(plain, ref) + 0.3  # PQ's ranking, not its lists, was short
+    assert "k_factor" in tuned["params"] and refined.k_factor == tuned["params"]["k_factor"]
+    steps = [(t["nprobe"], t["k_factor"]) for t in tuned["ladder"]]
+    assert steps == sorted(steps) and {f for _, f in steps} <= set(fi.K_FACTORS)
+
+
 def test_tuning_stops_where_recall_saturates_and_keeps_the_cheapest_over_budget(data):
     base, queries = data
     index = fi.build(base, "IVF64,Flat")

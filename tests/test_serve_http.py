@@ -297,3 +297,179 @@ def test_a_stop_cuts_open_streams_without_a_traceback_and_other_errors_still_sho
     assert not quiet.filter(record("Exception in ASGI application", asyncio.CancelledError("shutdown")))
     assert quiet.filter(record("Exception in ASGI application", ValueError("a real bug")))
     assert quiet.filter(record("something else went wrong"))
+
+
+# --------------------------------------------------------------------------------------------- hostile clients
+class Canary:
+    """A loopback HTTP server that records every request it gets: a server that fetched a URL would be one."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.requests: list[str] = []
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append(self.path)
+                self.send_response(200)
+                self.end_headers()
+
+            do_HEAD = do_POST = do_GET
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _snapshot(folder) -> dict:
+    """Every file under ``folder``: path -> (size, mtime)."""
+    import os
+
+    out = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            p = os.path.join(root, name)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            out[p] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_a_request_naming_a_file_or_a_url_opens_copies_and_fetches_nothing(server, served, tmp_path, monkeypatch):
+    """Gradio's API takes file references ({"path": ..., "meta": {"_type": "gradio.FileData"}}) and, for a mounted
+    app, would read any local file and download any URL (without the guard this test sees the server look up
+    canary-host.invalid, 169.254.169.254 and a DNS-over-HTTPS host). Here each such reference is refused with one
+    line before Gradio sees it, on every route that takes one, and the filesystem and a loopback canary show that
+    nothing was opened (the file's access time: relatime updates it on any read of a file whose atime predates its
+    mtime), copied (no new file in Gradio's folders) or fetched (no request to the canary, no name looked up)."""
+    import os
+    import socket
+    import time
+
+    from serve.request_guard import upload_folder
+
+    secret = tmp_path / "secret.png"
+    Image.fromarray(np.random.default_rng(7).integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(secret)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"\0" * (5 << 20))  # far over this app's 64 KiB upload limit
+    for f in (secret, big):
+        os.utime(f, (time.time() - 100_000, f.stat().st_mtime))  # atime before mtime: any read moves it
+    atimes = {f: f.stat().st_atime_ns for f in (secret, big)}
+    looked_up = []
+    guarded = socket.getaddrinfo
+
+    def recording(host, *args, **kwargs):
+        looked_up.append(host)
+        return guarded(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", recording)
+    before = _snapshot(upload_folder())
+    canary = Canary()
+    meta = {"_type": "gradio.FileData"}
+    uploaded = os.path.join(upload_folder(), "plugvlm-test-upload.png")  # a real upload, paired with a foreign url
+    os.makedirs(upload_folder(), exist_ok=True)
+    Image.new("RGB", (8, 8)).save(uploaded)
+    try:
+        references = [
+            ({"path": str(secret), "meta": meta}, "not uploaded to this server"),
+            ({"path": "/etc/passwd", "meta": meta}, "not uploaded to this server"),
+            ({"path": str(big), "meta": meta}, "not uploaded to this server"),
+            ({"path": os.path.join(upload_folder(), "..", "..", "etc", "passwd"), "meta": meta}, "not uploaded"),
+            ({"path": str(secret)}, "not uploaded to this server"),  # the older FileData shape, without meta
+            ({"path": canary.url + "x.png", "meta": meta}, "fetches no URLs"),
+            ({"path": None, "url": canary.url + "x.png", "meta": meta}, "without a path"),
+            ({"path": "https://canary-host.invalid/x.png", "meta": meta}, "fetches no URLs"),
+            ({"path": "http://169.254.169.254/latest/meta-data/", "meta": meta}, "fetches no URLs"),
+            ({"path": uploaded, "url": canary.url + "x.png", "meta": meta}, "fetches no URLs"),
+        ]
+        for reference, message in references:
+            data = [reference, None, 3, False, 50]
+            for route, body in (("gradio_api/call/image_to_text", {"data": data}),
+                                ("gradio_api/run/image_to_text", {"data": data}),
+                                ("gradio_api/queue/join", {"data": data, "fn_index": 2, "session_hash": "h"}),
+                                ("gradio_api/call/caption_probe", {"data": [reference, None, "a", "b", "raw"]})):
+                response = requests.post(server.url + route, json=body, timeout=30)
+                assert response.status_code == 403, (route, reference, response.status_code, response.text[:200])
+                assert message in response.json()["error"], (reference, response.text[:200])
+        assert requests.post(server.url + "gradio_api/process_recording", data=b"x", timeout=30).status_code == 403
+    finally:
+        canary.close()
+        os.unlink(uploaded)
+    assert canary.requests == [] and not [h for h in looked_up if h not in ("127.0.0.1", "localhost")]
+    assert {f: f.stat().st_atime_ns for f in (secret, big)} == atimes  # neither file was read
+    assert set(_snapshot(upload_folder())) - set(before) == set()  # nothing copied into Gradio's folders
+    assert post(server, "knn-service", {"text": QUERY, "num_images": 2}).status_code == 200
+
+
+def _chunked_post(server, route: str, total: int, piece: int = 64 << 10) -> tuple[bytes, int]:
+    """POST ``total`` bytes with chunked transfer encoding on a raw socket, stopping as soon as the server answers
+    (or closes): (what it answered, the body bytes sent by then)."""
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(f"POST /{route} HTTP/1.1\r\nHost: {url.hostname}\r\nTransfer-Encoding: chunked\r\n"
+                 "Content-Type: application/json\r\n\r\n".encode())
+    sent = 0
+    try:
+        while sent < total and not select.select([sock], [], [], 0)[0]:
+            sock.sendall(b"%x\r\n" % piece + b" " * piece + b"\r\n")
+            sent += piece
+    except OSError:  # the server closed while the body was on its way: its answer is already in the buffer
+        pass
+    answer = b""
+    try:
+        while chunk := sock.recv(65536):
+            answer += chunk
+    except OSError:
+        pass
+    sock.close()
+    return answer, sent
+
+
+def test_hostile_requests_are_one_line_refusals_without_a_traceback(server, capfd):
+    from bad_inputs import HOSTILE_REQUESTS
+
+    capfd.readouterr()
+    for method, route, body, status, message in HOSTILE_REQUESTS:
+        response = requests.request(method, server.url + route, data=body, timeout=60)
+        assert response.status_code == status, (route, (body or "")[:80], response.status_code, response.text[:300])
+        error = response.json()["error"]
+        assert message in error and "\n" not in error, (message, error)
+    head, sent = _chunked_post(server, "knn-service", 50 << 20)  # no Content-Length: counted as it arrives
+    assert head.startswith(b"HTTP/1.1 413") and b"refused" in head and sent < 4 << 20, (head[:300], sent)
+    refused = requests.post(server.url + "knn-service", data=b"{}", headers={"Content-Length": "2, 2"}, timeout=30)
+    assert refused.status_code == 400
+    # the page's endpoints with arguments of the wrong kind: one line each, before Gradio runs (which would print a
+    # traceback for each in the server's log), and nothing in that log
+    for route, data, message in (
+            ("call/text_to_image", ["q", "many", True, 12], 'argument 2 (k (hits)): expected a number, got "many"'),
+            ("call/text_to_image", ["q", None, True, 12], "argument 2 (k (hits)): expected a number, got null"),
+            ("run/text_to_image", [QUERY, 4, True, 1e9], "argument 4 (K (first-stage candidates re-ranked)): "
+                                                         "expected 1 to"),
+            ("call/text_to_image", [QUERY, 4, "yes", 12], 'expected true or false, got "yes"'),
+            ("call/text_to_image", [5, 4, True, 12], "argument 1 (query): expected text, got 5"),
+            ("call/text_to_image", [QUERY, 4], "text_to_image takes 4 arguments, got 2"),
+            ("call/image_to_text", ["not a file", None, 3, False, 50], "expected a file"),
+            ("call/heatmap", ["0", QUERY, "gradcam"], 'expected one of surgery, raw, got "gradcam"'),
+            ("queue/join", [QUERY, "many", True, 12], "text_to_image: argument 2"),
+    ):
+        body = {"data": data, **({"fn_index": 0, "session_hash": "h"} if route == "queue/join" else {})}
+        response = requests.post(server.url + "gradio_api/" + route, json=body, timeout=30)
+        assert response.status_code == 400 and message in response.json()["error"], (route, data, response.text[:300])
+    assert post(server, "knn-service", {"text": QUERY, "num_images": 2}).status_code == 200
+    log = capfd.readouterr()
+    assert "Traceback" not in log.err + log.out, (log.err + log.out)[-3000:]

@@ -22,6 +22,8 @@ from serve import layout  # noqa: E402
 from serve.index import IndexOptions, build_index  # noqa: E402
 from serve.layout import IndexBusyError, IndexDirError, ModelMismatchError  # noqa: E402
 
+from bad_inputs import INDEX_DAMAGE, blow_up_a_flat_vector  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -127,6 +129,86 @@ def test_a_metadata_file_edited_to_the_same_size_is_refused(index):
     path.write_bytes(bytes(data))
     with pytest.raises(IndexDirError, match=r"image\.arrow does not match the SHA-256 .*manifest\.json recorded"):
         layout.read_manifest(index)
+
+
+@pytest.mark.parametrize("how", sorted(INDEX_DAMAGE))
+@pytest.mark.parametrize("name", ["image.index", "text.index", "image.arrow", "text.arrow"])
+def test_any_damaged_file_is_refused_at_open_and_named_by_verify(index, name, how, capsys):
+    """A flipped bit or an overwritten block in any file of an index (each under VERIFY_AT_OPEN_BYTES here): the
+    open refuses it, naming the file, before a search could rank anything; --verify names it too."""
+    from serve.index import main as index_main
+    from serve.search import Searcher
+
+    INDEX_DAMAGE[how](index / name)
+    with pytest.raises(IndexDirError, match=rf"{name.replace('.', '[.]')} does not match the SHA-256"):
+        Searcher.open(index)
+    assert index_main(["--verify", str(index)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{name} does not match the SHA-256" in err and err.count("\n") == 1
+
+
+def test_a_large_damaged_file_gives_an_error_at_query_time_never_a_ranked_hit(index, monkeypatch, capsys):
+    """Files above VERIFY_AT_OPEN_BYTES are not hashed at open (at 1M vectors that would take seconds): a damaged
+    one is caught by the bound on every score it gives, and by --verify."""
+    from serve.index import main as index_main
+    from serve.search import Searcher
+
+    monkeypatch.setattr(layout, "VERIFY_AT_OPEN_BYTES", 0)  # as if every index file were large
+    d = layout.read_manifest(index)["model"]["first_stage_dim"]
+    for side, query in (("image", "a red circle"), ("text", None)):
+        blow_up_a_flat_vector(index / f"{side}.index", d, from_end=1 + (side == "text"))
+    searcher = Searcher.open(index)  # the metadata is whole; the index files are not hashed
+    with pytest.raises(IndexDirError, match=r"image[.]index scored row 5 .*outside the .*damaged; python -m "
+                                            r"serve[.]index --verify"):
+        searcher.search_text("a red circle", k=6)
+    with pytest.raises(IndexDirError, match=r"text[.]index scored row 22 .*damaged"):
+        searcher.search_image(searcher.collection("image").column("path")[0], k=24)
+    assert index_main(["--verify", str(index)]) == 2
+    assert "image.index does not match the SHA-256" in capsys.readouterr().err
+
+
+def test_a_refined_index_searches_exactly_and_its_vectors_are_checked(built, tmp_path, monkeypatch):
+    """--refine on: the fp16 vectors beside the index (image.refine.npy, memory-mapped) re-score the shortlist, so
+    hits carry their exact scores; the file is listed, digested and checked like every other."""
+    from serve.search import Searcher
+
+    out = tmp_path / "refined"
+    build_index(IndexOptions(model="tiny", data=str(built.parent / "toy"), out=str(out), kind="hnsw", refine="on",
+                             cache_dir=str(built.parent / "cache"), workers=0))
+    manifest = layout.read_manifest(out)
+    entry = manifest["indexes"]["image"]
+    assert entry["refine"]["file"] == "image.refine.npy" and "image.refine.npy" in manifest["digests"]
+    assert "k_factor" in entry["params"]
+    searcher = Searcher.open(out)
+    vectors = np.load(out / "image.refine.npy").astype(np.float32)
+    scorer = searcher.scorer
+    query = scorer.first_stage_text(scorer.encode_texts(["a red circle"]), "t2i").numpy()[0]
+    hits = searcher.search_text("a red circle", k=6)
+    exact = vectors @ query
+    assert [h.row for h in hits] == np.lexsort((np.arange(6), -exact.astype(np.float64))).tolist()
+    np.testing.assert_allclose([h.score for h in hits], np.sort(exact)[::-1], rtol=1e-5)
+    monkeypatch.setattr(layout, "VERIFY_AT_OPEN_BYTES", 0)  # as if it were large: checked by the score bound
+    blown = np.load(out / "image.refine.npy")
+    blown[2, 0] = np.float16(60000.0)
+    np.save(out / "image.refine.npy", blown)
+    with pytest.raises(IndexDirError, match=r"image[.]index [(]re-scored from .*image[.]refine[.]npy[)] scored "
+                                            r"row 2 .*damaged"):
+        Searcher.open(out).search_text("a red circle", k=6)
+
+
+def test_verify_reads_every_file_and_says_so(index, capsys):
+    from serve.index import main as index_main
+
+    assert index_main(["--verify", str(index)]) == 0
+    out = capsys.readouterr()
+    names = sorted(layout.read_manifest(index)["files"])
+    assert all(f"  {n}: " in out.err + out.out for n in names)
+    assert f"{index}: {len(names)} files match the SHA-256 their build recorded" in out.out
+    with pytest.raises(SystemExit) as e:
+        index_main(["--verify", str(index), "--model", "tiny"])
+    assert e.value.code == 2 and "--verify checks an index that exists; it takes no --model" in capsys.readouterr().err
+    assert index_main(["--verify", str(index / "manifest.json")]) == 2
+    assert "is a file, not an index folder" in capsys.readouterr().err
 
 
 def test_metadata_that_does_not_line_up_with_the_index_is_refused(index):

@@ -1,5 +1,5 @@
-"""plugvlm serving: FAISS retrieval over a collection with compositional re-ranking (issue 16), and the Gradio app
-on top of it (issue 17).
+"""plugvlm serving: FAISS retrieval over a collection with compositional re-ranking, and the Gradio app on top of
+it.
 
 Two stages, as clip-retrieval's back-end plus what none has::
 
@@ -11,9 +11,10 @@ Modules: ``layout`` (the index directory: files, manifest, atomic replacement, b
 (index types, the ``auto`` choice, tuning, recall at build, on-disk IVF), ``index`` (``python -m serve.index``:
 build and ``--add``), ``stage2`` (re-ranking representations stored in the index), ``search`` (``Searcher``: open,
 search_text / search_image, re-ranking, filters, paging), ``query`` (``python -m serve.query``), ``benchmark``
-(``python -m serve.benchmark``); the app (issue 17): ``app`` (the Gradio page over a ``Searcher``: text -> image,
-heatmaps, image -> text, the caption probe), ``http`` (FastAPI with the page mounted and clip-retrieval's
-``/knn-service``), ``__main__`` (``python -m serve``), ``load_test`` (``python -m serve.load_test``).
+(``python -m serve.benchmark``); the app: ``app`` (the Gradio page over a ``Searcher``: text -> image,
+heatmaps, image -> text, the caption probe), ``heatmap_render`` (how it draws the heatmaps), ``http`` (FastAPI with
+the page mounted and clip-retrieval's ``/knn-service``), ``request_guard`` (what a request may make the server
+touch), ``__main__`` (``python -m serve``), ``load_test`` (``python -m serve.load_test``).
 
 The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
 
@@ -32,11 +33,14 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
 - Added by ``serve.index`` beyond that: ``parts`` (one per source, in row order, the first being ``data`` /
   ``cache``; more after ``--add``): ``data``, ``cache``, ``images``, ``captions``, ``image_rows`` / ``caption_rows``
   ([start, end) of its rows); ``files`` (every file's byte size, checked on open);
-  ``digests`` (SHA-256 of the metadata tables, checked on open); ``options`` (the budgets it
+  ``digests`` (SHA-256 of every file: the metadata tables and files up to 256 MiB checked on every open, all of
+  them by ``python -m serve.index --verify``; see ``serve.layout``); ``options`` (the budgets it
   was built under); ``created_first`` (after ``--add``). Per index: ``queries`` (what the recall / latency queries
   were), ``ms_per_query`` (single-threaded, at ``params``), ``tuning`` (each setting tried: params, ms, recall),
   ``tried`` (each candidate index built, with its figures); on-disk IVF: ``ivfdata`` (``image.ivfdata``, opened
-  with ``faiss.IO_FLAG_ONDISK_SAME_DIR``) and ``trained`` (the empty trained index, for ``--add``).
+  with ``faiss.IO_FLAG_ONDISK_SAME_DIR``) and ``trained`` (the empty trained index, for ``--add``); ``max_norm``
+  (the largest norm of the indexed vectors: every score a query gets is checked against the bound it gives);
+  ``refine`` (``--refine``: ``file``, ``dtype``, ``bytes`` of the vectors that re-score the shortlist exactly).
 - ``image.index`` / ``text.index``: FAISS inner-product indices over first-stage vectors (float32, stored as
   the scorer gives them), FAISS id = row. ``image.index`` holds ``scorer.first_stage_image(reps, "t2i")`` of
   every image (queried by ``first_stage_text(reps, "t2i")`` of a text); ``text.index`` holds
@@ -46,6 +50,9 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
   ``cache_row`` (the image's row in the cache). ``text.arrow``: ``row``, ``caption_id``, ``text``,
   ``image_row`` (row in image.arrow), ``image_id``, ``cache_row``. Both also ``part`` (int32: the index in
   ``parts`` of the source the row came from, whose cache ``cache_row`` is a row of). Never pickle.
+- ``image.refine.npy`` / ``text.refine.npy`` (``--refine``, the default for ivf-pq): the first-stage vectors as
+  fp16 [N, d], row = FAISS id, memory-mapped; a PQ index's shortlist of ``k x k_factor`` is re-scored exactly
+  from them (``serve.faiss_index.Refined``).
 - ``image.stage2.<name>.npy`` / ``text.stage2.<name>.npy`` (adapters; :mod:`serve.stage2`): the head's
   representation of every item, row = FAISS id, which re-ranking reads instead of encoding its candidates; the
   index's ``stage2`` entry says whether they were stored (``stored``, ``arrays``, ``bytes``) or why not

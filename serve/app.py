@@ -583,11 +583,14 @@ _CALL_V2 = re.compile(r"^/gradio_api/call/v2/([^/]+)/?$")
 
 def call_problem(blocks, path: str, body) -> str | None:
     """Why a Gradio API call of this page (``POST /gradio_api/call|run|api/<name>``, ``/call/v2/<name>`` or the
-    page's ``/gradio_api/queue/join``) cannot be run as sent, or None: its ``data`` checked against its event's
-    input components -- how many arguments, and the kind of value each takes (:func:`argument_problem`). Gradio
-    answers a value of the wrong kind with an error event too, but prints its traceback in the server's log first,
-    once per request; refused here, before Gradio runs, it is one line for the client and nothing in the log.
-    Anything else (an unknown name, a body of another shape) is left to Gradio, which answers it."""
+    page's ``/gradio_api/queue/join``) cannot even reach its event, or None: the number of its arguments, and a file
+    argument that is not a file reference. Gradio fails on those before any of our code runs, and prints a
+    traceback in the server's log for each; refused here with one line instead. A value of the wrong kind for its
+    input (a word for a slider) reaches the event and is answered there, by :func:`check_inputs`, as an error
+    event every client reads (gradio_client raises it as AppError). Anything else (an unknown name, a body of
+    another shape) is left to Gradio, which answers it."""
+    import gradio as gr
+
     if not isinstance(body, dict):
         return None
     fn = None
@@ -603,24 +606,53 @@ def call_problem(blocks, path: str, body) -> str | None:
     if len(data) != len(fn.inputs):
         return f"{name} takes {len(fn.inputs)} arguments, got {len(data)}"
     for k, (component, value) in enumerate(zip(fn.inputs, data)):
-        problem = argument_problem(component, value)
-        if problem:
-            label = getattr(component, "label", None) or type(component).__name__
-            return f"{name}: argument {k + 1} ({label}): {problem}"
+        if isinstance(component, gr.File) and value is not None and not isinstance(value, dict):
+            return (f"{name}: argument {k + 1} ({component.label}): expected a file (upload it: "
+                    "gradio_client.handle_file) or null")
     return None
 
 
+def check_inputs(blocks) -> None:
+    """Make every input of the page's events refuse a value of the wrong kind with one line (a gr.Error that prints
+    nothing in the server's log) before Gradio's own handling of it, which answers too but prints a traceback
+    first: each component's ``preprocess`` is wrapped with :func:`argument_problem`."""
+    import functools
+
+    import gradio as gr
+
+    seen = set()
+    for fn in blocks.fns.values():
+        for component in fn.inputs:
+            if id(component) in seen or isinstance(component, (gr.File, gr.State)):
+                continue
+            seen.add(id(component))
+            original = component.preprocess
+
+            @functools.wraps(original)
+            def preprocess(payload, component=component, original=original):
+                label = getattr(component, "label", None) or type(component).__name__
+                problem = argument_problem(component, payload)
+                if problem:
+                    raise gr.Error(html.escape(f"{label}: {problem}"), print_exception=False)
+                try:
+                    return original(payload)
+                except gr.Error as e:
+                    raise gr.Error(e.message, print_exception=False) from None
+                except Exception as e:  # Gradio's own check of the value: its message, on one line
+                    raise gr.Error(html.escape(f"{label}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"),
+                                   print_exception=False) from None
+
+            component.preprocess = preprocess
+
+
 def argument_problem(component, value) -> str | None:
-    """What is wrong with ``value`` as the input of ``component`` of this page (a file reference is checked by
-    serve.request_guard.file_problem), or None."""
+    """What is wrong with ``value`` as the input of ``component`` of this page, or None (a file argument is checked
+    by :func:`call_problem` and serve.request_guard.file_problem, before Gradio reads it)."""
     import gradio as gr
 
     def number() -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-    if isinstance(component, gr.File):
-        return None if value is None or isinstance(value, dict) else "expected a file (upload it: " \
-            "gradio_client.handle_file) or null"
     if isinstance(component, gr.Slider):
         if not number():
             return f"expected a number, got {_shown(value)}"
@@ -854,4 +886,5 @@ def build_blocks(served: Served):
             **heavy)
         examples.change(use_example, [examples], [image_id3, caption_a, caption_b], api_visibility="private")
     blocks.queue(max_size=served.limits.queue, default_concurrency_limit=served.limits.concurrency)
+    check_inputs(blocks)
     return blocks

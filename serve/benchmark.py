@@ -371,16 +371,18 @@ def query_latency(index, queries: np.ndarray, k: int) -> dict:
     return percentiles(times)
 
 
-def interleaved(paths: list[tuple[str, Callable[[int], object]]], count: int, rounds: int = 3) -> dict[str, np.ndarray]:
+def interleaved(paths: list[tuple[str, Callable[[int], object]]], count: int, rounds: int = 3,
+                warm: bool = True) -> dict[str, np.ndarray]:
     """Seconds of every path on queries 0..count-1, measured alike: for each query every path runs once untimed
-    (its data warm: a memory-mapped index's lists, the caches), then ``rounds`` timed rounds, each in an order
-    rotated by query and round (no path always follows another, whose leftovers it would pay for), and each path's
-    time is its fastest round (what the work costs, without the interruptions a round happened to meet). A path
-    that wraps another (the search path around the bare FAISS call) can then never time faster than it, unless
-    the measurement itself is at fault, which :func:`wrap_ratio` reports."""
+    (``warm``: its data warm, a memory-mapped index's lists, the caches), then ``rounds`` timed rounds, each in an
+    order rotated by query and round (no path always follows another, whose leftovers it would pay for), and each
+    path's time is its fastest round (what the work costs, without the interruptions a round happened to meet). A
+    path that wraps another (the search path around the bare FAISS call) can then never time faster than it,
+    unless the measurement itself is at fault, which :func:`wrap_ratio` reports. Paths of hundreds of ms (query
+    encoding) are timed once each (``rounds=1, warm=False``): their noise is small against their cost."""
     times = {name: np.full(count, np.inf) for name, _ in paths}
     for i in range(count):
-        for _, fn in paths:
+        for _, fn in (paths if warm else ()):
             fn(i)
         for r in range(rounds):
             for j in range(len(paths)):
@@ -526,7 +528,8 @@ def measure_size(n: int, d: int, opts: BenchmarkOptions, scratch: Path, kinds: l
         # serve.index._candidates for --kind auto: an exact search timed on these vectors, then auto_keys
         budget = fi.parse_memory(opts.max_memory)
         flat_ms = fi.flat_latency_ms(vectors, queries) if 4 * n * d <= budget and n >= fi.FLAT_THRESHOLD else None
-        candidates = fi.auto_keys(n, d, budget, flat_ms=flat_ms, max_latency_ms=opts.max_latency_ms)
+        candidates = fi.auto_keys(n, d, budget, flat_ms=flat_ms, max_latency_ms=opts.max_latency_ms,
+                                  refined=opts.refine)
         say(f"  auto candidates: {', '.join(candidates)}")
         best = None
         tried = []
@@ -546,7 +549,7 @@ def measure_size(n: int, d: int, opts: BenchmarkOptions, scratch: Path, kinds: l
     for kind in kinds:
         try:
             key = (fi.pq_key_for(n, d, opts.pq_m) if kind == "ivf-pq" and opts.pq_m else
-                   fi.key_for_kind(kind, n, d, fi.parse_memory(opts.max_memory)))
+                   fi.key_for_kind(kind, n, d, fi.parse_memory(opts.max_memory), opts.refine))
         except ValueError as e:
             out["kinds"][kind] = {"kind": kind, "skipped": str(e)}
             continue
@@ -783,9 +786,11 @@ def search_sections(backbone_index: Path, rerank_index: Path, backbone_scorer, r
     ]
     with single_thread():
         with torch.no_grad():
-            say(f"[{_clock()}] timing {len(paths)} paths x {count} queries, one query at a time (each path warmed "
-                "on the query, then the fastest of 3 interleaved rounds)")
-            times = interleaved(paths, count)
+            slow = ("search_text", "encode", "rerank_encoded", "rerank_text")
+            say(f"[{_clock()}] timing {len(paths)} paths x {count} queries, one query at a time: the search paths "
+                "warmed on each query, then the fastest of 3 interleaved rounds; the encoding paths once each")
+            times = interleaved([p for p in paths if p[0] not in slow], count)
+            times.update(interleaved([p for p in paths if p[0] in slow], count, rounds=1, warm=False))
             check = rerank_check(reranking, rerank_rows[0], k, K)
             say(f"[{_clock()}] throughput with {opts.callers} concurrent callers, {opts.concurrency_seconds:g} s "
                 "each")

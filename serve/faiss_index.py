@@ -32,6 +32,12 @@ efSearch for HNSW) is raised as far as the latency budget allows, timed single-t
 (as ``serve`` searches, one request per thread) on real queries. Ours steps through powers of two instead of a
 binary search, and stops early once recall@10 reaches 0.999 (more probes would cost time for nothing).
 
+Exact re-scoring (:class:`Refined`, ``serve.index --refine``, on by default for ivf-pq): the PQ index returns a
+shortlist of ``k x k_factor``, re-scored with the vectors themselves, kept on disk as fp16 and memory-mapped;
+``k_factor`` is tuned with nprobe (at each nprobe, longer shortlists while recall still rises). PQ codes then
+only have to shortlist the neighbours, so ``auto`` gives a refined index one code byte per 8 dimensions
+(:func:`pq_key`) instead of the most that fit.
+
 Recall at build (:func:`recall_at_k`): recall@10 against exact search on the stored vectors, over a sample of
 real queries (up to 1,000 drawn from the collection itself). Tie-tolerant: a returned item counts when its exact
 inner product reaches the exact 10th best (less 1e-5 relative), so a duplicate image found in place of its twin
@@ -66,6 +72,7 @@ EF_CONSTRUCTION = 40
 FLAT_THRESHOLD = 1_000            # autofaiss: below it, Flat
 QUANTIZATION_THRESHOLD = 10_000   # autofaiss: below it, no quantisation (HNSW15)
 PQ_VALUES = (256, 128, 64, 48, 32, 24, 16, 8, 4)
+DIMS_PER_CODE_BYTE = 8            # a refined PQ index's codes: one byte per 8 dimensions (pq_key)
 POINTS_PER_LIST = 64              # training sample per IVF list, at most (train_sample)
 MEASURE_K = 100                   # candidates per query when timing: a typical re-ranking depth
 RECALL_K = 10
@@ -112,11 +119,16 @@ def nb_clusters(n: int) -> int:
     return int(max(1, min(nc, n)))
 
 
-def pq_key(n: int, d: int, max_bytes: int | None = None) -> str | None:
+def pq_key(n: int, d: int, max_bytes: int | None = None, refined: bool = False) -> str | None:
     """autofaiss's ``get_optimal_quantization`` (its first cluster count): the largest m whose codes fit
-    ``max_bytes`` (any m without a budget); None when none fits."""
+    ``max_bytes`` (any m without a budget); None when none fits. ``refined`` (the shortlist re-scored exactly,
+    :class:`Refined`): at most one byte per :data:`DIMS_PER_CODE_BYTE` dimensions, since the codes then only have to
+    shortlist the neighbours, not order them -- PQ64 for 512-d vectors instead of PQ256, a quarter of the RAM and
+    of the OPQ training (which took tens of minutes for PQ256 on 2 cores here; the 1M-vector figures are
+    serve.benchmark's)."""
+    cap = max(PQ_VALUES[-1], d // DIMS_PER_CODE_BYTE) if refined else d
     for m in PQ_VALUES:
-        if m >= d:
+        if m >= d or m > cap:
             continue
         key = pq_key_for(n, d, m)
         if max_bytes is None or estimate_bytes(key, n, d) <= max_bytes:
@@ -164,8 +176,9 @@ def estimate_bytes(key: str, n: int, d: int) -> int:
     return n * (4 * d + 8) + nlist * d * 4 + coarse
 
 
-def key_for_kind(kind: str, n: int, d: int, max_bytes: int | None = None) -> str:
-    """The factory key of an explicit ``--kind`` for ``n`` vectors of dimension ``d`` (module docstring)."""
+def key_for_kind(kind: str, n: int, d: int, max_bytes: int | None = None, refined: bool = False) -> str:
+    """The factory key of an explicit ``--kind`` for ``n`` vectors of dimension ``d`` (module docstring);
+    ``refined``: an ivf-pq index whose shortlist will be re-scored (:func:`pq_key`)."""
     if kind == "flat":
         return "Flat"
     if kind == "hnsw":
@@ -176,16 +189,17 @@ def key_for_kind(kind: str, n: int, d: int, max_bytes: int | None = None) -> str
         if n < FLAT_THRESHOLD or d < 8:
             raise ValueError(f"--kind ivf-pq needs at least {FLAT_THRESHOLD:,} vectors of 8 or more dimensions to "
                              f"train its codebooks (this collection: {n:,} of {d}); use --kind flat or auto")
-        return pq_key(n, d, max_bytes) or pq_key(n, d)
+        return pq_key(n, d, max_bytes, refined) or pq_key(n, d, refined=refined)
     raise ValueError(f"unknown index kind {kind!r}; choose from auto, {', '.join(KINDS)}")
 
 
 def auto_keys(n: int, d: int, max_bytes: int, *, flat_ms: float | None = None,
-              max_latency_ms: float | None = None) -> list[str]:
+              max_latency_ms: float | None = None, refined: bool = False) -> list[str]:
     """Candidate factory keys for ``n`` vectors of dimension ``d`` within ``max_bytes``, best first (module
     docstring: autofaiss's ``get_optimal_index_keys_v2`` with our measured departures). ``flat_ms``: measured
-    latency of an exact search over all n vectors, with ``max_latency_ms`` the budget. Raises ValueError when no
-    index fits the budget, naming the smallest."""
+    latency of an exact search over all n vectors, with ``max_latency_ms`` the budget; ``refined``: a PQ candidate
+    will have its shortlist re-scored (:func:`pq_key`). Raises ValueError when no index fits the budget, naming the
+    smallest."""
     flat_fits = 4 * n * d <= max_bytes
     if n < FLAT_THRESHOLD and flat_fits:
         return ["Flat"]
@@ -205,7 +219,7 @@ def auto_keys(n: int, d: int, max_bytes: int, *, flat_ms: float | None = None,
     m_hnsw = int(math.floor((max_bytes / (4 * n) - d) / 2))
     if m_hnsw >= 8:
         keys.append(f"HNSW{min(m_hnsw, 32)}")
-    pq = pq_key(n, d, max_bytes)
+    pq = pq_key(n, d, max_bytes, refined)
     if pq is not None:
         keys.append(pq)
     if not keys:
@@ -413,7 +427,7 @@ class Refined:
 
 # --------------------------------------------------------------------------------------------- search parameters
 #: shortlist multiples :func:`tune` tries for a Refined index
-K_FACTORS = (2, 4, 8, 16, 32, 64)
+K_FACTORS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def apply_params(index, params: dict) -> None:

@@ -26,6 +26,7 @@ INFERNO = np.array([(0, 0, 4), (31, 12, 72), (85, 15, 109), (136, 34, 106), (186
 MAX_ALPHA = 0.75
 PANEL = 256            # the long side of a panel's picture, px
 GAP, TITLE, BAR = 10, 22, 30
+TOP = 30               # above the first row: where the page's component draws its own label
 PER_ROW = 3
 OUTLINE = 2            # px of the outline masks
 
@@ -100,7 +101,7 @@ def render(image, maps: Sequence, *, panel: int = PANEL) -> tuple:
     cols = min(PER_ROW, len(maps))
     rows = -(-len(maps) // cols)
     cell_w, cell_h = max(pw, 180), TITLE + ph + BAR
-    width, height = GAP + cols * (cell_w + GAP), GAP + rows * (cell_h + GAP)
+    width, height = GAP + cols * (cell_w + GAP), TOP + rows * (cell_h + GAP)
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     font, small = _font(13), _font(11)
@@ -113,7 +114,7 @@ def render(image, maps: Sequence, *, panel: int = PANEL) -> tuple:
 
     for k, m in enumerate(maps):
         left = GAP + (k % cols) * (cell_w + GAP) + (cell_w - pw) // 2
-        top = GAP + (k // cols) * (cell_h + GAP)
+        top = TOP + (k // cols) * (cell_h + GAP)
         heat = np.asarray(Image.fromarray(np.asarray(m.heat, dtype=np.float32), mode="F").resize((pw, ph),
                                                                                                   Image.BILINEAR))
         canvas.paste(Image.fromarray(blend(base, heat)), (left, top + TITLE))

@@ -461,10 +461,11 @@ def _candidates(opts: IndexOptions, vectors, queries) -> list[str]:
 
     n, d = vectors.shape
     budget = parse_memory(opts.max_memory)
+    refined = opts.refine != "off"
     if opts.kind != "auto":
-        return [fi.key_for_kind(opts.kind, n, d, budget)]
+        return [fi.key_for_kind(opts.kind, n, d, budget, refined)]
     flat_ms = fi.flat_latency_ms(vectors, queries) if 4 * n * d <= budget and n >= fi.FLAT_THRESHOLD else None
-    return fi.auto_keys(n, d, budget, flat_ms=flat_ms, max_latency_ms=opts.max_latency_ms)
+    return fi.auto_keys(n, d, budget, flat_ms=flat_ms, max_latency_ms=opts.max_latency_ms, refined=refined)
 
 
 def build_side(opts: IndexOptions, side: str, vectors, queries, query_source: str, work: BuildDir,

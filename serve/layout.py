@@ -5,8 +5,9 @@ What the directory holds is the contract in :mod:`serve` (``serve/__init__.py``)
 
 Reading (the search side). :func:`read_manifest` validates ``manifest.json`` (format, version, the keys the contract
 names) and that every file it lists exists with the byte size it recorded (a copy cut short fails here, naming the
-file, not at the first search) and that the metadata tables still have the SHA-256 it recorded (an edit that keeps a
-file's size would otherwise pair hits with the wrong images); :func:`open_index` loads ``image.index`` /
+file, not at the first search) and that the files still have the SHA-256 it recorded -- the metadata tables and
+every file up to VERIFY_AT_OPEN_BYTES at every open, all of them with :func:`verify_files` (``python -m serve.index
+--verify``; an edit that keeps a file's size would otherwise give wrong hits); :func:`open_index` loads ``image.index`` /
 ``text.index`` with the tuned search parameters applied, memory-mapped when large or on-disk; :func:`read_metadata`
 reads a side's metadata table (an Arrow IPC file, memory-mapped: opening a 1M-row table reads nothing but its
 footer; indices of format version 1 hold parquet, still read); :func:`check_alignment` checks that every index's

@@ -67,7 +67,9 @@ def test_a_hits_heatmap_has_one_map_per_phrase_and_comalign_explains_its_score(s
     labels = [label for _, label in heat.annotations]
     assert all(p in labels for p, _ in phrases)
     # one panel per phrase side by side (serve.heatmap_render): the 64 px scene enlarged 4x in each, outlines only
-    assert heat.image.size == (10 + 2 * (256 + 10), 10 + 22 + 256 + 30 + 10)
+    from serve.heatmap_render import BAR, GAP, TITLE, TOP
+
+    assert heat.image.size == (GAP + 2 * (256 + GAP), TOP + TITLE + 256 + BAR + GAP)
     assert all(m.shape == heat.image.size[::-1] and m.mean() < 0.05 for m, _ in heat.annotations)
     # ComAlign: each phrase's winning box is drawn, and the parts add up to the re-ranked score of this hit
     assert heat.explanation is not None and any(m.box is not None for m in heat.maps)

@@ -187,4 +187,17 @@ def walk_the_page(page, served, tmp_path, walk: Walk) -> None:
     expect(page.locator("#heat-a img").first).to_be_visible()
     expect(page.locator("#heat-b img").first).to_be_visible()
     shot(page, "caption_probe", full_page=True)
+
+    # a script in the page (what a malicious page or extension could do) names a file of the server's disk and a URL
+    walk.step("a request from the page naming a server file or a URL")
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"\x89PNG not really")
+    for path, message in ((str(secret), "not uploaded to this server"), ("http://127.0.0.1:9/x.png", "fetches no URLs")):
+        answer = page.evaluate("""async ([path]) => {
+            const r = await fetch('gradio_api/call/image_to_text', {method: 'POST',
+                headers: {'Content-Type': 'application/json'},
+                body: JSON.stringify({data: [{path, meta: {_type: 'gradio.FileData'}}, null, 3, false, 50]})});
+            return [r.status, await r.text()];
+        }""", [path])
+        assert answer[0] == 403 and message in answer[1], answer
     walk.step("done")

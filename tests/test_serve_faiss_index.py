@@ -198,6 +198,11 @@ def test_auto_rule_at_a_few_points():
     assert fi.auto_keys(100_000_000, 512, 2 * G) == ["OPQ8_56,IVF32768_HNSW32,PQ8x8"]
     with pytest.raises(ValueError, match="fits --max-memory"):
         fi.auto_keys(100_000_000, 512, 256 << 20)
+    # refined (serve.index's default for PQ): one code byte per 8 dimensions is enough to shortlist, whatever fits
+    assert fi.auto_keys(1_000_000, 512, 1 * G, refined=True) == ["OPQ64_448,IVF4096_HNSW32,PQ64x8"]
+    assert fi.auto_keys(100_000_000, 768, 16 * G, refined=True) == ["OPQ64_448,IVF32768_HNSW32,PQ64x8"]
+    assert fi.auto_keys(100_000_000, 512, 2 * G, refined=True) == ["OPQ8_56,IVF32768_HNSW32,PQ8x8"]  # less fits
+    assert fi.key_for_kind("ivf-pq", 1_000_000, 512, 4 * G, refined=True) == "OPQ64_448,IVF4096_HNSW32,PQ64x8"
     assert [fi.nb_clusters(n) for n in (100, 10_000, 1_000_000, 50_000_000, 400_000_000)] == [
         32, 512, 4096, 32_768, 2 ** 17]
     assert fi.nb_clusters(5) == 5  # never more lists than vectors

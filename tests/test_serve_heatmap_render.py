@@ -6,7 +6,7 @@ import numpy as np
 from PIL import Image
 
 from serve.heatmap import PhraseMap
-from serve.heatmap_render import BAR, GAP, INFERNO, MAX_ALPHA, TITLE, blend, colormap, panel_size, render
+from serve.heatmap_render import BAR, GAP, INFERNO, MAX_ALPHA, TITLE, TOP, blend, colormap, panel_size, render
 
 
 def test_the_colour_scale_is_inferno_and_grows_lighter():
@@ -44,13 +44,13 @@ def test_render_shows_the_scene_a_scale_and_outlines_only():
             PhraseMap("a red circle", (35, 47), heat, peak=0.4, low=0.0)]
     picture, annotations = render(scene, maps)
     pw, ph = panel_size(scene.size)
-    assert (pw, ph) == (240, 160) and picture.size[1] == GAP + TITLE + ph + BAR + GAP
+    assert (pw, ph) == (240, 160) and picture.size[1] == TOP + TITLE + ph + BAR + GAP
     labels = [label for _, label in annotations]
     assert labels == ["a red circle", "a red circle: entity box, score 0.700", "a blue square", "a red circle (2)"]
     pixels = np.asarray(picture)
     big = np.asarray(scene.resize((pw, ph), Image.NEAREST))
     left = GAP + (max(pw, 180) - pw) // 2
-    first = pixels[GAP + TITLE:GAP + TITLE + ph, left:left + pw]
+    first = pixels[TOP + TITLE:TOP + TITLE + ph, left:left + pw]
     far = np.ones_like(heat, bool)
     far[7:17, 23:41] = False  # the hot cells and their neighbours (the map is interpolated between cells)
     cold = np.kron(far, np.ones((5, 5), bool))
@@ -61,7 +61,7 @@ def test_render_shows_the_scene_a_scale_and_outlines_only():
         assert mask.shape == pixels.shape[:2] and set(np.unique(mask)) <= {0.0, 1.0} and mask.mean() < 0.02
     box = annotations[1][0]
     ys, xs = np.nonzero(box)
-    assert (xs.min() - left, ys.min() - GAP - TITLE, xs.max() + 1 - left, ys.max() + 1 - GAP - TITLE) == \
+    assert (xs.min() - left, ys.min() - TOP - TITLE, xs.max() + 1 - left, ys.max() + 1 - TOP - TITLE) == \
         (24 * 5, 8 * 5, 40 * 5, 16 * 5)  # the box, scaled with its panel
-    bar = pixels[GAP + TITLE + ph + 6 + 5, left:left + pw].astype(float)
+    bar = pixels[TOP + TITLE + ph + 6 + 5, left:left + pw].astype(float)
     assert np.abs(bar[[0, -1]] - INFERNO[[0, -1]]).max() <= 1.0  # the scale runs low (left) to peak (right)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -254,6 +255,10 @@ def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     bad.write_text("this is text, not an image")
     with pytest.raises(AppError, match="corrupt or unrecognised image data"):
         client.predict(handle_file(str(bad)), None, 3, False, 10, api_name="/image_to_text")
+    for args, message in (((QUERY, "many", True, 12), "k (hits): expected a number"),
+                          ((QUERY, 4, True, 10 ** 6), "K (first-stage candidates re-ranked): expected 1 to 1000")):
+        with pytest.raises(AppError, match=re.escape(message)):  # one line, nothing in the server's log
+            client.predict(*args, api_name="/text_to_image")
     assert len(client.predict(QUERY, 2, False, 12, api_name="/text_to_image")[0]) == 2  # still serving
 
 
@@ -453,23 +458,29 @@ def test_hostile_requests_are_one_line_refusals_without_a_traceback(server, capf
     assert head.startswith(b"HTTP/1.1 413") and b"refused" in head and sent < 4 << 20, (head[:300], sent)
     refused = requests.post(server.url + "knn-service", data=b"{}", headers={"Content-Length": "2, 2"}, timeout=30)
     assert refused.status_code == 400
-    # the page's endpoints with arguments of the wrong kind: one line each, before Gradio runs (which would print a
-    # traceback for each in the server's log), and nothing in that log
+    # the page's endpoints with arguments of the wrong kind: one line each, where Gradio would answer too but print a
+    # traceback in the server's log first; nothing in that log. Calls that cannot reach their event: refused (400)
     for route, data, message in (
-            ("call/text_to_image", ["q", "many", True, 12], 'argument 2 (k (hits)): expected a number, got "many"'),
-            ("call/text_to_image", ["q", None, True, 12], "argument 2 (k (hits)): expected a number, got null"),
-            ("run/text_to_image", [QUERY, 4, True, 1e9], "argument 4 (K (first-stage candidates re-ranked)): "
-                                                         "expected 1 to"),
-            ("call/text_to_image", [QUERY, 4, "yes", 12], 'expected true or false, got "yes"'),
-            ("call/text_to_image", [5, 4, True, 12], "argument 1 (query): expected text, got 5"),
             ("call/text_to_image", [QUERY, 4], "text_to_image takes 4 arguments, got 2"),
-            ("call/image_to_text", ["not a file", None, 3, False, 50], "expected a file"),
-            ("call/heatmap", ["0", QUERY, "gradcam"], 'expected one of surgery, raw, got "gradcam"'),
-            ("queue/join", [QUERY, "many", True, 12], "text_to_image: argument 2"),
+            ("queue/join", [QUERY, 4], "text_to_image takes 4 arguments, got 2"),
+            ("call/image_to_text", ["not a file", None, 3, False, 50], "argument 1 (query image: upload an image"),
     ):
         body = {"data": data, **({"fn_index": 0, "session_hash": "h"} if route == "queue/join" else {})}
         response = requests.post(server.url + "gradio_api/" + route, json=body, timeout=30)
         assert response.status_code == 400 and message in response.json()["error"], (route, data, response.text[:300])
+    # values of the wrong kind: an error event saying which argument and why
+    for route, data, message in (
+            ("text_to_image", ["q", "many", True, 12], 'k (hits): expected a number, got &quot;many&quot;'),
+            ("text_to_image", ["q", None, True, 12], "k (hits): expected a number, got null"),
+            ("text_to_image", [QUERY, 4, True, 1e9], "K (first-stage candidates re-ranked): expected 1 to"),
+            ("text_to_image", [QUERY, 4, "yes", 12], "expected true or false, got &quot;yes&quot;"),
+            ("text_to_image", [5, 4, True, 12], "query: expected text, got 5"),
+            ("heatmap", ["0", QUERY, "gradcam"], "expected one of surgery, raw, got &quot;gradcam&quot;"),
+    ):
+        event = requests.post(server.url + "gradio_api/call/" + route, json={"data": data}, timeout=30)
+        assert event.status_code == 200, event.text[:200]
+        stream = requests.get(server.url + f"gradio_api/call/{route}/{event.json()['event_id']}", timeout=60)
+        assert "event: error" in stream.text and message in stream.text, (data, stream.text[:300])
     assert post(server, "knn-service", {"text": QUERY, "num_images": 2}).status_code == 200
     log = capfd.readouterr()
     assert "Traceback" not in log.err + log.out, (log.err + log.out)[-3000:]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bad_inputs import flip_bit, overwrite_block
 from serve.query import main
 from serve.search import Searcher
 from test_serve_search import QUERY, serve_setup
@@ -183,8 +184,8 @@ def _cut(path: Path, sizes_fixed: bool = False) -> None:
 
 
 def _fix_sizes(folder: Path) -> None:
-    """Record the files' sizes and metadata digests as they are now: a replaced file the manifest's checks cannot
-    see, so what is tested is the check behind them."""
+    """Record the files' sizes and digests as they are now: a replaced file the manifest's checks cannot see, so
+    what is tested is the check behind them."""
     from extract.weights import file_sha256
 
     def fix(m):
@@ -255,6 +256,13 @@ BAD_INDEXES = {  # name -> (how the copy is damaged, the message's fragment)
     "cache rows swapped": (lambda d: _rewrite_table(d / "text.arrow", _swap_cache_rows),
                            "text.arrow's caption_id disagrees with the cache's at cache_row"),
     "stage-2 store cut": (lambda d: _cut(next(d.glob("image.stage2.*.npy"))), "image.stage2."),
+    "a bit flipped in the index": (lambda d: flip_bit(d / "image.index", (d / "image.index").stat().st_size // 2),
+                                   "image.index does not match the SHA-256"),
+    "a block overwritten in a stage-2 array": (
+        lambda d: overwrite_block(p := next(d.glob("image.stage2.*.npy")), p.stat().st_size // 2),
+        "image.stage2."),
+    "a file instead of the folder": (lambda d: (shutil.rmtree(d), d.write_text("not an index")),
+                                     "is a file, not an index folder"),
     "cache moved": (lambda d: _tamper_manifest(d, lambda m: _cache_entry(m, path=str(d / "nowhere"))),
                     "the index's feature cache cannot be opened"),
     "another cache": (lambda d: _tamper_manifest(d, lambda m: _cache_entry(m, fingerprint="f" * 64)),

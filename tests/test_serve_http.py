@@ -255,6 +255,13 @@ def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     bad.write_text("this is text, not an image")
     with pytest.raises(AppError, match="corrupt or unrecognised image data"):
         client.predict(handle_file(str(bad)), None, 3, False, 10, api_name="/image_to_text")
+    canary = Canary()  # gradio_client sends a URL as it is, for the server to fetch: refused, nothing fetched
+    try:
+        with pytest.raises(Exception, match="403"):
+            client.predict(handle_file(canary.url + "x.png"), None, 3, False, 10, api_name="/image_to_text")
+    finally:
+        canary.close()
+    assert canary.requests == []
     for args, message in (((QUERY, "many", True, 12), "k (hits): expected a number"),
                           ((QUERY, 4, True, 10 ** 6), "K (first-stage candidates re-ranked): expected 1 to 1000")):
         with pytest.raises(AppError, match=re.escape(message)):  # one line, nothing in the server's log

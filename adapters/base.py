@@ -86,6 +86,12 @@ class AdapterHead(nn.Module):
         differ (``directional = True``, e.g. ComAlign eq. 10-11) override it; by default both are ``score``."""
         return self.score(image_reps, text_reps)
 
+    def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        """[I, T] image->text logits for a softmax over texts: :meth:`score` times the inverse temperature the
+        head's own loss uses (hard negatives' extra columns, ``train.adapter_negatives``). Default: CLIP's initial
+        1/0.07; heads with a learnt or configured scale override it."""
+        return self.score(image_reps, text_reps) / 0.07
+
     # -- serving: the first stage ------------------------------------------------------------------------
     # A served collection is searched in two stages (``serve``): an inner-product index (FAISS) over one vector
     # per item finds K candidates, then ``score`` / ``score_directed`` re-ranks them exactly. These two methods

@@ -56,6 +56,22 @@ def gather(x: Tensor, rank: int = 0, world_size: int = 1, *, with_grad: bool = T
     return torch.cat(parts, dim=0)
 
 
+def gather_any(x: Tensor, rank: int = 0, world_size: int = 1, *, with_grad: bool = True) -> Tensor:
+    """:func:`gather` for features and masks alike: floating tensors with their gradient (``with_grad``), others
+    (bool masks, ids) as plain data."""
+    if x.is_floating_point():
+        return gather(x, rank, world_size, with_grad=with_grad)
+    return gather(x, rank, world_size, with_grad=False, keep_local_grad=False)
+
+
+def extra_columns_loss(i2t: Tensor, extra: Tensor, extra_valid: Tensor, rank: int = 0, world_size: int = 1) -> Tensor:
+    """Image->text cross-entropy whose softmax holds, beside the global batch's texts (``i2t`` [b, B]: the local
+    images' logits, the positives at this rank's rows), extra texts such as hard negatives (``extra`` [b, X],
+    ``extra_valid`` [X]; an invalid column takes no part): NegCLIP's loss term (Yuksekgonul et al. 2023, §4)."""
+    logits = torch.cat([i2t, extra.masked_fill(~extra_valid.bool()[None, :], float("-inf"))], dim=1).float()
+    return F.cross_entropy(logits, local_rows(len(i2t), rank, world_size, i2t.device))
+
+
 def local_rows(n_local: int, rank: int, world_size: int, device) -> Tensor:
     """Indices of this rank's items inside the gathered batch."""
     return torch.arange(n_local, device=device) + n_local * rank

@@ -498,6 +498,14 @@ def _acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
     return not satisfies(scene, struct, lenient=True)
 
 
+def negative_candidates(scene: dict, struct: dict, neg_type: str,
+                        holdout: frozenset = frozenset()) -> list[tuple[dict, bool]]:
+    """Every candidate of ``neg_type`` for caption ``struct`` of ``scene``, each with whether it is acceptable
+    (false of the scene even under the lenient rules, no (colour, shape) named twice, no held-out combination in
+    the train split): what :func:`generate` draws one from. Text-only generators are checked against it."""
+    return [(c, _acceptable(scene, c, holdout)) for c in _MUTATORS[neg_type](struct)]
+
+
 def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset) -> list[dict]:
     out = []
     for neg_type in NEGATIVE_TYPES:

@@ -122,3 +122,19 @@ def test_gradient_checkpointing_changes_memory_not_gradients():
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_trimmed_text_tower_equals_the_full_one():
+    """encode_text(trim=True), the fast path the hard negatives take, against open_clip's own encode_text."""
+    import open_clip
+
+    from adapters.pretrain._towers import encode_text
+    from train.pretrain import create_model
+
+    model = create_model("plugvlm-tiny", False, 0)[0].eval()
+    ids = open_clip.get_tokenizer("plugvlm-tiny")(["a small red circle", "a blue square to the left of a green "
+                                                   "star and a large white hexagon", ""])
+    with torch.no_grad():
+        trimmed = encode_text(model, ids, trim=True).pooled
+        torch.testing.assert_close(trimmed, model.encode_text(ids), rtol=1e-5, atol=1e-6)
+        assert torch.equal(encode_text(model, ids).pooled, model.encode_text(ids))

@@ -77,6 +77,7 @@ from adapters.checkpoint import load_training_state, read_meta, save_adapter, sa
     save_training_state
 from adapters.registry import ADAPTERS
 from adapters.scoring import cat_reps
+from extract.hard_negatives import HardNegativeOptions, parse_types
 from extract.cli import JobFailed, Parser, check_options, from_namespace, option, progress, run_job, say
 from extract.cli import build_parser as build_cli
 from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_with_config, positive_float,
@@ -117,7 +118,7 @@ class _OptionalValue(argparse.Action):
 
 
 @dataclass
-class AdapterOptions(SourceOptions):
+class AdapterOptions(SourceOptions, HardNegativeOptions):
     """What ``python -m train.adapter`` does, as data: ``train(AdapterOptions(method="comalign", data="toy"))`` runs
     the same job as the command line with those flags, after the same checks (:func:`resolve`).
 
@@ -402,8 +403,13 @@ def resolve(opts: AdapterOptions) -> AdapterOptions:
     epochs = opts.epochs
     if epochs is None:
         epochs = TOY_EPOCHS if opts.data is None and opts.cache is None else EPOCHS
+    hard = ",".join(parse_types(opts.hard_negatives)) or "none"
+    if hard != "none" and opts.unfreeze:
+        raise ValueError("--hard-negatives with --unfreeze is not supported yet: train the head on cached features "
+                         "with --hard-negatives, or pre-train the backbone with them (python -m train.pretrain "
+                         "--hard-negatives all)")
     return dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components, backbone_lr=backbone_lr,
-                               epochs=epochs)
+                               epochs=epochs, hard_negatives=hard)
 
 
 def _check_unfreeze(opts: AdapterOptions, head_cls) -> None:
@@ -727,6 +733,7 @@ class TrainData:
     cache: object = None         # the training FeatureCache (cached path)
     live: object = None          # train.adapter_live.LiveData (--unfreeze)
     val: HeldOut | None = None   # held-out arrays; with --unfreeze re-encoded every epoch (None until needed)
+    negatives: object = None     # train.adapter_negatives.TrainNegatives (--hard-negatives)
 
 
 @dataclass
@@ -863,8 +870,30 @@ def _cached_data(opts: AdapterOptions, env: Env) -> TrainData:
         attach_toyworld_negatives(val, negatives_world, "val", extractor)
     description = {"fingerprint": cache.fingerprint, "settings": cache.settings, "args": extraction,
                    "path": str(cache.path)}
+    negatives = None
+    if opts.hard_negatives != "none":
+        negatives = _training_negatives(opts, env, cache, train_rows, extractor, world)
     return TrainData(train_rows, caption_image, description, cache.fingerprint, final_table_data(opts), cache=cache,
-                     val=val)
+                     val=val, negatives=negatives)
+
+
+def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.ndarray, extractor, world):
+    """--hard-negatives: every training caption's negatives, drawn from the training captions' vocabulary and encoded
+    once (``train.adapter_negatives``); on a toy world none names a held-out combination."""
+    from extract.source_args import source_options
+    from train.adapter_negatives import build_negatives, caption_texts
+
+    if opts.cache:
+        raise ValueError("--hard-negatives reads the training captions from --data; it does not work with --cache "
+                         "alone: pass --data (the cache is reused by fingerprint)")
+    options = {"image_root": opts.image_root} if opts.image_root and world is None else {}
+    texts = caption_texts(cache, opts.data, "train" if world else None, {**options, **source_options(opts)})
+    forbid = []
+    if world is not None:
+        holdout = json.loads((world / "meta.json").read_text()).get("holdout", [])
+        forbid = [tuple(c.split()) for c in holdout]
+    return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.text_arrays, seed=opts.seed,
+                           forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
 
 
 def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
@@ -977,6 +1006,11 @@ def train_epoch(run: Run, epoch: int) -> None:
         loader = iter(batch_loader(data.live.train, [mine(b) for b in batches[state.batch:]], env.backbone,
                                    _workers(opts)))
     keys = list(dict.fromkeys([*head_cls.image_keys, *head_cls.text_keys]))
+    trained = model.trained
+    if data.negatives is not None:
+        from train.adapter_negatives import NegativeLoss
+
+        trained = NegativeLoss(model.trained, opts.hard_negative_weight)
     model.trained.train()
     bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="step",
                    disable=not env.is_main)
@@ -987,7 +1021,9 @@ def train_epoch(run: Run, epoch: int) -> None:
         else:
             arrays = to_tensors(data.cache.batch(mine(batches[b]), keys), ctx.device)
             images, texts = {k: arrays[k] for k in head_cls.image_keys}, {k: arrays[k] for k in head_cls.text_keys}
-        out = compute_gradients(model.trained, images, texts, opts.accum_steps, ctx)
+            if data.negatives is not None:
+                texts.update(to_tensors(data.negatives.batch(mine(batches[b]), head_cls.text_keys), ctx.device))
+        out = compute_gradients(trained, images, texts, opts.accum_steps, ctx)
         lr = model.optimizer.param_groups[0]["lr"]
         lrs = {"lr_backbone": model.optimizer.param_groups[-1]["lr"]} if data.live is not None else {}
         reason = optimizer_step(model.trained, model.optimizer, out, opts, ctx)

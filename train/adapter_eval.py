@@ -87,7 +87,7 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
     ordered = list(texts)
     parts = [extractor.text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     heldout.negatives = items
-    heldout.text_arrays = _concat_padded(parts) if parts else None
+    heldout.text_arrays = concat_padded(parts) if parts else None
     heldout.truth = _toyworld_truth(heldout, world, split)
     return len(items)
 
@@ -108,7 +108,7 @@ def _toyworld_truth(heldout: HeldOut, world, split: str):
         return None
 
 
-def _concat_padded(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def concat_padded(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate per-batch arrays whose trailing dims may differ (token lengths), zero-padding as the cache."""
     from extract.pipeline import _concat
 

@@ -278,7 +278,7 @@ def live_arrays(pairs: Pairs, extractor, batch_size: int, workers: int, report: 
     """The cache's arrays for every image and caption of ``pairs``, computed now by ``extractor`` (its backbone
     in eval mode; its train mode is restored). Undecodable images are left out with their captions."""
     from extract.cli import progress
-    from train.adapter_eval import _concat_padded
+    from train.adapter_eval import concat_padded
 
     backbone = extractor.backbone
     was = backbone.training
@@ -300,7 +300,7 @@ def live_arrays(pairs: Pairs, extractor, batch_size: int, workers: int, report: 
         if not ids:
             raise ValueError(f"{pairs.name}: no held-out image could be decoded")
         text_parts = [extractor.text_arrays(texts[a:a + batch_size]) for a in range(0, len(texts), batch_size)]
-        images, captions = _concat_padded(image_parts), _concat_padded(text_parts)
+        images, captions = concat_padded(image_parts), concat_padded(text_parts)
         return ArrayCache({k: v for k, v in images.items() if is_image_key(k)},
                           {k: v for k, v in captions.items() if not is_image_key(k)}, np.asarray(caption_image), ids)
     finally:

@@ -63,6 +63,7 @@ from extract.cli import JobFailed, Parser, check_options, from_namespace, option
 from extract.cli import build_parser as build_cli  # noqa: E402
 from extract.config import (_config_value, fraction, nonnegative_float, nonnegative_int,  # noqa: E402
                             parse_with_config, positive_float, positive_int, save_config)
+from extract.hard_negatives import HardNegativeOptions, parse_types  # noqa: E402
 from extract.source_args import SourceOptions, source_options  # noqa: E402
 from extract.tensorfile import first_nonfinite  # noqa: E402
 from train import pretrain_checkpoint as ckpt  # noqa: E402
@@ -86,7 +87,7 @@ class TrainingAborted(JobFailed):
 
 # --------------------------------------------------------------------------------------------- options
 @dataclass
-class PretrainOptions(SourceOptions):
+class PretrainOptions(SourceOptions, HardNegativeOptions):
     """What ``python -m train.pretrain`` does, as data: ``pretrain(PretrainOptions(method="clip", data="toy"))``
     runs what the command line with those flags runs, through the same checks.
 
@@ -150,6 +151,10 @@ class PretrainOptions(SourceOptions):
                        help="seeds weights, data order and augmentation")
     max_bad_steps: int = option(5, type=positive_int, group="optimisation",
                                 help="non-finite loss/gradient steps in a row before the run stops")
+    hard_negative_vocab: str | None = option(None, group="hard negatives",
+                                             help="captions (CSV with a title column, or text, one a line) whose "
+                                                  "words replacements draw from (default: the training captions; "
+                                                  "needed for webdataset shards)")
     out: str | None = option(None, group="output",
                              help="run folder: checkpoints, logs, final model (default: runs/pretrain-MODEL-METHOD)")
     save_every_n_steps: int = option(1000, type=nonnegative_int, group="output", help="step checkpoints (0: off)")
@@ -195,6 +200,7 @@ class PretrainOptions(SourceOptions):
             raise ValueError(f"--debug-nan-steps: expected comma-separated step numbers, got "
                              f"{self.debug_nan_steps!r}") from None
         self.method_options = {str(k).replace("-", "_"): v for k, v in dict(self.method_options or {}).items()}
+        self.hard_negatives = ",".join(parse_types(self.hard_negatives)) or "none"
 
 
 def method_flags() -> dict[str, tuple[argparse.ArgumentParser, dict[str, argparse.Action]]]:
@@ -628,6 +634,49 @@ def _describe(opts: PretrainOptions, arch: str, objective, data, step: int, epoc
                      "plugvlm": f"extract.backbone.load_backbone({arch!r}, PATH)"}}
 
 
+VOCAB_CAPTIONS = 20000  # the hard negatives' vocabulary: at most this many training captions, evenly spaced
+
+
+def with_hard_negatives(objective, opts: PretrainOptions):
+    """``objective`` with NegCLIP's hard-negative columns (:mod:`adapters.pretrain._hard_negatives`); its
+    vocabulary is filled by :func:`fill_vocabulary` once the training data is open. On a toy world, no negative
+    names one of its held-out (colour, shape) combinations."""
+    from adapters.pretrain._hard_negatives import WithHardNegatives
+    from extract.hard_negatives import HardNegatives, Vocabulary
+
+    forbid = ()
+    if opts.data and _is_toyworld(opts.data):
+        holdout = json.loads((Path(opts.data) / "meta.json").read_text()).get("holdout", [])
+        forbid = [tuple(c.split()) for c in holdout]
+    generator = HardNegatives(Vocabulary(), parse_types(opts.hard_negatives), frozenset(forbid))
+    return WithHardNegatives(objective, generator, opts.hard_negative_weight, opts.seed)
+
+
+def fill_vocabulary(generator, opts: PretrainOptions, data) -> str:
+    """Build the hard negatives' vocabulary from ``--hard-negative-vocab`` or the training captions (at most
+    VOCAB_CAPTIONS, evenly spaced; words seen twice when there are more than 5,000). Returns a line for the log."""
+    import numpy as np
+
+    from extract.hard_negatives import Vocabulary
+    from extract.text_components import read_captions
+
+    if opts.hard_negative_vocab:
+        captions, where = read_captions(opts.hard_negative_vocab), opts.hard_negative_vocab
+    else:
+        records = getattr(data.loader.dataset, "records", None)
+        if records is None:
+            raise ValueError("--hard-negatives on webdataset shards needs --hard-negative-vocab CAPTIONS (a file of "
+                             "training captions the replacements draw from)")
+        captions, where = [c.text for r in records for c in r.captions], "the training captions"
+    if not captions:
+        raise ValueError(f"--hard-negatives: no captions in {where}")
+    picked = [captions[i] for i in np.linspace(0, len(captions) - 1, min(len(captions), VOCAB_CAPTIONS)).astype(int)]
+    generator.vocab = Vocabulary.build(generator.structures(picked), min_count=2 if len(picked) > 5000 else 1)
+    v = generator.vocab
+    return (f"hard negatives: vocabulary of {len(picked)} captions from {where}: {len(v.nouns)} nouns, "
+            + ", ".join(f"{len(w)} {c}" for c, w in sorted(v.attributes.items())) + f", {len(v.predicates)} predicates")
+
+
 class PretrainRun:
     """One pre-training run, in the order :func:`pretrain` calls its steps: ``__init__`` (model, objective,
     :meth:`open_data`, optimizer), :meth:`resume`, :meth:`start`, then per epoch :meth:`train_epoch` (each step:
@@ -654,7 +703,11 @@ class PretrainRun:
                      "augmentation")
         plain = fixed or opts.augment == "none"
         self.resume_path = ckpt.find_resume(self.out, opts.resume) if opts.resume else None
+        if opts.hard_negatives != "none":
+            self.objective = with_hard_negatives(self.objective, opts)
         self.data = self.open_data(tokenizer, SeededTransform(eval_tf if plain else train_tf, random=not plain))
+        if opts.hard_negatives != "none":  # before the first batch: the loader's workers start with it
+            self.say(fill_vocabulary(self.objective.generator, opts, self.data))
         self.objective.setup(model, {"source": opts.data, "data": opts.data, "model": opts.model,
                                      "image_ids": self.data.image_ids, "grid": tuple(model.visual.grid_size)})
         self.evaluates = bool(dist.is_main and opts.eval_every_n_epochs and opts.val_data)

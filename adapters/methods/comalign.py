@@ -277,6 +277,9 @@ class ComAlign(AdapterHead):
         """Direction-free score: the mean of eq. 10 and eq. 11 (used where no direction applies, e.g. zero-shot)."""
         return 0.5 * (self.score_directed(image_reps, text_reps, "t2i") + self.score_directed(image_reps, text_reps, "i2t"))
 
+    def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        return self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp() * self.score(image_reps, text_reps)
+
     # -- training --------------------------------------------------------------------------------------
     def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """Eq. 6-9 on the global batch. Each rank scores its own images against every text and its own texts

@@ -360,6 +360,9 @@ class PowerCLIPHead(AdapterHead):
             out = out + beta * self.nla_scores(image_reps, text_reps).to(out.dtype)
         return out
 
+    def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        return self.logit_scale() * self.score(image_reps, text_reps)
+
     # -- objective ---------------------------------------------------------------------------------------
     def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """CLIP + lam x bidirectional triplet on S (eq. 16), over the global batch (gathered inside

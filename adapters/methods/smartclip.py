@@ -205,6 +205,9 @@ class SmartCLIPHead(AdapterHead):
         """Exact [I, T] masked cosines cos(z_I^(i) * m_j, z_T^(j)) (eq. 5-7's sim)."""
         return masked_cosine(image_reps["embed"], text_reps["embed"], text_reps["mask"], self.config.eps)
 
+    def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        return self.config.logit_scale * self.score(image_reps, text_reps)
+
     def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
         """[I, D] vectors to index for inner-product search (unit z_I), either direction."""
         return image_reps["embed"]

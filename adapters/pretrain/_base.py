@@ -15,6 +15,9 @@ The engine (``train.pretrain``) knows nothing about a method beyond this class:
    engine's DDP wrapper, so gradients are all-reduced.
 5. ``loss(features, ctx)``: the objective on the local features, on one rank or many (features are gathered
    inside, with gradients). Returns ``{"loss": scalar, <part>: detached scalar, ...}``.
+6. ``text_side(model, text)`` / ``image_text_logits(features, texts)``: the text features of extra texts and the
+   image->text logits against them (defaults: the global embeddings; FILIP overrides both). Hard negatives
+   (``--hard-negatives``) use these, so they work with every objective.
 
 Splitting 4 and 5 is what makes gradient accumulation exact for contrastive losses (open_clip's
 ``accum_freq``): the engine caches every micro-batch's features without gradients, then recomputes one
@@ -131,6 +134,19 @@ class PretrainObjective:
 
     def loss(self, features: Features, ctx: StepContext) -> dict[str, Tensor]:
         raise NotImplementedError
+
+    # -- extra texts (hard negatives, :mod:`adapters.pretrain._hard_negatives`) ---------------------------
+    def text_side(self, model: nn.Module, text: Tensor) -> Features:
+        """The text features of token ids ``text`` [T, L] under the names :meth:`features` gives them, each with
+        T first. Default: the normalised global embedding, ``text_features``."""
+        from adapters.pretrain._towers import encode_text, normalize
+
+        return {"text_features": normalize(encode_text(model, text, trim=True).pooled)}
+
+    def image_text_logits(self, features: Features, texts: Features) -> Tensor:
+        """Logits [b, T] of this local batch's images against ``texts`` (:meth:`text_side`'s layout, T first):
+        the image->text scores the objective's own loss uses. Default: scaled cosine of global embeddings."""
+        return features["logit_scale"] * features["image_features"] @ texts["text_features"].T
 
 
 def split_features(features: Features) -> tuple[Features, Features]:

@@ -110,13 +110,21 @@ class TextOut:
     tokens: Tensor | None = None
 
 
-def encode_text(model: nn.Module, ids: Tensor, *, tokens: bool = False) -> TextOut:
-    """open_clip's ``CLIP.encode_text``, optionally also returning every token's joint-space embedding."""
+def encode_text(model: nn.Module, ids: Tensor, *, tokens: bool = False, trim: bool = False) -> TextOut:
+    """open_clip's ``CLIP.encode_text``, optionally also returning every token's joint-space embedding.
+
+    ``trim`` (pooled output only): run the tower on the columns up to the batch's longest end-of-text alone. The
+    mask is causal and pooling takes the end-of-text token, so the padding after it never reaches the result: the
+    same embedding up to float rounding, at the cost of the real tokens (a toy caption is ~15 of 77)."""
     from open_clip.transformer import text_global_pool
 
     cast_dtype = model.transformer.get_cast_dtype()
-    x = model.token_embedding(ids).to(cast_dtype) + model.positional_embedding.to(cast_dtype)
-    x = model.transformer(x, attn_mask=model.attn_mask)
+    pos, mask = model.positional_embedding, model.attn_mask
+    if trim and not tokens and model.text_pool_type == "argmax" and mask is not None and len(ids):
+        length = int(ids.argmax(dim=-1).max()) + 1
+        ids, pos, mask = ids[:, :length], pos[:length], mask[:length, :length]
+    x = model.token_embedding(ids).to(cast_dtype) + pos.to(cast_dtype)
+    x = model.transformer(x, attn_mask=mask)
     x = model.ln_final(x)
     pooled = text_global_pool(x, ids, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
     proj = model.text_projection

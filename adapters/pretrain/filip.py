@@ -162,6 +162,16 @@ class FILIPObjective(CLIPObjective):
                           gather_with_grad=ctx.gather_with_grad, chunk=self.chunk)
         return {"loss": loss, "filip": loss.detach()}
 
+    def text_side(self, model: nn.Module, text: Tensor) -> Features:
+        return {"text_tokens": normalize(encode_text(model, text, tokens=True).tokens),
+                "text_mask": token_mask(text, include_sot=False)}
+
+    def image_text_logits(self, features: Features, texts: Features) -> Tensor:
+        """s^I (FILIP eq. 2), the image->text direction of its loss, scaled."""
+        s_i, _ = filip_similarities(features["patch_tokens"], None, texts["text_tokens"], texts["text_mask"],
+                                    chunk=self.chunk)
+        return features["logit_scale"] * s_i
+
     @staticmethod
     def scorer(backbone, name: str | None = None) -> "FILIPScorer":
         """How a FILIP-trained checkpoint is evaluated (see :class:`FILIPScorer`)."""

@@ -304,6 +304,26 @@ def test_toyworld_matches_negatives_json(world):
     assert len(read_toyworld(world, "train").items) > len(bench.items)
 
 
+def test_toyworld_items_naming_a_heldout_combination_get_their_own_rows(tmp_path):
+    """Composition, not memory: a caption naming a combination held out of training counts in "held-out <type>"
+    rows too (and in train.evaluate's table), never in the train split's."""
+    from adapters.scoring import load_scorer
+    from train.evaluate import run_compositional
+
+    toyworld.generate(tmp_path / "w", n=80, seed=1, holdout="red circle,blue square", workers=1)
+    bench = read_toyworld(tmp_path / "w", split="test")
+    tagged = [i for i in bench.items if i.tags]
+    assert tagged and len(tagged) < len(bench.items)
+    for item in bench.items:
+        names = "red circle" in item.texts[0] or "blue square" in item.texts[0]
+        assert (item.tags == (f"held-out {item.subtype}", "held-out all")) == names
+    assert not any(i.tags for i in read_toyworld(tmp_path / "w", split="train").items)
+    table = run_compositional(load_scorer("tiny", "none"), bench, batch_size=64)["per_type"]
+    assert table["held-out all"]["n"] == len(tagged)
+    assert sum(table[f"held-out {t}"]["n"] for t in {i.subtype for i in tagged}) == len(tagged)
+    assert table["all"]["n"] == len(bench.items)
+
+
 def test_toyworld_missing_image_and_bad_negatives(world, tmp_path):
     copy = tmp_path / "world"
     copy.mkdir()

@@ -33,14 +33,14 @@ from extract.cli import warn_once
 @dataclass
 class HeldOut:
     """A held-out split inside a cache: its images (global rows), its captions (rows) and, optionally, hard
-    negatives ``(image position, positive text, negative text, type)`` over ``texts`` whose arrays are in
-    ``text_arrays``."""
+    negatives ``(image position, positive text, negative text, type, tags)`` over ``texts`` whose arrays are in
+    ``text_arrays`` (tags: further rows the item counts in, ``train.benchmarks.Item.tags``)."""
 
     cache: FeatureCache
     image_rows: np.ndarray
     caption_rows: np.ndarray
     name: str = "val"
-    negatives: list[tuple[int, int, int, str]] = field(default_factory=list)
+    negatives: list[tuple[int, int, int, str, tuple]] = field(default_factory=list)
     text_arrays: dict[str, np.ndarray] | None = None
     truth: object = None  # train.multipositive.ToyTruth of these images and captions (multi-positive retrieval)
 
@@ -83,7 +83,7 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
         if image_id not in position:
             continue
         pos, neg = (texts.setdefault(t, len(texts)) for t in item.texts)
-        items.append((position[image_id], pos, neg, item.subtype))
+        items.append((position[image_id], pos, neg, item.subtype, item.tags))
     ordered = list(texts)
     parts = [extractor.text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     heldout.negatives = items
@@ -184,10 +184,10 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
                 img, txt = take_reps(image_reps, [image_pos]), take_reps(neg_reps, cols)
                 s = head.score_directed(img, txt, "i2t") if head.directional else head.score(img, txt)
                 n_bad, n_scores = n_bad + rank_safe(s)[1], n_scores + s.numel()
-                for _, pos, neg, subtype in items:
+                for _, pos, neg, subtype, tags in items:
                     ok = item_correct("text", s[:, [col[pos], col[neg]]])["acc"]
-                    per_type[subtype].append(ok)
-                    per_type["all"].append(ok)
+                    for group in (subtype, *tags, "all"):
+                        per_type[group].append(ok)
             table = {sub: {"acc": 100 * float(np.mean(v)), "n": len(v)}
                      for sub, v in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
             out["compositional"] = {"toyworld": {"kind": "text", "per_type": table, "excluded": 0,

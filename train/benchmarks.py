@@ -98,6 +98,7 @@ class Item:
     texts: tuple[str, ...]
     subtype: str                     # e.g. "replace_att", "VG-Relation:on", "swap_obj", a Winoground tag
     crop: tuple[float, float, float, float] | None = None  # (x, y, w, h) px, cropped before scoring (ARO)
+    tags: tuple[str, ...] = ()       # further rows the item counts in (toy world: "held-out swap-att", ...)
 
 
 @dataclass
@@ -422,12 +423,21 @@ def read_svo_probes(path: str | os.PathLike, image_root: str | os.PathLike | Non
 
 
 # --------------------------------------------------------------------------------------------- toy world
+def _names_any(caption: str, combinations: list[str]) -> bool:
+    """Whether ``caption`` names one of the "colour shape" combinations (toy captions put size before colour)."""
+    words = caption.lower().replace(",", " ").replace(";", " ").replace(".", " ").split()
+    pairs = {f"{a} {b}" for a, b in zip(words, words[1:])}
+    return any(c in pairs for c in combinations)
+
+
 def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
                   image_root: str | os.PathLike | None = None) -> Benchmark:
     """The toy world's hard negatives of one split (``negatives.json`` + ``{split}_coco.json``).
 
     One "text" item per (caption, hard negative) pair: ``texts = (positive, negative text)``, ``subtype``
-    = the negative's type (``replace-att``, ``swap-obj`` ...), ``item_id = "<caption_id>/<type>"``, image
+    = the negative's type (``replace-att``, ``swap-obj`` ...), ``item_id = "<caption_id>/<type>"``; an item whose
+    positive names a combination the world held out of training (``meta.json``'s ``holdout``) is also tagged
+    ``held-out <type>`` and ``held-out all`` (composition, not memory: its own rows in every table); image
     = the COCO file's ``file_name`` under ``image_root`` (default ``world_dir``). One pair per item keeps
     the per-type accuracy a two-way choice like SugarCrepe's. An image id of the split that the COCO
     file does not list is a format error.
@@ -443,6 +453,8 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
         where = f"images entry {index}"
         entry = _object(coco_file, where, raw)
         files[_identifier(coco_file, where, entry, "id")] = _text(coco_file, where, entry, "file_name")
+    meta_file = world / "meta.json"
+    heldout = _load_json(meta_file).get("holdout", []) if meta_file.is_file() else []
     neg_file = world / "negatives.json"
     data = _load_json(neg_file)
     if not isinstance(data, dict) or not isinstance(data.get("items"), list):
@@ -466,7 +478,8 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
             neg_where = f"{where}, negative {k}"
             neg = _object(neg_file, neg_where, raw_neg)
             neg_type, text = _text(neg_file, neg_where, neg, "type"), _text(neg_file, neg_where, neg, "text")
-            pending.append(_Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type),
+            tags = (f"held-out {neg_type}", "held-out all") if _names_any(positive, heldout) else ()
+            pending.append(_Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type, tags=tags),
                                     f"{neg_file}: {neg_where}"))
     return _finish("toyworld", "text", pending)
 

@@ -579,22 +579,23 @@ def run_compositional(scorer, bench, batch_size: int, per_query: PerQuery | None
         ok_by = item_correct(bench.kind, *matrices)
         n_bad += sum(rank_safe(m)[1] for m in matrices)  # item_correct ranks them last; counted for the report
         n_scores += sum(m.numel() for m in matrices)
+        groups = (item.subtype, *item.tags)
         for metric, ok in ok_by.items():
-            per_type[item.subtype][metric].append(ok)
-            per_type["all"][metric].append(ok)
-        scored.append(((item.images, item.crop), item.subtype, ok_by))
+            for group in (*groups, "all"):
+                per_type[group][metric].append(ok)
+        scored.append(((item.images, item.crop), groups, ok_by))
     table = {sub: {m: 100 * float(np.mean(v)) for m, v in ms.items()} | {"n": len(next(iter(ms.values())))}
              for sub, ms in sorted(per_type.items(), key=lambda kv: (kv[0] != "all", kv[0]))}
     if per_query is not None and scored:
         family = f"compositional {bench.name}"
         per_query.add_family(family, [unit for unit, _, _ in scored])
-        subtypes = np.array([sub for _, sub, _ in scored])
         for metric in scored[0][2]:
             ok = np.array([float(c[metric]) for _, _, c in scored])
             suffix = "" if metric == "acc" else f" {metric}"
             for sub in table:
+                member = np.array([sub in groups for _, groups, _ in scored])
                 per_query.add(f"{bench.name} {sub}{suffix}", family, ok if sub == "all" else
-                              np.where(subtypes == sub, ok, np.nan))
+                              np.where(member, ok, np.nan))
     return {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
             "excluded_items": bench.skipped[:50], "nonfinite_scores": n_bad, "n_scores": n_scores}
 

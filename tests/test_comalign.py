@@ -188,3 +188,43 @@ def test_positional_code_is_vaswanis():
     assert pe[3, 0].item() == pytest.approx(math.sin(3))
     assert pe[3, 1].item() == pytest.approx(math.cos(3))
     assert pe[2, 2].item() == pytest.approx(math.sin(2 / 10000 ** (2 / 8)))
+
+
+def test_relation_geometry_is_canonical_and_starts_as_the_papers_form():
+    from adapters.methods.comalign import RelationGeometry, pair_geometry
+
+    boxes = torch.tensor([[[40.0, 10, 60, 30], [0, 10, 20, 30], [10, 40, 30, 60]]])  # 0 right of 1; 2 below
+    feats, first, second = pair_geometry(boxes, torch.tensor([[[0, 1], [1, 0], [1, 2]]]))
+    # (0, 1) and (1, 0) are one pair: listed in either order, the same left-to-right features
+    assert torch.equal(feats[0, 0], feats[0, 1]) and first[0, :2].tolist() == [1, 1] and second[0, :2].tolist() == [0, 0]
+    assert feats[0, 0, 8].item() > 0.5 and abs(feats[0, 0, 9].item()) < 1e-6  # second is to the right, same height
+    assert feats[0, 2, 9].item() > 0  # 2 is below 1 (y down)
+    # a scaled image gives the same features (union-box frame)
+    assert torch.allclose(pair_geometry(boxes * 3, torch.tensor([[[0, 1]]]))[0][0, 0], feats[0, 0])
+    geo = RelationGeometry(8)
+    rel, ent = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    out = geo(rel, ent, boxes, torch.tensor([[[0, 1], [1, 0], [1, 2]]]))
+    torch.testing.assert_close(out, torch.nn.functional.normalize(rel, dim=-1))  # zero-initialised: identity
+    for p in geo.parameters():
+        torch.nn.init.normal_(p)
+    out = geo(rel, ent, boxes, torch.tensor([[[0, 1], [1, 0], [1, 2]]]))
+    # trained, it tells "1 left of 0" apart from "1 left of 2" even with equal union crops
+    assert not torch.allclose(out[0, 0] - torch.nn.functional.normalize(rel[0, 0], dim=0),
+                              out[0, 2] - torch.nn.functional.normalize(rel[0, 2], dim=0))
+
+
+def test_comalign_with_relation_geometry_trains_a_step():
+    head = ADAPTERS.get("comalign").from_config({"heads": 4, "relation_geometry": True}, 32)
+    g = torch.Generator().manual_seed(0)
+    n = 6
+    boxes = torch.rand(n, 3, 2, generator=g) * 40
+    img = {"image_embed": torch.randn(n, 32, generator=g), "ventity_embed": torch.randn(n, 3, 32, generator=g),
+           "ventity_valid": torch.ones(n, 3, dtype=torch.bool), "vrelation_embed": torch.randn(n, 2, 32, generator=g),
+           "vrelation_valid": torch.ones(n, 2, dtype=torch.bool),
+           "ventity_boxes": torch.cat([boxes, boxes + 10], -1), "vrelation_pairs": torch.tensor([[0, 1], [1, 2]]).expand(n, 2, 2)}
+    txt = {"text_embed": torch.randn(n, 32, generator=g), "entity_embed": torch.randn(n, 3, 32, generator=g),
+           "entity_valid": torch.ones(n, 3, dtype=torch.bool), "relation_embed": torch.randn(n, 2, 32, generator=g),
+           "relation_valid": torch.ones(n, 2, dtype=torch.bool)}
+    out = head.loss(head.encode_image(img), head.encode_text(txt))
+    out["loss"].backward()
+    assert head.relation_geometry.geometry[-1].weight.grad.abs().sum() > 0

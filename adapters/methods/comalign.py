@@ -33,6 +33,11 @@ scores (§III-D: a caption does not describe everything in its image). The weigh
 validation split by :meth:`ComAlign.fit_inference` (the paper tunes them on held-out data, Appendix A) and
 saved with the checkpoint.
 
+``relation_geometry`` (ours, off by default): the paper's relation components are union-box crops embedded by the
+frozen backbone, which carry no left/right (a CLIP embedding of the union crop is the same for "A left of B" and
+"B left of A" up to what the backbone sees); this option adds the pair's box geometry and its entities in a
+canonical left-to-right order (:class:`RelationGeometry`), zero-initialised.
+
 ``train`` (the paper's ablations, §IV-E trains "only the image transformer"): ``image`` / ``text`` builds and
 trains only that side's encoder; the other side passes its frozen components through unchanged.
 """
@@ -72,6 +77,9 @@ class ComAlignConfig:
                                                                 "and inference, Table III)"})
     relation_weight: float = field(default=1.0, metadata={"help": "relation term of the loss"})
     global_weight: float = field(default=1.0, metadata={"help": "global (coarse-grained) term of the loss"})
+    relation_geometry: bool = field(default=False, metadata={
+        "help": "give each image relation component the pair's box geometry and the ordered identities of its two "
+                "entities (learned, zero-initialised; off: the paper's union-crop embedding alone)"})
     logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
     learn_logit_scale: bool = field(default=True, metadata={"help": "learn the scale (clamped at 100, as CLIP)"})
 
@@ -142,6 +150,57 @@ class ComponentEncoder(nn.Module):
         return F.normalize(x + y if self.residual else y, dim=-1)
 
 
+GEOMETRY_FEATURES = 11
+
+
+def pair_geometry(boxes: Tensor, pairs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The relation components' geometry, in a canonical order (``relation_geometry``).
+
+    boxes [B, E, 4] entity boxes (xyxy px), pairs [B, R, 2] entity indices of each relation slot -> (features
+    [B, R, 11], first [B, R], second [B, R]): the two entities ordered left to right by box centre (top to bottom
+    on a tie), then each box in the coordinates of the pair's union box (x0, y0, x1, y1 in [0, 1]), the centre
+    offset second - first in union units (dx, dy) and log(area first / area second). The order makes "the red
+    circle left of the blue square" one image component whatever order detection listed the boxes in; the union
+    frame makes the features independent of the image's size."""
+    idx = pairs.long().clamp_min(0)
+    a = torch.gather(boxes, 1, idx[..., :1].expand(-1, -1, 4))
+    b = torch.gather(boxes, 1, idx[..., 1:].expand(-1, -1, 4))
+    ca, cb = (a[..., :2] + a[..., 2:]) / 2, (b[..., :2] + b[..., 2:]) / 2
+    swap = (cb[..., 0] < ca[..., 0]) | ((cb[..., 0] == ca[..., 0]) & (cb[..., 1] < ca[..., 1]))
+    first = torch.where(swap, idx[..., 1], idx[..., 0])
+    second = torch.where(swap, idx[..., 0], idx[..., 1])
+    a, b = torch.where(swap[..., None], b, a), torch.where(swap[..., None], a, b)
+    lo, hi = torch.minimum(a[..., :2], b[..., :2]), torch.maximum(a[..., 2:], b[..., 2:])
+    size = (hi - lo).clamp_min(1e-6)
+    rel = lambda box: torch.cat([(box[..., :2] - lo) / size, (box[..., 2:] - lo) / size], -1)  # noqa: E731
+    area = lambda box: ((box[..., 2:] - box[..., :2]).clamp_min(1e-6)).prod(-1)  # noqa: E731
+    offset = ((b[..., :2] + b[..., 2:]) - (a[..., :2] + a[..., 2:])) / 2 / size
+    feats = torch.cat([rel(a), rel(b), offset, torch.log(area(a) / area(b))[..., None]], -1)
+    return feats, first, second
+
+
+class RelationGeometry(nn.Module):
+    """Adds to each image relation component a learned embedding of its geometry and of its ordered entities'
+    crops: ``rel + G(features) + W_1 e_first + W_2 e_second`` (:func:`pair_geometry`). Without the ordered
+    identities the geometry could say "one box is left of the other" but not which; every projection starts at
+    zero, so an untrained head is the paper's form."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.geometry = nn.Sequential(nn.Linear(GEOMETRY_FEATURES, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.first, self.second = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        for layer in (self.geometry[-1], self.first, self.second):
+            nn.init.zeros_(layer.weight)
+        nn.init.zeros_(self.geometry[-1].bias)
+
+    def forward(self, rel: Tensor, entities: Tensor, boxes: Tensor, pairs: Tensor) -> Tensor:
+        feats, first, second = pair_geometry(boxes.float(), pairs)
+        ent = F.normalize(entities.float(), dim=-1)
+        pick = lambda k: torch.gather(ent, 1, k[..., None].expand(-1, -1, ent.shape[-1]))  # noqa: E731
+        return F.normalize(rel.float(), dim=-1) + self.geometry(feats) + self.first(pick(first)) + \
+            self.second(pick(second))
+
+
 def fgm_pair(x: Tensor, x_valid: Tensor, y: Tensor, y_valid: Tensor) -> tuple[Tensor, Tensor]:
     """Fine-grained matching both ways between every x-set and every y-set (eq. 2-4).
 
@@ -173,7 +232,8 @@ class ComAlign(AdapterHead):
     Config = ComAlignConfig
     components = ("entities", "relations")
     extract_options: dict = {}
-    image_keys = ("image_embed", "ventity_embed", "ventity_valid", "vrelation_embed", "vrelation_valid")
+    image_keys = ("image_embed", "ventity_embed", "ventity_valid", "vrelation_embed", "vrelation_valid",
+                  "ventity_boxes", "vrelation_pairs")
     text_keys = ("text_embed", "entity_embed", "entity_valid", "relation_embed", "relation_valid")
     directional = True
 
@@ -183,6 +243,7 @@ class ComAlign(AdapterHead):
         self.text_encoder = ComponentEncoder(embed_dim, config) if config.train in ("text", "both") else None
         self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)),
                                         requires_grad=config.learn_logit_scale)
+        self.relation_geometry = RelationGeometry(embed_dim) if config.relation_geometry else None
         # Fusion weights (eq. 10-11): a term left out of the loss is left out of inference too (Table III).
         enabled = self.enabled_terms()
         self.register_buffer("fusion_t2i", torch.tensor([float(enabled[k]) for k in T2I_WEIGHTS]))
@@ -211,8 +272,11 @@ class ComAlign(AdapterHead):
                 "relation_valid": valid[:, e:e + r], "global": y[:, -1], "base": glob}
 
     def encode_image(self, batch: dict[str, Tensor]) -> Reps:
+        rel = batch["vrelation_embed"]
+        if self.relation_geometry is not None:
+            rel = self.relation_geometry(rel, batch["ventity_embed"], batch["ventity_boxes"], batch["vrelation_pairs"])
         return self._encode(self.image_encoder, batch["image_embed"], batch["ventity_embed"], batch["ventity_valid"],
-                            batch["vrelation_embed"], batch["vrelation_valid"])
+                            rel, batch["vrelation_valid"])
 
     def encode_text(self, batch: dict[str, Tensor]) -> Reps:
         return self._encode(self.text_encoder, batch["text_embed"], batch["entity_embed"], batch["entity_valid"],

@@ -1,0 +1,45 @@
+"""train/shape_probe.py: linear probes of shape and colour from a frozen base, and the text tower's shape collapse."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extract import toyworld
+from train.shape_probe import main, text_collapse
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("probe") / "world"
+    toyworld.generate(out, 400, seed=2, workers=1)
+    return out
+
+
+def test_probe_prints_a_row_per_weights(world, tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert main(["--data", str(world), "--pretrained", "none", "--n-train", "60", "--n-test", "30",
+                 "--json-out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| none |" in printed and "image probe: shape %" in printed
+    row = json.loads(out.read_text())["none"]
+    # random features already separate colours (pixels' mean colour survives); the numbers are percentages
+    assert 0 <= row["image probe: shape %"] <= 100 and row["image probe: colour %"] > 30
+    assert -1 <= row["text cosine, colour differs"] <= 1 and -1 <= row["text cosine, shape differs"] <= 1
+
+
+def test_collapsed_words_read_as_cosine_one():
+    import torch
+
+    class Same:  # a text tower that ignores every word
+        def encode_texts(self, texts):
+            return type("T", (), {"embedding": torch.ones(len(texts), 4)})()
+
+    assert text_collapse(Same()) == {"text cosine, shape differs": pytest.approx(1.0),
+                                     "text cosine, colour differs": pytest.approx(1.0)}
+
+
+def test_a_world_without_enough_single_object_scenes_is_refused(tmp_path, capsys):
+    toyworld.generate(tmp_path / "w", 12, seed=0, workers=1)
+    assert main(["--data", str(tmp_path / "w")]) == 2
+    assert "generate a larger toy world" in capsys.readouterr().err

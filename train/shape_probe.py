@@ -1,0 +1,144 @@
+"""``python -m train.shape_probe``: does a backbone see shapes? Linear probes of its frozen features on the toy world.
+
+    python -m train.shape_probe --data runs/demo/toyworld --pretrained runs/demo/base/model.safetensors
+    python -m train.shape_probe --data WORLD --pretrained A.safetensors --pretrained B.safetensors   # side by side
+
+Every binding result on the toy world is capped by what the frozen base encodes: a base that cannot tell a circle
+from a square cannot tell "a red circle left of a blue square" from "a red square left of a blue circle", whatever
+head sits on top. This measures the two halves of that separately, for each ``--pretrained`` (``none``: random
+initialisation, the floor):
+
+- image side: a logistic-regression probe of the object's shape, and of its colour, from the frozen global image
+  embedding of single-object scenes (fit on up to ``--n-train`` train-split scenes, scored on up to ``--n-test``
+  val/test scenes; chance is 1/6 for shape, 1/8 for colour);
+- text side: the mean cosine between the text embeddings of captions that differ in the shape word only ("a small
+  red circle" / "a small red square") and in the colour word only. A text tower whose shape-only cosine nears 1
+  has collapsed the shape words: hard negatives that replace a shape then look like their positive, and no
+  gradient asks the image tower for shape (the saddle a contrastive base can sit on; see the README's "Hard
+  negatives").
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from extract.cli import Parser, option, parse_options, progress, run_job
+from extract.cli import build_parser as build_cli
+from extract.config import positive_int
+
+PROG = "python -m train.shape_probe"
+
+
+@dataclass
+class ShapeProbeOptions:
+    data: str = option("runs/toy", help="toy-world folder (its single-object scenes are probed)")
+    base: str = option("tiny", help="backbone alias or open_clip model name")
+    pretrained: list = option(default_factory=list, action="append", metavar="WEIGHTS",
+                              help="weights to probe (repeatable; 'none': random initialisation; default: none)")
+    n_train: int = option(3000, type=positive_int, help="single-object train-split scenes the probes are fit on")
+    n_test: int = option(1000, type=positive_int, help="single-object val/test scenes the probes are scored on")
+    device: str = option("cpu", help="torch device")
+    json_out: str | None = option(None, help="also write the figures to this JSON file")
+
+
+def single_object_scenes(world: Path, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if len(s["objects"]) == 1]
+    train = [s for s in scenes if s["split"] == "train"][:n_train]
+    test = [s for s in scenes if s["split"] != "train"][:n_test]
+    if len(train) < 20 or len(test) < 20:
+        raise ValueError(f"{world}: only {len(train)} train / {len(test)} held-out single-object scenes; generate a "
+                         "larger toy world (python -m extract.toyworld --n 5000)")
+    return train, test
+
+
+def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256) -> np.ndarray:
+    from PIL import Image
+
+    out = []
+    for a in range(0, len(scenes), batch):
+        ims = torch.stack([backbone.preprocess(Image.open(world / s["file_name"]).convert("RGB"))
+                           for s in scenes[a:a + batch]])
+        with torch.no_grad():
+            out.append(backbone.encode_images(ims.to(backbone.device)).embedding.float().cpu())
+    return torch.cat(out).numpy()
+
+
+def probe(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: list[str]) -> float:
+    """Held-out accuracy (%) of a logistic-regression probe."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(train_x)
+    clf = LogisticRegression(max_iter=3000).fit(scaler.transform(train_x), train_y)
+    return 100.0 * float(clf.score(scaler.transform(test_x), test_y))
+
+
+def text_collapse(backbone) -> dict[str, float]:
+    """Mean cosine of caption pairs that differ in the shape word only, and in the colour word only."""
+    from extract.toyworld import COLOURS, SHAPES
+
+    colours, shapes = list(COLOURS), list(SHAPES)
+    texts = [f"a small {c} {s}" for c in colours for s in shapes]
+    with torch.no_grad():
+        e = torch.nn.functional.normalize(backbone.encode_texts(texts).embedding.float(), dim=-1)
+    sims = (e @ e.T).view(len(colours), len(shapes), len(colours), len(shapes))
+    shape_only = [float(sims[c, a, c, b]) for c in range(len(colours)) for a, b in itertools.combinations(range(len(shapes)), 2)]
+    colour_only = [float(sims[a, s, b, s]) for s in range(len(shapes)) for a, b in itertools.combinations(range(len(colours)), 2)]
+    return {"text cosine, shape differs": float(np.mean(shape_only)),
+            "text cosine, colour differs": float(np.mean(colour_only))}
+
+
+def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict]) -> dict[str, float]:
+    from extract.backbone import load_backbone
+
+    world = Path(opts.data)
+    backbone = load_backbone(opts.base, weights, device=opts.device)
+    xtr, xte = image_features(backbone, world, train), image_features(backbone, world, test)
+    out = {}
+    for key in ("shape", "colour"):
+        out[f"image probe: {key} %"] = probe(xtr, [s["objects"][0][key] for s in train],
+                                             xte, [s["objects"][0][key] for s in test])
+    out.update(text_collapse(backbone))
+    return out
+
+
+def shape_probe(opts: ShapeProbeOptions) -> dict[str, dict[str, float]]:
+    train, test = single_object_scenes(Path(opts.data), opts.n_train, opts.n_test)
+    results = {}
+    for weights in progress(opts.pretrained or ["none"], desc="probing", unit="model"):
+        results[weights] = probe_weights(opts, weights, train, test)
+    if opts.json_out:
+        Path(opts.json_out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    keys = list(next(iter(results.values())))
+    lines = ["| weights | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name, row in results.items():
+        cells = [f"{row[k]:.1f}" if k.endswith("%") else f"{row[k]:.3f}" for k in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def build_parser() -> Parser:
+    return build_cli(ShapeProbeOptions, PROG, __doc__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def job(opts: ShapeProbeOptions) -> None:
+        results = shape_probe(opts)
+        print("single-object scenes: shape chance 16.7%, colour chance 12.5%; text cosines near 1 = collapsed words")
+        print(table(results))
+
+    return run_job(job, parse_options(ShapeProbeOptions, build_parser(), argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -89,6 +89,13 @@ def relation_boxes(boxes, scores, top_n: int | None = 10) -> tuple[np.ndarray, n
     return union[order], score[order], np.stack([i, j], axis=1)[order].astype(np.int64)
 
 
+def pair_rows(m: int, r: int) -> np.ndarray:
+    """[r, 2] the first ``r`` pairs (i < j) of ``m`` entities in :func:`relation_boxes`' order for equal scores,
+    cycling when there are fewer (padding rows of synthetic caches: benchmarks)."""
+    pairs = [(i, j) for i in range(m) for j in range(i + 1, m)] or [(0, 0)]
+    return np.array([pairs[k % len(pairs)] for k in range(r)], np.int16)
+
+
 def gt_boxes(entry: dict) -> tuple[np.ndarray, list[str]]:
     """Annotated entity boxes of a toy-world scene or a Visual-Genome-style image entry.
 

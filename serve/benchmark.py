@@ -313,8 +313,13 @@ def component_arrays(glob: np.ndarray, entities: int, relations: int, rng, prefi
         arr[keep] = x[keep].astype(np.float16)
         valid[keep] = True
     if prefix == "image":
+        from extract.regions import pair_rows
+
+        corner = rng.uniform(0, 160, (b, entities, 2)).astype(np.float32)
+        boxes = np.concatenate([corner, corner + rng.uniform(8, 64, (b, entities, 2)).astype(np.float32)], -1)
         return {"image_embed": glob.astype(np.float16), "ventity_embed": ent, "ventity_valid": ent_valid,
-                "vrelation_embed": rel, "vrelation_valid": rel_valid}
+                "vrelation_embed": rel, "vrelation_valid": rel_valid, "ventity_boxes": boxes,
+                "vrelation_pairs": np.broadcast_to(pair_rows(entities, relations), (b, relations, 2)).copy()}
     return {"text_embed": glob.astype(np.float16), "entity_embed": ent, "entity_valid": ent_valid,
             "relation_embed": rel, "relation_valid": rel_valid}
 

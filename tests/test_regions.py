@@ -464,3 +464,14 @@ def test_box_annotations_by_id_and_file_name(tmp_path):
     path.write_text(json.dumps({"images": {"not": "a list"}}))
     with pytest.raises(ValueError, match="objects.json"):
         load_box_annotations(path)
+
+
+def test_pair_rows_list_pairs_as_relation_boxes_does():
+    import numpy as np
+
+    from extract.regions import pair_rows, relation_boxes
+
+    boxes = np.array([[0, 0, 4, 4], [5, 5, 9, 9], [10, 0, 14, 4], [0, 10, 4, 14]], float)
+    _, _, pairs = relation_boxes(boxes, np.ones(4), top_n=5)
+    assert pair_rows(4, 5).tolist() == pairs.tolist()
+    assert pair_rows(2, 3).tolist() == [[0, 1], [0, 1], [0, 1]] and pair_rows(1, 2).tolist() == [[0, 0], [0, 0]]

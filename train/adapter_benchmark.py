@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> BenchmarkOptions:
 def synthetic_arrays(keys: Sequence[str], n: int, dim: int, grid: tuple[int, int], args, rng) -> dict[str, np.ndarray]:
     """Arrays of the cache layout (``extract/cache.py``) for ``n`` pairs: unit-norm fp16 features, all
     components valid, random grid boxes as regions, a phrase tree of 4 two-token leaves."""
-    from extract.regions import random_grid_boxes
+    from extract.regions import pair_rows, random_grid_boxes
 
     def unit(*shape):
         x = rng.standard_normal((*shape, dim)).astype(np.float32)
@@ -99,6 +99,11 @@ def synthetic_arrays(keys: Sequence[str], n: int, dim: int, grid: tuple[int, int
             out[key] = np.ones((n, e), bool)
         elif key in ("vrelation_valid", "relation_valid"):
             out[key] = np.ones((n, r), bool)
+        elif key == "ventity_boxes":  # random xyxy boxes in a 224-px image
+            corner = rng.uniform(0, 160, (n, e, 2)).astype(np.float32)
+            out[key] = np.concatenate([corner, corner + rng.uniform(8, 64, (n, e, 2)).astype(np.float32)], -1)
+        elif key == "vrelation_pairs":  # the first r pairs (i < j) of the e entities, as extract.regions lists them
+            out[key] = np.broadcast_to(pair_rows(e, r), (n, r, 2)).copy()
         elif key == "patch_tokens":
             out[key] = unit(n, grid[0] * grid[1])
         elif key == "region_masks":

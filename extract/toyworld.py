@@ -213,6 +213,12 @@ def parse_holdout(spec: str | Iterable) -> frozenset:
     return frozenset(combos)
 
 
+def heldout_of(world: str | os.PathLike) -> frozenset:
+    """The (colour, shape) combinations a generated toy world held out of its train split (``meta.json``)."""
+    meta = json.loads((Path(world) / "meta.json").read_text())
+    return parse_holdout(meta.get("holdout", []))
+
+
 def parse_splits(spec: str | Sequence[float]) -> tuple[float, float, float]:
     """Parse ``"0.8,0.1,0.1"`` (or three numbers): train/val/test fractions, >= 0, summing to 1."""
     try:

@@ -888,10 +888,9 @@ def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.nd
                          "alone: pass --data (the cache is reused by fingerprint)")
     options = {"image_root": opts.image_root} if opts.image_root and world is None else {}
     texts = caption_texts(cache, opts.data, "train" if world else None, {**options, **source_options(opts)})
-    forbid = []
-    if world is not None:
-        holdout = json.loads((world / "meta.json").read_text()).get("holdout", [])
-        forbid = [tuple(c.split()) for c in holdout]
+    from extract.toyworld import heldout_of
+
+    forbid = heldout_of(world) if world is not None else frozenset()
     return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.text_arrays, seed=opts.seed,
                            forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
 

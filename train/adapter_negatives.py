@@ -33,10 +33,6 @@ class TrainNegatives:
     rows: np.ndarray
     arrays: dict[str, np.ndarray]
     types: tuple[str, ...]
-    vocabulary: dict
-
-    def counts(self) -> dict[str, int]:
-        return {t: int((self.rows[:, k] >= 0).sum()) for k, t in enumerate(self.types)}
 
     def batch(self, caption_rows: np.ndarray, keys) -> dict[str, np.ndarray]:
         """The negatives of these captions: ``neg:<key>`` [b, K, ...] (zeros where none) and ``neg_valid`` [b, K]."""
@@ -80,7 +76,7 @@ def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays
         + ", ".join(f"{t} {int((rows[:, k] >= 0).sum())}" for k, t in enumerate(gen.types)) + "); encoding them")
     parts = [text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     arrays = concat_padded(parts) if parts else {}
-    return TrainNegatives(rows, arrays, gen.types, gen.vocab.to_dict())
+    return TrainNegatives(rows, arrays, gen.types)
 
 
 class NegativeLoss:

@@ -644,11 +644,10 @@ def with_hard_negatives(objective, opts: PretrainOptions):
     from adapters.pretrain._hard_negatives import WithHardNegatives
     from extract.hard_negatives import HardNegatives, Vocabulary
 
-    forbid = ()
-    if opts.data and _is_toyworld(opts.data):
-        holdout = json.loads((Path(opts.data) / "meta.json").read_text()).get("holdout", [])
-        forbid = [tuple(c.split()) for c in holdout]
-    generator = HardNegatives(Vocabulary(), parse_types(opts.hard_negatives), frozenset(forbid))
+    from extract.toyworld import heldout_of
+
+    forbid = heldout_of(opts.data) if opts.data and _is_toyworld(opts.data) else frozenset()
+    generator = HardNegatives(Vocabulary(), parse_types(opts.hard_negatives), forbid)
     return WithHardNegatives(objective, generator, opts.hard_negative_weight, opts.seed)
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from adapters.contrastive import extra_columns_loss, gather_any

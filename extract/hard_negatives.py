@@ -129,13 +129,6 @@ class Vocabulary:
             by_category.setdefault(_CATEGORY[word], []).append(word)
         return cls(keep(nouns), by_category, keep(predicates))
 
-    def to_dict(self) -> dict:
-        return {"nouns": self.nouns, "attributes": self.attributes, "predicates": self.predicates}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Vocabulary":
-        return cls(list(d["nouns"]), {k: list(v) for k, v in d["attributes"].items()}, list(d["predicates"]))
-
 
 # --------------------------------------------------------------------------------------------- structure
 @dataclass(frozen=True)
@@ -207,7 +200,7 @@ def plural(noun: str) -> bool:
     """English number by spelling, good enough to keep "three objects" from becoming "three cat": a final s that
     is not -ss, -us or -is ("dogs", "glasses" plural; "glass", "bus", "tennis" singular)."""
     noun = noun.lower()
-    return noun.endswith("s") and not noun.endswith(("ss", "us", "is")) or noun.endswith("sses")
+    return noun.endswith("s") and not noun.endswith(("ss", "us", "is"))
 
 
 def _words(text: str, start: int, end: int) -> list[Word]:
@@ -270,24 +263,29 @@ def _retarget(word: Word, new: str) -> str:
     return new.capitalize() if word.text[:1].isupper() else new
 
 
+def _names(attrs: list[dict], heads: list[str]) -> list[tuple]:
+    """Each referent's full name: its head noun and its attribute words by category."""
+    return [(head, tuple(sorted(a.items()))) for head, a in zip(heads, attrs)]
+
+
 def _signature(attrs: list[dict], heads: list[str], rels: list[tuple[int, str, int]]) -> tuple:
     """The structure as data: the referents' names, and the relations between names (symmetric ones unordered)."""
-    name = lambda k: (heads[k], tuple(sorted(attrs[k].items())))  # noqa: E731
+    names = _names(attrs, heads)
     out = []
     for subj, predicate, obj in rels:
-        pair = (name(subj), name(obj))
+        pair = (names[subj], names[obj])
         out.append((predicate,) + (tuple(sorted(pair)) if predicate in SYMMETRIC else pair))
-    return tuple(sorted(name(k) for k in range(len(heads)))), tuple(sorted(out))
+    return tuple(sorted(names)), tuple(sorted(out))
 
 
 def _ambiguous(s: Structure, attrs: list[dict], heads: list[str]) -> bool:
     """Two referents with one full name, or a mention whose words now fit a referent other than its own."""
-    names = [(heads[k], tuple(sorted(attrs[k].items()))) for k in range(len(heads))]
+    names = _names(attrs, heads)
     if len(set(names)) < len(names):
         return True
     for k, r in enumerate(s.referents):
         for m in r.mentions:
-            said = {c for c in s.mentions[m].attributes()}
+            said = set(s.mentions[m].attributes())
             wanted = {c: attrs[k][c] for c in said if c in attrs[k]}
             if any(j != k and heads[j] == heads[k] and all(attrs[j].get(c) == w for c, w in wanted.items())
                    for j in range(len(heads))):
@@ -428,10 +426,11 @@ def first_acceptable(c: _Candidates, kind: str, rng: np.random.Generator) -> Edi
     """One candidate of ``kind``, uniform over the acceptable ones: proposals in a random order, the first that
     makes an :class:`Edit` (replace-rel: the converse ones first, CONVERSE_SHARE of the time)."""
     proposals = c.proposals(kind)
-    if kind == "replace-rel" and rng.random() < CONVERSE_SHARE:
-        converse = [p for p in proposals if CONVERSES.get(c.s.relations[p[0]].predicate) == p[1]]
-        proposals = converse + [p for p in proposals if p not in converse] if converse else proposals
-        order = list(rng.permutation(len(converse))) + list(range(len(converse), len(proposals)))
+    converse = [p for p in proposals if kind == "replace-rel" and CONVERSES.get(c.s.relations[p[0]].predicate) == p[1]]
+    if converse and rng.random() < CONVERSE_SHARE:
+        rest = [p for p in proposals if p not in converse]
+        proposals = converse + rest
+        order = list(rng.permutation(len(converse))) + [len(converse) + k for k in rng.permutation(len(rest))]
     else:
         order = rng.permutation(len(proposals))
     for k in order:
@@ -447,7 +446,7 @@ class HardNegatives:
 
     types: a subset of :data:`NEGATIVE_TYPES` (``parse_types`` reads the flag); forbid: (attribute, noun) pairs
     no negative may name (a toy world's held-out combinations). The spaCy extractor is loaded on first use, so
-    an instance pickles cheaply into data-loader workers.
+    an instance pickles into data-loader workers without it (the parsed structures go along).
     """
 
     vocab: Vocabulary
@@ -455,8 +454,8 @@ class HardNegatives:
     forbid: frozenset = frozenset()
     _extractor: object = field(default=None, repr=False, compare=False)
 
-    def __getstate__(self):
-        return {**self.__dict__, "_extractor": None, "_structures": {}}
+    def __getstate__(self):  # the parses made for the vocabulary travel along: no caption is parsed twice
+        return {**self.__dict__, "_extractor": None}
 
     @property
     def extractor(self):

@@ -66,9 +66,6 @@ class WithHardNegatives(PretrainObjective):
     def setup(self, model: nn.Module, data_info) -> None:
         self.inner.setup(model, data_info)
 
-    def scorer(self, *args, **kwargs):  # evaluation is the objective's
-        return self.inner.scorer(*args, **kwargs)
-
     # -- data (workers)
     def prepare(self, captions: list[str], image_ids: list[str], tokenizer) -> dict[str, Tensor]:
         out = self.inner.prepare(captions, image_ids, tokenizer)

@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import pickle
 import re
 import threading
@@ -71,7 +72,7 @@ ALIASES_FILE = _HERE / "backbones.json"
 # --------------------------------------------------------------------------------------------- registry
 @lru_cache(maxsize=1)
 def _register_configs() -> None:
-    """Make the tiny test configs (plugvlm-tiny, plugvlm-tiny-coca) visible to open_clip, once."""
+    """Make the tiny configs (plugvlm-tiny, plugvlm-tiny-coca, plugvlm-tiny-rn, ...) visible to open_clip, once."""
     import open_clip
 
     open_clip.add_model_config(MODEL_CONFIG_DIR)
@@ -169,6 +170,34 @@ def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mha.out_proj(F.linear(pooler.ln_k(x), w_v, b_v))
 
 
+def _resnet_value_path(attnpool: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Per-position tokens of a ModifiedResNet's attention pool [B, h*w, D] from its input map [B, C, h, w]:
+    the pool's output when a query attends to a single position, ``c_proj(v_proj(x_n + pos_n))`` (MaskCLIP, Zhou
+    et al. 2022, Sec. 3.2: CLIP's dense features are the value-embedding path of its attention pool)."""
+    x = x.flatten(2).transpose(1, 2) + attnpool.positional_embedding[1:].to(x.dtype)
+    return attnpool.c_proj(attnpool.v_proj(x))
+
+
+def is_vit(visual: nn.Module) -> bool:
+    """An open_clip ``VisionTransformer`` (patch embedding, class token, positions, a transformer)."""
+    return all(hasattr(visual, a) for a in ("conv1", "transformer", "positional_embedding", "class_embedding",
+                                            "ln_post", "grid_size"))
+
+
+def is_resnet(visual: nn.Module) -> bool:
+    """An open_clip ``ModifiedResNet`` (CLIP's RN50-style tower: conv stem, four stages, attention pooling)."""
+    return all(hasattr(visual, a) for a in ("layer4", "attnpool"))
+
+
+def image_grid(visual: nn.Module) -> tuple[int, int]:
+    """(rows, cols) of an open_clip image tower's patch tokens: a ViT's patch grid, or the final feature map of a
+    ModifiedResNet (image side / 32), whose positions :func:`_resnet_value_path` turns into tokens."""
+    if is_resnet(visual):
+        side = math.isqrt(visual.attnpool.positional_embedding.shape[0] - 1)
+        return side, side
+    return tuple(visual.grid_size)
+
+
 class _Capture:
     """Forward hook that keeps the last output of a module (the tower's transformer), per thread: a hook runs in the
     thread that called forward, so concurrent encodings (a server's parallel requests) each read their own."""
@@ -212,21 +241,22 @@ class FrozenBackbone(nn.Module):
         self.precision = precision
         self._check_supported()
         visual = model.visual
-        self.grid: tuple[int, int] = tuple(visual.grid_size)
+        self.grid: tuple[int, int] = image_grid(visual)
         self.image_size: tuple[int, int] = tuple(visual.image_size) if isinstance(visual.image_size, (tuple, list)) \
             else (visual.image_size, visual.image_size)
         self.context_length: int = tokenizer.context_length
-        self._vision_capture = _Capture(visual.transformer)
+        self._vision_capture = _Capture(visual.layer4 if is_resnet(visual) else visual.transformer)
         self._text_capture = _Capture(self._text_parts()[0])
         self.embed_dim: int = visual.output_dim
 
     # -- structure ---------------------------------------------------------------------------------
     def _check_supported(self) -> None:
         visual = self.model.visual
-        if not all(hasattr(visual, a) for a in ("transformer", "conv1", "ln_post", "grid_size")):
+        if not (is_vit(visual) or is_resnet(visual)):
             raise NotImplementedError(
-                f"{self.spec.model}: patch tokens are available for open_clip VisionTransformer towers only; "
-                f"this model's image tower is {type(visual).__name__} (timm / ResNet towers are not supported yet).")
+                f"{self.spec.model}: patch tokens are available for open_clip VisionTransformer and ModifiedResNet "
+                f"towers only; this model's image tower is {type(visual).__name__} (timm towers are not supported "
+                "yet).")
         text = getattr(self.model, "text", None)
         if text is not None and not hasattr(text, "ln_final"):
             raise NotImplementedError(
@@ -262,6 +292,8 @@ class FrozenBackbone(nn.Module):
     # -- images ------------------------------------------------------------------------------------
     def _patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
         visual = self.model.visual
+        if is_resnet(visual):
+            return _resnet_value_path(visual.attnpool, x)
         patches = x[:, 1:]  # drop the class token; eval mode has no patch dropout, so all N patches remain
         if visual.attn_pool is None:
             return _project(visual.ln_post(patches), visual.proj)

@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from extract.backbone import is_vit
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -351,6 +353,9 @@ class Heatmapper:
             raise ValueError(f"text must be one of {TEXT_SOURCES}, got {text!r}")
         self.scorer, self.backbone, self.text = scorer, backbone, text
         self.visual = backbone.model.visual
+        if not is_vit(self.visual):
+            raise ValueError(f"{backbone.spec.model}: per-phrase heatmaps need a ViT image tower (CLIP Surgery's "
+                             f"path runs through its transformer blocks); this base's is {type(self.visual).__name__}")
         layers = len(self.visual.transformer.resblocks)
         self.depth = default_depth(layers) if surgery_depth is None else int(surgery_depth)
         if not 1 <= self.depth <= layers:

@@ -17,6 +17,11 @@ def tiny_coca():
     return load_backbone("tiny-coca")
 
 
+@pytest.fixture(scope="module")
+def tiny_rn():
+    return load_backbone("tiny-rn")
+
+
 def _images(n=3, size=64, seed=0):
     return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
@@ -24,10 +29,10 @@ def _images(n=3, size=64, seed=0):
 TEXTS = ["a small red circle to the left of a blue square", "a green triangle", "two large yellow stars above a cup"]
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-coca"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-coca", "tiny-rn"])
 def test_globals_equal_open_clip(name, request):
     bb = request.getfixturevalue(name.replace("-", "_"))
-    x = _images()
+    x = _images(size=bb.image_size[0])
     img = bb.encode_images(x)
     txt = bb.encode_texts(TEXTS)
     torch.testing.assert_close(img.embedding, bb.model.encode_image(x, normalize=True))
@@ -59,6 +64,29 @@ def test_coca_patches_are_the_pooler_attending_to_one_patch(tiny_coca):
             single = v.attn_pool(h[:, 1 + i:2 + i])[:, 0]  # every query sees only patch i
             ref = v.ln_post(single) @ v.proj
             torch.testing.assert_close(out.patches[:, i], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_resnet_patches_are_the_pool_attending_to_one_position(tiny_rn):
+    """A ModifiedResNet's tokens (MaskCLIP's dense features): its attention pool's own forward with the mean
+    query and the one key/value of position i, for each position of the final map."""
+    x = _images(2, size=128)
+    out = tiny_rn.encode_images(x)
+    v = tiny_rn.model.visual
+    pool = v.attnpool
+    assert out.grid == (4, 4) and out.patches.shape == (2, 16, 64)
+    with torch.no_grad():
+        h = v.layer4(v.layer3(v.layer2(v.layer1(v.stem(x)))))
+        seq = h.flatten(2).permute(2, 0, 1)  # (h*w, B, C), as the pool reads it
+        seq = torch.cat([seq.mean(0, keepdim=True), seq]) + pool.positional_embedding[:, None]
+        for i in (0, 5, 15):
+            one = seq[1 + i:2 + i]
+            ref, _ = torch.nn.functional.multi_head_attention_forward(
+                seq[:1], one, one, seq.shape[-1], pool.num_heads, None,
+                torch.cat([pool.q_proj.bias, pool.k_proj.bias, pool.v_proj.bias]), None, None, False, 0.0,
+                pool.c_proj.weight, pool.c_proj.bias, training=False, need_weights=False,
+                use_separate_proj_weight=True, q_proj_weight=pool.q_proj.weight, k_proj_weight=pool.k_proj.weight,
+                v_proj_weight=pool.v_proj.weight)
+            torch.testing.assert_close(out.patches[:, i], ref[0], rtol=1e-4, atol=1e-5)
 
 
 def test_clip_text_tokens_consistent_with_global(tiny):
@@ -133,6 +161,7 @@ def test_describe_is_json(tiny):
     ("ViT-B-16", (14, 14), 512, 77),
     ("ViT-L-14", (16, 16), 768, 77),
     ("coca_ViT-B-32", (7, 7), 512, 76),
+    ("RN50", (7, 7), 1024, 77),
 ])
 def test_listed_architectures_build_with_random_weights(base, grid, dim, ctx):
     bb = load_backbone(base, "none")

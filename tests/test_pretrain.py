@@ -262,6 +262,17 @@ def test_a_run_that_never_has_a_good_checkpoint_says_so(toy, tmp_path, capsys):
     assert not (out / "checkpoints").exists() or not any(p.is_dir() for p in (out / "checkpoints").iterdir())
 
 
+def test_a_resnet_tower_trains_with_clip_and_is_refused_by_patch_objectives(toy, tmp_path, capsys):
+    from train.pretrain import main
+
+    assert main(_argv(toy, tmp_path / "rn", "--model", "plugvlm-tiny-rn", "--max-steps", "2",
+                      "--hard-negatives", "all")) == 0
+    assert json.loads((tmp_path / "rn" / "model.json").read_text())["model"] == "plugvlm-tiny-rn"
+    assert main(_argv(toy, tmp_path / "flip", "--model", "plugvlm-tiny-rn", "--method", "flip",
+                      "--max-steps", "2")) != 0
+    assert "needs a ViT image tower; ModifiedResNet is not one" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, value", [("--epochs", "-1"), ("--epochs", "0"), ("--lr", "-1e-3"), ("--batch-size", "0")])
 def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, flag, value):
     """Issue 14, item 5: --epochs -1 once exited 0 and saved an untrained model."""

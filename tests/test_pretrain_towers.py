@@ -94,6 +94,20 @@ def test_token_mask_and_model_check(model, tok):
         check_model(open_clip.create_model("plugvlm-tiny-coca"))
 
 
+def test_a_resnet_tower_serves_the_objectives_that_need_no_patches():
+    from train.pretrain import create_model
+
+    rn = create_model("plugvlm-tiny-rn", False, 0)[0].eval()
+    check_model(rn, patches=False)  # CLIP (and CLIP + hard negatives)
+    with pytest.raises(UnsupportedModelError, match="needs a ViT image tower; ModifiedResNet"):
+        check_model(rn)  # FLIP, CLIP-PGS, FILIP, PowerCLIP
+    images = torch.randn(2, 3, 128, 128)
+    with torch.no_grad():
+        assert torch.equal(encode_image(rn, images).pooled, rn.encode_image(images))
+    with pytest.raises(UnsupportedModelError, match="no patch tokens"):
+        encode_image(rn, images, patches=True)
+
+
 def test_step_randomness_is_per_sample_not_per_rank():
     one = StepContext(step=4, seed=1, global_batch=8)
     whole = batch_random(one, "x", 8, 5)

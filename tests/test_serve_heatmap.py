@@ -169,6 +169,8 @@ def test_context_embeddings_and_bad_arguments(world):
     assert [m.phrase for m in ctx] == [m.phrase for m in alone] and not np.allclose(ctx[0].heat, alone[0].heat)
     with pytest.raises(ValueError, match="on cpu, not meta"):
         hm.Heatmapper(scorer, device="meta")
+    with pytest.raises(ValueError, match="heatmaps need a ViT image tower.*ModifiedResNet"):
+        hm.Heatmapper(BackboneScorer(load_backbone("tiny-rn")))
     assert hm.Heatmapper(scorer).depth == 2 and hm.default_depth(12) == 6 and hm.default_depth(24) == 6
     with pytest.raises(ValueError, match="surgery depth"):
         hm.Heatmapper(scorer, surgery_depth=3)

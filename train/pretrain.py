@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 from adapters.pretrain._base import StepContext, split_features  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
+from extract.backbone import image_grid  # noqa: E402
 from extract.cli import JobFailed, Parser, check_options, from_namespace, option, progress, run_job, say  # noqa: E402
 from extract.cli import build_parser as build_cli  # noqa: E402
 from extract.config import (_config_value, fraction, nonnegative_float, nonnegative_int,  # noqa: E402
@@ -708,7 +709,7 @@ class PretrainRun:
         if opts.hard_negatives != "none":  # before the first batch: the loader's workers start with it
             self.say(fill_vocabulary(self.objective.generator, opts, self.data))
         self.objective.setup(model, {"source": opts.data, "data": opts.data, "model": opts.model,
-                                     "image_ids": self.data.image_ids, "grid": tuple(model.visual.grid_size)})
+                                     "image_ids": self.data.image_ids, "grid": image_grid(model.visual)})
         self.evaluates = bool(dist.is_main and opts.eval_every_n_epochs and opts.val_data)
         self.tasks = eval_tasks(opts) if self.evaluates else None  # a bad --val-data fails before training
         self.trainer = Trainer(opts, dist, model, self.objective)

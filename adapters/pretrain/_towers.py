@@ -18,20 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from extract.backbone import is_resnet, is_vit
+
 
 class UnsupportedModelError(NotImplementedError):
-    """The model is not an open_clip CLIP with a ViT image tower (what the pre-training objectives need)."""
+    """The model is not an open_clip CLIP with an image tower the objective can use (a ViT for every objective
+    that chooses or embeds patches; a ViT or ModifiedResNet for CLIP)."""
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` unless ``model`` is an open_clip ``CLIP`` whose image tower is a
-    ``VisionTransformer`` pooled by its class token (ViT-B-16, ViT-B-32, ViT-L-14, plugvlm-tiny, ...)."""
+def check_model(model: nn.Module, *, patches: bool = True) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model`` is an open_clip ``CLIP`` with the built-in text
+    transformer whose image tower is a ``VisionTransformer`` pooled by its class token (ViT-B-16, ViT-B-32,
+    ViT-L-14, plugvlm-tiny, ...) or, where the objective needs no patches (``patches=False``: CLIP), a
+    ``ModifiedResNet`` (RN50, plugvlm-tiny-rn)."""
     visual = getattr(model, "visual", None)
-    if not all(hasattr(visual, a) for a in ("conv1", "transformer", "positional_embedding", "class_embedding")):
+    if not is_vit(visual) and (patches or not is_resnet(visual)):
+        towers = "a ViT image tower" if patches else "a ViT or ModifiedResNet image tower"
         raise UnsupportedModelError(
-            f"pre-training needs an open_clip ViT image tower; {type(visual).__name__} is not one "
-            "(choose a ViT config: ViT-B-16, ViT-B-32, plugvlm-tiny, ...)")
-    if getattr(visual, "attn_pool", None) is not None or getattr(visual, "pool_type", "tok") != "tok":
+            f"this objective needs {towers}; {type(visual).__name__} is not one "
+            f"(choose {'a ViT config: ViT-B-16, ViT-B-32, plugvlm-tiny' if patches else 'ViT-B-16, RN50, plugvlm-tiny-rn'}"
+            ", ...)")
+    if is_vit(visual) and (getattr(visual, "attn_pool", None) is not None or getattr(visual, "pool_type", "tok") != "tok"):
         raise UnsupportedModelError(
             "pre-training objectives use the class-token pooled ViT (CLIP's); this config pools with "
             f"{'an attentional pooler' if visual.attn_pool is not None else visual.pool_type!r}")
@@ -78,6 +85,11 @@ def encode_image(model: nn.Module, images: Tensor | None = None, *, keep: Tensor
     are hidden from attention, so they change nothing. patches: also return the kept patches' embeddings.
     """
     visual = model.visual
+    if not is_vit(visual):  # a ResNet tower: its own forward, which has no patches to choose or return
+        if keep is not None or key_padding is not None or patches or embedded is not None:
+            raise UnsupportedModelError(f"{type(visual).__name__} has no patch tokens to keep or return; "
+                                        "this objective needs a ViT image tower")
+        return ImageOut(pooled=visual(images.to(next(visual.parameters()).dtype)))
     x = patch_embed(model, images) if embedded is None else embedded
     pos = visual.positional_embedding.to(x.dtype)
     x = x + pos[1:]

@@ -7,6 +7,8 @@ The other objectives build on this one: they change the forward (FLIP, CLIP-PGS)
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torch import Tensor, nn
 
 from adapters.contrastive import clip_loss
@@ -18,10 +20,15 @@ from adapters.registry import PRETRAIN
 @PRETRAIN.register("clip")
 class CLIPObjective(PretrainObjective):
     """Batch: ``image`` [b, 3, H, W], ``text`` [b, L]. Features: normalised ``image_features`` / ``text_features``
-    [b, D] and ``logit_scale`` (the multiplier, exp of the learnt log-scale)."""
+    [b, D] and ``logit_scale`` (the multiplier, exp of the learnt log-scale).
+
+    CLIP needs only the global embedding, so it trains a ResNet image tower too; the objectives built on it
+    choose or embed patches (``uses_patches``) and need a ViT."""
+
+    uses_patches: ClassVar[bool] = False
 
     def setup(self, model: nn.Module, data_info) -> None:
-        check_model(model)
+        check_model(model, patches=self.uses_patches)
 
     def image_out(self, model: nn.Module, batch: dict[str, Tensor], ctx: StepContext):
         """The image forward; subclasses that change which patches are seen override this alone."""

@@ -32,6 +32,7 @@ against the ViT's ~N d^2 L -- which is how the paper keeps the overhead over FLI
 from __future__ import annotations
 
 import argparse
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +139,8 @@ def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSCon
 @PRETRAIN.register("clip-pgs")
 class CLIPPGSObjective(CLIPObjective):
     """CLIP on PGS-selected patches (CLIP-PGS §3.2)."""
+
+    uses_patches: ClassVar[bool] = True
 
     def __init__(self, cfg: PGSConfig = PGSConfig()):
         self.cfg = cfg

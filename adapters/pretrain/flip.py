@@ -9,6 +9,7 @@ step's seed (:func:`adapters.pretrain._base.batch_random`) so a run is reproduci
 from __future__ import annotations
 
 import argparse
+from typing import ClassVar
 
 from torch import Tensor, nn
 
@@ -21,6 +22,8 @@ from adapters.registry import PRETRAIN
 @PRETRAIN.register("flip")
 class FLIPObjective(CLIPObjective):
     """CLIP on a random ``mask_ratio`` of the patches dropped (FLIP §3)."""
+
+    uses_patches: ClassVar[bool] = True
 
     def __init__(self, mask_ratio: float = 0.5):
         if not 0.0 <= mask_ratio < 1.0:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -148,6 +148,8 @@ def build_mask_cache_hint(data: str = "DATA", model: str = "MODEL") -> str:
 class PowerCLIPObjective(CLIPObjective):
     """CLIP + lambda x NLA triplet loss (paper eq. 16). Batch: ``image``, ``text`` and, from ``prepare``,
     ``leaf_tokens`` [b, P, L], ``node_leaves`` [b, K, P] (and ``cached_masks`` / ``cached_valid`` for sam2)."""
+
+    uses_patches: ClassVar[bool] = True
 
     def __init__(self, masks: str = "random", num_masks: int = 10, regions_cache: str | None = None,
                  loss: PowerCLIPLossConfig = PowerCLIPLossConfig(), max_leaves: int = 16, max_nodes: int = 16):

@@ -113,7 +113,8 @@ def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
                 f"unknown backbone '{base}'. Aliases: {', '.join(backbone_aliases())}; "
                 f"or any open_clip model name (open_clip.list_models(), e.g. ViT-B-32, ViT-SO400M-14-SigLIP).")
         alias = {"model": base, "pretrained": None}
-    tag = alias.get("pretrained") if pretrained is None else pretrained
+    shipped = alias.get("file") and str(_HERE / alias["file"])  # weights that come with plugvlm (extract/bases/)
+    tag = (shipped or alias.get("pretrained")) if pretrained is None else pretrained
     return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
                         quick_gelu=bool(alias.get("quick_gelu", False)),
                         requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
@@ -688,7 +689,8 @@ def check_backbone(args: argparse.Namespace) -> None:
     Raises WeightsNotFoundError / ValueError (one ``error:`` line from :func:`main`)."""
     if args.list:
         for name, a in backbone_aliases().items():
-            print(f"{name:16s} model={a['model']:20s} pretrained={a.get('pretrained') or '(file / random)'}")
+            weights = a.get("pretrained") or (f"shipped: extract/{a['file']}" if a.get("file") else "(file / random)")
+            print(f"{name:16s} model={a['model']:20s} pretrained={weights}")
         return
     t0 = time.perf_counter()
     bb = load_backbone(args.base, args.pretrained, device=args.device, precision=args.precision,

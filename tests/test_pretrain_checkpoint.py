@@ -153,6 +153,26 @@ def test_pretrained_weights_are_verified_where_the_backbone_loads_them(tmp_path)
         ck.load_checkpoint(nan_ckpt, _tiny(1), None, [], None)
 
 
+def test_a_run_exported_in_fp16_loads_as_the_same_model_to_fp16_precision(tmp_path, capsys):
+    _register_configs()
+    torch.manual_seed(0)
+    model = open_clip.create_model("plugvlm-tiny-rn").eval()  # BatchNorm's integer counter stays an integer
+    ck.save_final(tmp_path / "run", model, {"format": SIDECAR_FORMAT, "model": "plugvlm-tiny-rn", "quick_gelu": False})
+    assert ck.main([str(tmp_path / "run"), str(tmp_path / "half"), "--command", "python -m train.pretrain ..."]) == 0
+    assert "fp16" in capsys.readouterr().out
+    half = load_file(tmp_path / "half" / "model.safetensors")
+    assert half["visual.conv1.weight"].dtype == torch.float16
+    assert half["visual.bn1.num_batches_tracked"].dtype == torch.int64
+    desc = json.loads((tmp_path / "half" / "model.json").read_text())
+    assert desc["dtype"] == "float16" and desc["command"] == "python -m train.pretrain ..."
+    bb = load_backbone("tiny-rn", str(tmp_path / "half" / "model.safetensors"))
+    for k, v in bb.model.state_dict().items():
+        torch.testing.assert_close(v, model.state_dict()[k], rtol=1e-3, atol=1e-4, check_dtype=True)
+    _flip(tmp_path / "half" / "model.safetensors", at=1000)
+    with pytest.raises(tensorfile.DamagedFileError):
+        load_backbone("tiny-rn", str(tmp_path / "half" / "model.safetensors"))
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask022", "umask027"])
 def test_checkpoint_files_follow_the_umask(tmp_path, umask, mode):
     model, opt, names = _model_and_optimizer(0)

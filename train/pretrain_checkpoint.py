@@ -23,6 +23,9 @@ also written as ``OUT/model.safetensors`` + ``OUT/model.json``.
 
 Both safetensors files carry the digest of their tensors (``extract.tensorfile``); :func:`load_checkpoint` and
 ``extract.backbone.load_backbone`` check it, so a damaged copy or NaN weights are refused naming the file.
+
+``python -m train.pretrain_checkpoint RUN OUT`` writes a run's final model in fp16 (half the bytes; what
+the project ships in ``train/bases/``) with its ``model.json`` and the command that made it.
 """
 from __future__ import annotations
 
@@ -31,11 +34,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from extract.cache import atomic_write_text, fsync_path
+from extract.cli import Parser, option, parse_options, run_job
+from extract.cli import build_parser as build_cli
 from extract.tensorfile import load_tensors, save_tensors
 from extract.weights import SIDECAR_FORMAT
 
@@ -226,3 +232,43 @@ def prune(ckpt_dir: Path, keep: int, keep_also: Iterable[str | None] = ()) -> li
 def mark_best(ckpt_dir: Path, name: str) -> None:
     """Point ``checkpoints/best`` at checkpoint ``name`` (atomically, as ``latest``)."""
     atomic_write_text(ckpt_dir / BEST, name + "\n")
+
+
+# --------------------------------------------------------------------------------------------- shipping
+@dataclass
+class ExportOptions:
+    run: str = option(positional=True, help="a pre-training run folder (its model.safetensors + model.json)")
+    out: str = option(positional=True, help="folder for the fp16 model.safetensors + model.json")
+    command: str | None = option(None, help="the command(s) that trained the run, recorded in model.json")
+
+
+def export_half(run: Path, out: Path, command: str | None = None) -> Path:
+    """``run``'s final weights with every floating tensor cast to fp16 (integer buffers as they are), and its
+    ``model.json`` (plus ``dtype`` and ``command``), written to ``out``. Loading casts back to the model's dtype;
+    the digest is the fp16 file's own, so a damaged copy is still refused."""
+    tensors, _ = load_tensors(run / "model.safetensors")
+    description = json.loads((run / "model.json").read_text())
+    if description.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"{run / 'model.json'} is not a train.pretrain model description")
+    half = {k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}
+    description.update(dtype="float16", command=command)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tensors(out / "model.safetensors", half, metadata={"format": "pt", "plugvlm": SIDECAR_FORMAT})
+    _write_json(out / "model.json", description)
+    return out / "model.safetensors"
+
+
+def build_parser() -> Parser:
+    return build_cli(ExportOptions, "python -m train.pretrain_checkpoint", __doc__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def job(opts: ExportOptions) -> None:
+        path = export_half(Path(opts.run), Path(opts.out), opts.command)
+        print(f"{path} ({path.stat().st_size / 2**20:.1f} MiB, fp16) + model.json")
+
+    return run_job(job, parse_options(ExportOptions, build_parser(), argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -85,7 +85,7 @@ def test_every_flag_the_readme_shows_exists():
         if parser is None or any(a.nargs == argparse.REMAINDER for a in parser._actions):
             continue  # no parser of its own, or one that passes its options on to another program's
         known = {s for a in parser._actions for s in a.option_strings}
-        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", args):
+        for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", re.sub(r'"[^"]*"', "", args)):  # quoted: a value
             checked += 1
             if flag not in known:
                 unknown.append(f"python -m {name} ... {flag}")

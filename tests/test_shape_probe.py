@@ -36,7 +36,35 @@ def test_collapsed_words_read_as_cosine_one():
             return type("T", (), {"embedding": torch.ones(len(texts), 4)})()
 
     assert text_collapse(Same()) == {"text cosine, shape differs": pytest.approx(1.0),
-                                     "text cosine, colour differs": pytest.approx(1.0)}
+                                     "text cosine, colour differs": pytest.approx(1.0),
+                                     "text cosine, predicate converse": pytest.approx(1.0),
+                                     "text cosine, objects swapped": pytest.approx(1.0)}
+
+
+def test_relation_cosines_pair_each_caption_with_its_converse_and_its_swap():
+    import torch
+
+    seen = []
+
+    class Words:  # one dimension per word: the cosine counts shared words, so a swap keeps every word
+        vocab: dict = {}
+
+        def encode_texts(self, texts):
+            seen.append(list(texts))
+            rows = torch.zeros(len(texts), 64)
+            for i, t in enumerate(texts):
+                for w in t.split():
+                    rows[i, self.vocab.setdefault(w, len(self.vocab))] += 1
+            return type("T", (), {"embedding": rows})()
+
+    from train.shape_probe import relation_cosines
+
+    out = relation_cosines(Words())
+    base, converse, swapped = seen
+    assert len(base) == 96 and base[0] == "a red circle to the left of a green square"
+    assert converse[0] == "a red circle to the right of a green square"
+    assert swapped[0] == "a green square to the left of a red circle"
+    assert out["text cosine, objects swapped"] == pytest.approx(1.0) and out["text cosine, predicate converse"] < 1
 
 
 def test_a_world_without_enough_single_object_scenes_is_refused(tmp_path, capsys):

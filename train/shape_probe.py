@@ -15,7 +15,8 @@ initialisation, the floor):
   red circle" / "a small red square") and in the colour word only. A text tower whose shape-only cosine nears 1
   has collapsed the shape words: hard negatives that replace a shape then look like their positive, and no
   gradient asks the image tower for shape (the saddle a contrastive base can sit on; see the README's "Hard
-  negatives").
+  negatives"); and the same for relations: a relation caption against its converse ("to the left of" / "to the
+  right of") and against its objects swapped.
 """
 from __future__ import annotations
 
@@ -79,19 +80,45 @@ def probe(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: l
     return 100.0 * float(clf.score(scaler.transform(test_x), test_y))
 
 
-def text_collapse(backbone) -> dict[str, float]:
-    """Mean cosine of caption pairs that differ in the shape word only, and in the colour word only."""
+CONVERSES = (("to the left of", "to the right of"), ("above", "below"))
+
+
+def _unit_embeddings(backbone, texts: list[str]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.nn.functional.normalize(backbone.encode_texts(texts).embedding.float(), dim=-1)
+
+
+def relation_cosines(backbone) -> dict[str, float]:
+    """Mean cosine of a relation caption ("a red circle to the left of a green square") with its converse ("... to
+    the right of ...") and with its objects swapped ("a green square to the left of a red circle"), over 48 object
+    pairs and both predicate pairs: near 1, the text tower cannot tell replace-rel / swap-obj negatives apart."""
     from extract.toyworld import COLOURS, SHAPES
 
     colours, shapes = list(COLOURS), list(SHAPES)
-    texts = [f"a small {c} {s}" for c in colours for s in shapes]
-    with torch.no_grad():
-        e = torch.nn.functional.normalize(backbone.encode_texts(texts).embedding.float(), dim=-1)
+    pairs = [(f"{colours[c]} {shapes[s]}", f"{colours[(c + 1) % len(colours)]} {shapes[(s + 1) % len(shapes)]}")
+             for c in range(len(colours)) for s in range(len(shapes))]
+    base, converse, swapped = [], [], []
+    for (a, b), (p, q) in itertools.product(pairs, CONVERSES):
+        base.append(f"a {a} {p} a {b}")
+        converse.append(f"a {a} {q} a {b}")
+        swapped.append(f"a {b} {p} a {a}")
+    e = _unit_embeddings(backbone, base)
+    return {"text cosine, predicate converse": float((e * _unit_embeddings(backbone, converse)).sum(-1).mean()),
+            "text cosine, objects swapped": float((e * _unit_embeddings(backbone, swapped)).sum(-1).mean())}
+
+
+def text_collapse(backbone) -> dict[str, float]:
+    """Mean cosine of caption pairs that differ in the shape word only, and in the colour word only, and
+    :func:`relation_cosines`."""
+    from extract.toyworld import COLOURS, SHAPES
+
+    colours, shapes = list(COLOURS), list(SHAPES)
+    e = _unit_embeddings(backbone, [f"a small {c} {s}" for c in colours for s in shapes])
     sims = (e @ e.T).view(len(colours), len(shapes), len(colours), len(shapes))
     shape_only = [float(sims[c, a, c, b]) for c in range(len(colours)) for a, b in itertools.combinations(range(len(shapes)), 2)]
     colour_only = [float(sims[a, s, b, s]) for s in range(len(shapes)) for a, b in itertools.combinations(range(len(colours)), 2)]
     return {"text cosine, shape differs": float(np.mean(shape_only)),
-            "text cosine, colour differs": float(np.mean(colour_only))}
+            "text cosine, colour differs": float(np.mean(colour_only)), **relation_cosines(backbone)}
 
 
 def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict]) -> dict[str, float]:

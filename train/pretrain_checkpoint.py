@@ -25,7 +25,7 @@ Both safetensors files carry the digest of their tensors (``extract.tensorfile``
 ``extract.backbone.load_backbone`` check it, so a damaged copy or NaN weights are refused naming the file.
 
 ``python -m train.pretrain_checkpoint RUN OUT`` writes a run's final model in fp16 (half the bytes; what
-the project ships in ``train/bases/``) with its ``model.json`` and the command that made it.
+the project ships in ``extract/bases/``) with its ``model.json`` and the command that made it.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ import json
 import os
 import re
 import shutil
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch

@@ -3,6 +3,7 @@ verified, and see shapes: zero-shot "colour shape" on single-object scenes of a 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def test_a_shipped_base_sees_colour_and_shape(base, scenes):
     world, ones = scenes
     spec = resolve_spec(base)
     assert spec.model == "plugvlm-tiny-rn" and spec.pretrained.endswith("model.safetensors")
-    meta = json.loads(open(spec.pretrained[:-len(".safetensors")] + ".json").read())
+    meta = json.loads(Path(spec.pretrained).with_suffix(".json").read_text())
     assert meta["dtype"] == "float16" and "python -m train.pretrain" in meta["command"]
     bb = load_backbone(base)
     classes = [(c, s) for c in toyworld.COLOURS for s in toyworld.SHAPES]

@@ -120,6 +120,17 @@ def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
                         requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
 
 
+def trained_holdout(base: str, pretrained: str | None = None) -> list[str]:
+    """The toy-world combinations ("yellow circle", ...) held out of the data the weights of ``base`` were
+    pre-trained on, as their ``python -m train.pretrain`` description (``model.json``: ``data.holdout``) records
+    them; [] for weights without one (a tag, random weights, another checkpoint)."""
+    spec = resolve_spec(base, pretrained)
+    if not spec.pretrained or spec.pretrained == "none" or not Path(spec.pretrained).is_file():
+        return []
+    sidecar = checkpoint_sidecar(spec.pretrained) or {}
+    return sorted((sidecar.get("data") or {}).get("holdout") or [])
+
+
 # --------------------------------------------------------------------------------------------- outputs
 @dataclass
 class ImageFeatures:

@@ -740,12 +740,13 @@ DEFAULT_N, DEFAULT_SEED = 2000, 0
 
 
 def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: int = DEFAULT_SEED,
-           say=print, replace: bool = False, long_captions: bool = False) -> Path:
-    """The toy world at ``out_dir`` with ``n`` scenes and ``seed`` (``long_captions``: the long-caption mode):
-    reused when it is already there (same n, seed, mode and generator version; regenerating would give the same
-    bytes but new mtimes, which a feature cache's fingerprint sees), generated when the folder is absent. A toy
-    world with other settings there is replaced only with ``replace`` (else ValueError: someone made it on
-    purpose). ``say`` gets one line saying which."""
+           say=print, replace: bool = False, long_captions: bool = False, holdout: str | Iterable = ()) -> Path:
+    """The toy world at ``out_dir`` with ``n`` scenes and ``seed`` (``long_captions``: the long-caption mode;
+    ``holdout``: combinations kept out of its train split, as ``generate``): reused when it is already there (same
+    n, seed, mode, holdout and generator version; regenerating would give the same bytes but new mtimes, which a
+    feature cache's fingerprint sees), generated when the folder is absent. A toy world with other settings there
+    is replaced only with ``replace`` (else ValueError: someone made it on purpose). ``say`` gets one line saying
+    which."""
     out = Path(out_dir)
     meta = {}
     if (out / "meta.json").is_file():
@@ -753,18 +754,26 @@ def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: 
             meta = json.loads((out / "meta.json").read_text())
         except (OSError, ValueError):
             meta = {}
-    mode = ", long captions" if long_captions else ""
-    if (meta.get("n"), meta.get("seed"), meta.get("version"), bool(meta.get("long_captions"))) == (
-            n, seed, VERSION, bool(long_captions)):
+    held = parse_holdout(holdout)
+    mode = (", long captions" if long_captions else "") + (
+        f", holding out {', '.join(sorted(f'{c} {s}' for c, s in held))}" if held else "")
+    try:
+        had = parse_holdout(meta.get("holdout", []))
+    except ValueError:
+        had = None
+    if (meta.get("n"), meta.get("seed"), meta.get("version"), bool(meta.get("long_captions")), had) == (
+            n, seed, VERSION, bool(long_captions), held):
         say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; reused)")
         return out
     if out.exists() and any(out.iterdir()) and not replace:
-        held = (f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}"
-                f"{', long captions' if meta.get('long_captions') else ''}") if meta else "other files"
-        raise ValueError(f"{out} holds {held}, not the toy world asked for ({n} scenes, seed {seed}{mode}): pass "
+        there = (f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}"
+                 f"{', long captions' if meta.get('long_captions') else ''}"
+                 f"{', holding out ' + ', '.join(meta['holdout']) if meta.get('holdout') else ''}") if meta \
+            else "other files"
+        raise ValueError(f"{out} holds {there}, not the toy world asked for ({n} scenes, seed {seed}{mode}): pass "
                          f"--data {out} to use it, or move it away to have the asked one generated there")
     t0 = time.perf_counter()
-    generate(out, n, seed, long_captions=long_captions)
+    generate(out, n, seed, long_captions=long_captions, holdout=held)
     say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; generated in {time.perf_counter() - t0:.0f} s)")
     return out
 

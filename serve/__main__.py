@@ -101,14 +101,12 @@ def demo_adapter(demo: Path = DEMO) -> str | None:
     report = demo / "demo_report.json"
     if not report.is_file():
         return None
-    try:
-        methods = json.loads(report.read_text())["adapters"]["methods"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    from train.demo import best_adapter
+    from train.demo import served_checkpoint
 
-    method = best_adapter(methods)
-    checkpoint = methods[method]["checkpoint"] if method else None
+    try:
+        checkpoint = served_checkpoint(json.loads(report.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
     return checkpoint if checkpoint and Path(checkpoint).exists() else None
 
 

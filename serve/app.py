@@ -34,7 +34,7 @@ import re
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as with_fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +51,10 @@ DEFAULT_CANDIDATES = 50
 RECALL_LIMIT = 5000
 #: the toy world's hard-negative types, in the order the probe offers them (attribute binding first)
 PROBE_TYPES = ("swap-att", "swap-obj", "replace-att", "replace-rel", "replace-obj", "add-obj")
+#: the types whose examples show one the served model gets right and one it gets wrong (binding is the point)
+GRADED_TYPES = ("swap-att", "swap-obj")
+#: hard-negative pairs scored per graded type, looking for one right and one wrong (bounds the app's start-up)
+GRADE_CANDIDATES = 12
 
 
 # --------------------------------------------------------------------------------------------- limits
@@ -132,10 +136,11 @@ class ProbeExample:
     positive: str
     negative: str
     type: str
+    verdict: str = ""  # swaps: "<served model> right" / "... wrong", measured when the app opens (grade_examples)
 
     @property
     def label(self) -> str:
-        return f"{self.type}: {self.positive}  |  {self.negative}"
+        return f"{self.type}{f' ({self.verdict})' if self.verdict else ''}: {self.positive}  |  {self.negative}"
 
 
 @dataclass
@@ -198,12 +203,12 @@ class Served:
         self.gate = Gate(limits.concurrency, limits.queue)
         self.recall = recall
         self.base = base_scorer(searcher.scorer)
-        self.examples = probe_examples(searcher)
         self._heatmapper = None
         self._lock = threading.Lock()
         self._rows: dict[str, int] | None = None  # image id -> row, made on first use
         self.started = time.time()
         self.upload_dir: str | None = None  # where uploads may be read from; None: Gradio's upload folder
+        self.examples = grade_examples(self, probe_examples(searcher, GRADE_CANDIDATES))  # scores: needs the above
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike, *, device: str = "cpu", annotations=None, detector: str | None = None,
@@ -332,9 +337,12 @@ class Served:
 
     @property
     def heatmap_methods(self) -> tuple[str, ...]:
+        """The heatmap methods of the served backbone (a ResNet tower has the raw map only)."""
+        from extract.backbone import is_vit
         from serve.heatmap import METHODS
 
-        return METHODS
+        model = getattr(getattr(self.searcher.scorer, "backbone", None), "model", None)
+        return ("raw",) if model is not None and not is_vit(model.visual) else METHODS
 
     def heatmaps(self, image: QueryImage, caption, method: str | None = None, explain: bool = True) -> Heatmaps:
         """Per-phrase heatmaps of ``caption`` on ``image`` by ``method`` (default: serve.heatmap's), with ComAlign's
@@ -485,6 +493,29 @@ def encode_image(scorer, image: QueryImage):
     if hasattr(scorer, "encode_pil"):
         return scorer.encode_pil([image.image], [image.name])
     return scorer.encode_images(scorer.preprocess(image.image)[None])
+
+
+def grade_examples(served: "Served", candidates: list[ProbeExample], per_type: int = 2) -> list[ProbeExample]:
+    """The probe's examples: of each :data:`GRADED_TYPES` type, the first pair the served model gets right and the
+    first it gets wrong (its own image -> text score, as :meth:`Served.probe`), labelled so; of the other types the
+    first ``per_type``; shortest captions first (they read at a glance). PROBE_TYPES order."""
+    out = []
+    for kind in PROBE_TYPES:
+        pool = sorted((e for e in candidates if e.type == kind), key=lambda e: len(e.positive))
+        if kind not in GRADED_TYPES:
+            out += pool[:per_type]
+            continue
+        found: dict[bool, ProbeExample] = {}
+        for e in pool:
+            row = served.probe(served.collection_image(e.image_id), e.positive, e.negative,
+                               with_heatmaps=False).rows[-1]  # the served model's row
+            right = row["prefers"] == "A"
+            found.setdefault(right, with_fields(
+                e, verdict=f"{served.searcher.scorer.name} {'right' if right else 'wrong'}"))
+            if len(found) == 2:
+                break
+        out += [found[v] for v in (True, False) if v in found]
+    return out
 
 
 def probe_examples(searcher: Searcher, per_type: int = 2) -> list[ProbeExample]:

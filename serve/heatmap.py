@@ -353,13 +353,15 @@ class Heatmapper:
             raise ValueError(f"text must be one of {TEXT_SOURCES}, got {text!r}")
         self.scorer, self.backbone, self.text = scorer, backbone, text
         self.visual = backbone.model.visual
-        if not is_vit(self.visual):
-            raise ValueError(f"{backbone.spec.model}: per-phrase heatmaps need a ViT image tower (CLIP Surgery's "
-                             f"path runs through its transformer blocks); this base's is {type(self.visual).__name__}")
-        layers = len(self.visual.transformer.resblocks)
-        self.depth = default_depth(layers) if surgery_depth is None else int(surgery_depth)
-        if not 1 <= self.depth <= layers:
-            raise ValueError(f"surgery depth must be 1..{layers} for {backbone.spec.model}, got {self.depth}")
+        # CLIP Surgery's path runs through a ViT's transformer blocks; a ResNet tower has its raw map only (its
+        # tokens: the attention pool's value path at each position of the last feature map, MaskCLIP §3.2)
+        self.methods = METHODS if is_vit(self.visual) else ("raw",)
+        self.depth = None
+        if is_vit(self.visual):
+            layers = len(self.visual.transformer.resblocks)
+            self.depth = default_depth(layers) if surgery_depth is None else int(surgery_depth)
+            if not 1 <= self.depth <= layers:
+                raise ValueError(f"surgery depth must be 1..{layers} for {backbone.spec.model}, got {self.depth}")
         from extract.regions import preprocess_geometry
 
         self.input_size, self.resize_mode = preprocess_geometry(backbone)
@@ -400,21 +402,24 @@ class Heatmapper:
                        image_id: str | None = None) -> tuple[list[PhraseMap], ScoreExplanation | None]:
         """(:meth:`maps`, :meth:`explain`) from one pass: the boxes on the maps come from that explanation, so a
         caller showing both (the app) computes ComAlign's components once."""
-        method = METHODS[0] if method is None else method
+        method = self.methods[0] if method is None else method
         by_method, explanation = self._maps(image, text, (method,), image_id, explain=True)
         return by_method[method], explanation
 
-    def maps_by_method(self, image, text: str, methods: Sequence[str] = METHODS, *, image_id: str | None = None,
+    def maps_by_method(self, image, text: str, methods: Sequence[str] | None = None, *, image_id: str | None = None,
                        explain: bool = True) -> dict[str, list[PhraseMap]]:
         """:meth:`maps` for several methods from one forward pass: method -> maps (same phrases, same order).
-        ``explain`` False skips ComAlign's boxes (they crop and embed every image component)."""
-        return self._maps(image, text, methods, image_id, explain)[0]
+        ``explain`` False skips ComAlign's boxes (they crop and embed every image component). ``methods``: default
+        every method this tower has (:attr:`methods`)."""
+        return self._maps(image, text, self.methods if methods is None else methods, image_id, explain)[0]
 
     def _maps(self, image, text: str, methods: Sequence[str], image_id: str | None,
               explain: bool) -> tuple[dict[str, list[PhraseMap]], ScoreExplanation | None]:
         for method in methods:
-            if method not in METHODS:
-                raise ValueError(f"unknown heatmap method {method!r}; choose from {', '.join(METHODS)}")
+            if method not in self.methods:
+                why = (f" ({type(self.visual).__name__} image tower: CLIP Surgery needs a ViT)"
+                       if method in METHODS else "")
+                raise ValueError(f"unknown heatmap method {method!r}{why}; choose from {', '.join(self.methods)}")
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the query is empty: type a caption to see its phrases' heatmaps")
         pil, image_id = self._load(image, image_id)
@@ -451,6 +456,9 @@ class Heatmapper:
         [B, N, D] (the v-v path's), in float32; N in the grid's row-major order."""
         bb = self.backbone
         images = images.to(device=bb.device, dtype=bb.dtype)
+        if self.depth is None:  # no surgery path (a ResNet tower): the backbone's own tokens
+            f = bb.encode_images(images)
+            return {"embedding": f.embedding.float(), "patches": f.patches.float()}
         stream, surgery = vision_streams(self.visual, images, self.depth)
         # the backbone's own patch projection (ln_post + proj, or CoCa's pooler value path) for both streams
         return {"embedding": F.normalize(pooled_embedding(self.visual, stream).float(), dim=-1),

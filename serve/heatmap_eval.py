@@ -2,7 +2,7 @@
 images, where every object's box is known, it measures how much of the map of a phrase naming one object lies
 inside that object's box.
 
-    python -m serve.heatmap_eval                                    # the demo's pre-trained tiny base
+    python -m serve.heatmap_eval                                    # the tiny base of python -m train.demo --base tiny
     python -m serve.heatmap_eval --model tiny --pretrained none     # random weights: what chance looks like
     python -m serve.heatmap_eval --model runs/pretrain-tiny-filip --model runs/demo/base --images 300
 
@@ -44,7 +44,7 @@ from serve.heatmap import METHODS, TEXT_SOURCES
 
 PROG = "python -m serve.heatmap_eval"
 QUERIES = ("long", "single")
-#: the demo's pre-trained tiny base (python -m train.demo): the default model
+#: the tiny ViT base the demo pre-trains (python -m train.demo --base tiny): the default model
 DEMO_BASE = Path("runs/demo/base/model.safetensors")
 DEMO_WORLD = Path("runs/demo/toyworld")
 CONTROL = "brightness"
@@ -267,7 +267,7 @@ def resolve_models(opts: HeatmapEvalOptions) -> list[tuple[str, str | None]]:
         return list(zip(opts.model, opts.pretrained))
     if not DEMO_BASE.is_file():
         raise ValueError(f"no --model given and the default, the demo's pre-trained tiny base {DEMO_BASE}, is absent: "
-                         "build it with python -m train.demo (or python -m train.pretrain --method clip --model tiny "
+                         "build it with python -m train.demo --base tiny (or python -m train.pretrain --method clip --model tiny "
                          "--data runs/demo/toyworld --epochs 10 --out runs/demo/base), or name a model, e.g. "
                          "--model tiny --pretrained none (random weights)")
     return [(str(DEMO_BASE), None)]
@@ -293,7 +293,11 @@ def evaluate_heatmaps(opts: HeatmapEvalOptions) -> dict:
         say(f"model {model}" + (f" ({pretrained})" if pretrained else ""))
         scorer = load_scorer(model, pretrained, device=opts.device, annotations=str(world))
         mapper = Heatmapper(scorer, device=opts.device, surgery_depth=opts.surgery_depth, text=opts.text)
-        found, missing = measure_model(mapper, world, scenes, opts.methods, opts.queries, desc=Path(model).name)
+        methods = [m for m in opts.methods if m in mapper.methods]
+        if len(methods) < len(opts.methods):
+            say(f"  {scorer.name}: {', '.join(m for m in opts.methods if m not in methods)} needs a ViT image tower; "
+                f"measuring {', '.join(methods) or 'nothing'}")
+        found, missing = measure_model(mapper, world, scenes, methods, opts.queries, desc=Path(model).name)
         for (query, method), scores in found.items():
             rows.append({"model": model, "pretrained": pretrained, "name": scorer.name, "query": query,
                          "method": method, "surgery_depth": mapper.depth, "phrases_not_found": missing,

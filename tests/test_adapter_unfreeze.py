@@ -207,6 +207,28 @@ def test_the_default_mode_leaves_the_backbone_untouched(world, tmp_path, monkeyp
 
 
 # --------------------------------------------------------------------------------------------- pieces
+def test_hard_negatives_are_tokenized_per_batch_and_trained_through_the_backbone(world, tmp_path):
+    """--unfreeze --hard-negatives: each caption's negatives (drawn once, from the training captions) are tokenized
+    with its batch, so the backbone being trained encodes them (NegCLIP's fine-tuning); the term is logged."""
+    from train.adapter_negatives import LiveNegatives, draw_negatives
+
+    pairs, rows, _ = live_splits(parse_args(argv(world, world / "x", "--unfreeze")), world / "world")
+    drawn = draw_negatives(pairs.texts, rows, ("replace-obj", "swap-att"), seed=0)
+    bb = load_backbone("tiny")
+    batch = LiveNegatives(drawn, bb.tokenizer, bb.context_length).batch(rows[:6])
+    assert batch["neg:ids"].shape == (6, 2, bb.context_length) and batch["neg:attention_mask"].shape[:2] == (6, 2)
+    assert batch["neg_valid"].tolist() == (drawn.rows[rows[:6]] >= 0).tolist() and batch["neg_valid"].any()
+    i, k = [int(v[0]) for v in np.nonzero(batch["neg_valid"].numpy())]
+    alone = bb.tokenize([drawn.texts[drawn.rows[rows[i], k]]])
+    assert torch.equal(batch["neg:ids"][i, k], alone.ids[0])
+
+    out = tmp_path / "hn"
+    assert main(argv(world, out, "--unfreeze", "--hard-negatives", "all", "--epochs", "1", "--no-final-eval")) == 0
+    log = _csv(out / "metrics.csv")
+    assert log and all(float(r["hard_negatives"]) > 0 for r in log)
+    assert json.loads((out / "config.json").read_text())["hard_negatives"].count(",") == 4
+
+
 def test_live_arrays_are_the_arrays_the_cache_and_the_scorer_compute(world):
     """What the head trains on through the backbone equals what evaluation and serving feed it."""
     from adapters.adapter_scorer import LiveExtractor

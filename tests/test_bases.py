@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from extract import toyworld
-from extract.backbone import load_backbone, resolve_spec
+from extract.backbone import load_backbone, resolve_spec, trained_holdout
 
 HOLDOUT = "yellow circle,purple square,orange triangle,white star"  # the bases' training world held these out
 
@@ -30,6 +30,8 @@ def test_a_shipped_base_sees_colour_and_shape(base, scenes):
     assert spec.model == "plugvlm-tiny-rn" and spec.pretrained.endswith("model.safetensors")
     meta = json.loads(Path(spec.pretrained).with_suffix(".json").read_text())
     assert meta["dtype"] == "float16" and "python -m train.pretrain" in meta["command"]
+    # what it never saw is recorded with it (the demo's world holds the same combinations out): the command's
+    assert trained_holdout(base) == sorted(HOLDOUT.split(",")) and f'--holdout "{HOLDOUT}"' in meta["command"]
     bb = load_backbone(base)
     classes = [(c, s) for c in toyworld.COLOURS for s in toyworld.SHAPES]
     texts = bb.encode_texts([f"a {c} {s}" for c, s in classes]).embedding

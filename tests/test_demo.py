@@ -5,8 +5,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from adapters.registry import ADAPTERS
-from train.demo import main
+from extract.backbone import trained_holdout
+from train.demo import DEFAULT_BASES, bases_of, main, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
@@ -14,17 +17,38 @@ SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-ba
 
 
 def test_demo_end_to_end(tmp_path, capsys):
+    """The default: every adapter on both shipped bases (CLIP, CLIP + hard negatives), a toy world holding out what
+    the bases never saw, the binding table, the bases compared, and the best adapter of all served."""
     out = tmp_path / "demo"
     argv = ["--out", str(out), *SMALL]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "[4/5]" in printed and printed.count("frozen base vs base + adapter") == 1
+    assert "[7/7]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
     report = json.loads((out / "demo_report.json").read_text())
-    # it ends serving the adapter best on the validation split: an index of the test split and one query whose
-    # hits carry both stages' ranks and scores, and the printed table is the one `serve.query` prints
+    # nothing is pre-trained: the bases come with weights
+    assert report["pretrained"] == {"toy-clip": None, "toy-negclip": None} and not (out / "base").exists()
+    held = trained_holdout("toy-clip")
+    assert len(held) == 4 and report["holdout"] == held == trained_holdout("toy-negclip")
+    assert json.loads((out / "toyworld" / "meta.json").read_text())["holdout"] == held
+    for base in DEFAULT_BASES:  # one full table per base: the frozen base, then every registered adapter
+        results = json.loads((out / "adapters" / base / "results.json").read_text())
+        assert list(results["results"]) == [base, *(f"{base} + {m}" for m in ADAPTERS.names())]
+    lines = report["markdown"].splitlines()
+    assert "swap-att" in lines[0] and "held-out swap-att" in lines[0] and "T2I R@1" in lines[0]
+    rows = [line.split(" | ")[0][2:] for line in lines[2:]]
+    assert rows == [name for base in DEFAULT_BASES for name in [base, *(f"{base} + {m}" for m in ADAPTERS.names())]] \
+        + ["toy-negclip − toy-clip (frozen)"]
+    assert printed.count(report["markdown"]) == 1 and (out / "binding.md").read_text().strip() == report["markdown"]
+    # the bases' own comparison: the same frozen figures as each base's column in its table
+    versus = report["bases_compared"]["metrics"]
+    first = json.loads((out / "adapters" / "toy-clip" / "results.json").read_text())["table"]["metrics"]["toy-clip"]
+    assert versus["toy-clip"]["toyworld swap-att"]["mean"] == pytest.approx(first["toyworld swap-att"]["mean"])
+    # it ends serving the adapter best on the validation split over both bases: an index of the test split and
+    # one query whose hits carry both stages' ranks and scores, and the printed table is the one `serve.query` prints
     served = report["served"]
-    val = {m: r["val"]["retrieval T2I R@1"] for m, r in report["adapters"]["methods"].items()}
-    assert val[served["method"]] == max(val.values())
+    val = {(b, m): r["val"]["retrieval T2I R@1"] for b, res in report["adapters"].items()
+           for m, r in res["methods"].items()}
+    assert val[(served["base"], served["method"])] == max(val.values())
     from serve.search import Searcher
 
     searcher = Searcher.open(out / "index")
@@ -33,19 +57,37 @@ def test_demo_end_to_end(tmp_path, capsys):
     assert [h["row"] for h in served["hits"]["hits"]] == [h.row for h in again]
     assert [h.rerank_score for h in again] == sorted((h.rerank_score for h in again), reverse=True)
     assert printed.count(served["table"]) == 1 and "stage-1 rank" in served["table"]
-    assert report["pretrained"] == str(out / "base" / "model.safetensors")
-    assert json.loads((out / "base" / "model.json").read_text())["method"] == "clip"
-    results = json.loads((out / "adapters" / "results.json").read_text())
-    # one column per model: the frozen base, then every registered adapter
-    assert len(results["results"]) == 1 + len(ADAPTERS.names())
+    # the caption probe's graded swaps, printed: one the served model gets right, one it gets wrong
+    assert served["probes"] and all(f'"{p["positive"]}" (true) vs "{p["negative"]}"' in printed
+                                    for p in served["probes"])
+    assert {p["verdict"].rsplit(" ", 1)[1] for p in served["probes"]} <= {"right", "wrong"}
     assert json.loads((out / "config.json").read_text())["n"] == 80
+    # a second run reuses the toy world
+    assert main(argv + ["--methods", ADAPTERS.names()[0]]) == 0
+    printed = capsys.readouterr().out
+    assert "reused" in printed.split("[2/7]")[1].split("[3/7]")[0]
+
+
+def test_a_base_without_weights_is_pre_trained_first_and_reused(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["--out", str(out), *SMALL, "--base", "tiny", "--methods", "comalign"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["pretrained"] == {"tiny": str(out / "base" / "model.safetensors")} and report["holdout"] == []
+    assert json.loads((out / "base" / "model.json").read_text())["method"] == "clip"
     # the base keeps its last checkpoint only, not one per epoch
     assert len([p for p in (out / "base" / "checkpoints").iterdir() if p.is_dir()]) == 1
-    # a second run reuses the toy world and the base (same settings) instead of redoing them
-    assert main(argv + ["--methods", ADAPTERS.names()[0]]) == 0
+    # one base: its table where it always was, printed in full after the binding table
+    columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
+    assert columns == [f"tiny:{out / 'base' / 'model.safetensors'}", "tiny + comalign"]
+    assert printed.count("frozen base vs base + adapter, every figure") == 1 and printed.count("| metric |") == 1
+    assert main(argv) == 0  # the same settings: the toy world and the base are reused, not redone
     printed = capsys.readouterr().out
     assert "reused" in printed.split("[2/5]")[1].split("[3/5]")[0]
     assert "reusing" in printed.split("[3/5]")[1].split("[4/5]")[0]
+    with pytest.raises(ValueError, match="--pretrained names the weights of one --base"):
+        bases_of(parse_args(["--base", "toy-clip,toy-negclip", "--pretrained", "x.safetensors"]))
 
 
 def test_demo_log_reads_well(tmp_path):
@@ -61,7 +103,7 @@ def test_demo_log_reads_well(tmp_path):
     warnings = Counter(line for line in lines if "warning" in line.lower() or "No pretrained weights" in line)
     assert not [w for w, n in warnings.items() if n > 1], warnings
     assert "No pretrained weights loaded" not in log.stdout
-    assert sum(line.startswith("| metric |") for line in lines) == 1
+    assert sum(line.startswith("| model |") for line in lines) == 1
 
 
 def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
@@ -76,10 +118,11 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
     captions); both tables printed once."""
     out = tmp_path / "demo"
-    assert main(["--out", str(out), *SMALL, "--full", "--detector-epochs", "1", "--methods", "comalign,smartclip"]) == 0
+    assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
+                 "comalign,smartclip"]) == 0
     # (the PowerCLIP head's control column, "CLIP loss only", is added only when powerclip is among --methods)
     printed = capsys.readouterr().out
-    assert "[7/7]" in printed and printed.count("frozen base vs base + adapter") == 1
+    assert "[7/7]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])

@@ -120,6 +120,12 @@ def test_a_run_with_negatives_records_them(toy, tmp_path, capsys):
     assert desc["method_config"]["hard_negative_weight"] == 2.0
     header = (out / "log.csv").read_text().splitlines()[0].split(",")
     assert "hard_negatives" in header
+    # what the weights never saw is recorded with them: a demo world can hold the same combinations out
+    from extract.backbone import trained_holdout
+
+    assert desc["data"]["holdout"] == ["blue square", "red circle"]
+    assert trained_holdout("tiny", str(out / "model.safetensors")) == ["blue square", "red circle"]
+    assert trained_holdout("tiny") == [] and trained_holdout("tiny", "none") == []
 
 
 def test_negatives_never_come_from_an_evaluation_split(toy, tmp_path, model):

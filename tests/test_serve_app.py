@@ -146,6 +146,13 @@ def test_probe_examples_are_the_worlds_hard_negatives_of_served_images(served, s
     order = ["swap-att", "swap-obj", "replace-att", "replace-rel", "replace-obj", "add-obj"]
     types = [order.index(e.type) for e in served.examples]
     assert types == sorted(types) and max(types.count(t) for t in types) <= 2
+    # a swap the served model gets right and one it gets wrong, each checked against the probe itself
+    graded = [e for e in served.examples if e.type in ("swap-att", "swap-obj")]
+    assert graded and all(e.verdict and e.verdict in e.label for e in graded)
+    for e in graded:
+        row = served.probe(served.collection_image(e.image_id), e.positive, e.negative, with_heatmaps=False).rows[-1]
+        assert e.verdict == f"{served.searcher.scorer.name} {'right' if row['prefers'] == 'A' else 'wrong'}"
+    assert {e.verdict.split()[-1] for e in graded} == {"right", "wrong"}
 
 
 # --------------------------------------------------------------------------------------------- about
@@ -321,6 +328,13 @@ def test_the_default_index_is_the_demos_adapter_else_the_tiny_base(setup, tmp_pa
         "smartclip": {"checkpoint": str(setup.run / "adapter.safetensors"), "val": {"retrieval T2I R@1": 10.0}}}}}
     (demo / "demo_report.json").write_text(json.dumps(report))
     assert main.demo_adapter(demo) == str(setup.run / "adapter.safetensors")
+    # a report over several bases names the adapter it served; one whose checkpoint is gone names none
+    served = {"served": {"checkpoint": str(setup.run / "adapter.safetensors")}, "adapters": {"toy-clip": {}}}
+    (demo / "demo_report.json").write_text(json.dumps(served))
+    assert main.demo_adapter(demo) == str(setup.run / "adapter.safetensors")
+    (demo / "demo_report.json").write_text(json.dumps({"served": {"checkpoint": str(tmp_path / "gone")}}))
+    assert main.demo_adapter(demo) is None
+    (demo / "demo_report.json").write_text(json.dumps(report))
     assert main.default_index(demo=demo) == demo / "index"
     assert built[-1].model == str(setup.run / "adapter.safetensors") and built[-1].out == str(demo / "index")
     assert built[-1].data == str(demo / "toyworld") and built[-1].kind == "flat"

@@ -169,8 +169,17 @@ def test_context_embeddings_and_bad_arguments(world):
     assert [m.phrase for m in ctx] == [m.phrase for m in alone] and not np.allclose(ctx[0].heat, alone[0].heat)
     with pytest.raises(ValueError, match="on cpu, not meta"):
         hm.Heatmapper(scorer, device="meta")
-    with pytest.raises(ValueError, match="heatmaps need a ViT image tower.*ModifiedResNet"):
-        hm.Heatmapper(BackboneScorer(load_backbone("tiny-rn")))
+    # a ResNet tower has no surgery path: its raw map only, from the backbone's own tokens
+    rn = hm.Heatmapper(BackboneScorer(load_backbone("tiny-rn")))
+    assert rn.methods == ("raw",) and rn.depth is None
+    maps = rn.maps(image, text)
+    assert [m.method for m in maps] == ["raw", "raw"] and maps[0].heat.shape == (image.size[1], image.size[0])
+    bb = rn.backbone
+    patches = torch.nn.functional.normalize(bb.encode_images(bb.preprocess(image)[None]).patches[0], dim=-1)
+    first = bb.encode_texts([maps[0].phrase]).embedding[0]
+    assert maps[0].peak == pytest.approx(float((patches @ first).max()), abs=1e-5)
+    with pytest.raises(ValueError, match="ModifiedResNet image tower: CLIP Surgery needs a ViT"):
+        rn.maps(image, text, method="surgery")
     assert hm.Heatmapper(scorer).depth == 2 and hm.default_depth(12) == 6 and hm.default_depth(24) == 6
     with pytest.raises(ValueError, match="surgery depth"):
         hm.Heatmapper(scorer, surgery_depth=3)

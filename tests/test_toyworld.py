@@ -511,5 +511,13 @@ def test_long_mode_is_deterministic_and_ensure_tells_the_modes_apart(long_world,
         tw.ensure(world, 6, 0, say=lines.append)  # a default world asked for: not silently the long one
     tw.ensure(world, 6, 0, say=lines.append, replace=True)
     assert "long_captions" not in json.loads((world / "meta.json").read_text())
+    # a holdout is part of what ensure compares: the same one is reused, another one is not taken for it
+    lines.clear()
+    tw.ensure(world, 6, 0, say=lines.append, replace=True, holdout="red circle,blue square")
+    tw.ensure(world, 6, 0, say=lines.append, holdout=["blue square", "red circle"])
+    assert "holding out blue square, red circle; generated" in lines[0] and "reused" in lines[1]
+    assert json.loads((world / "meta.json").read_text())["holdout"] == ["blue square", "red circle"]
+    with pytest.raises(ValueError, match="holding out blue square, red circle, not the toy world asked for"):
+        tw.ensure(world, 6, 0, say=lines.append)
     assert tw.parse_args(["--out", "x", "--long-captions"]).long_captions
     assert not tw.parse_args(["--out", "x"]).long_captions

@@ -404,10 +404,6 @@ def resolve(opts: AdapterOptions) -> AdapterOptions:
     if epochs is None:
         epochs = TOY_EPOCHS if opts.data is None and opts.cache is None else EPOCHS
     hard = ",".join(parse_types(opts.hard_negatives)) or "none"
-    if hard != "none" and opts.unfreeze:
-        raise ValueError("--hard-negatives with --unfreeze is not supported yet: train the head on cached features "
-                         "with --hard-negatives, or pre-train the backbone with them (python -m train.pretrain "
-                         "--hard-negatives all)")
     return dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components, backbone_lr=backbone_lr,
                                epochs=epochs, hard_negatives=hard)
 
@@ -902,8 +898,17 @@ def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
 
     live = prepare_live(opts, env.backbone, env.base_info["describe"])
     val = live.heldout(opts.extract_batch_size, _workers(opts)) if env.is_main and not opts.resume else None
+    negatives = None
+    if opts.hard_negatives != "none":  # tokenized per batch: the backbone being trained encodes them
+        from extract.toyworld import heldout_of
+        from train.adapter_negatives import LiveNegatives, draw_negatives
+
+        drawn = draw_negatives(live.train.texts, live.train_rows, parse_types(opts.hard_negatives), seed=opts.seed,
+                               forbid=heldout_of(live.world) if live.world is not None else frozenset())
+        env.say(drawn.summary(len(live.train_rows)))
+        negatives = LiveNegatives(drawn, env.backbone.tokenizer, env.backbone.context_length)
     return TrainData(live.train_rows, live.caption_image, live.extraction, f"live {live.train.name}",
-                     final_table_data(opts), live=live, val=val)
+                     final_table_data(opts), live=live, val=val, negatives=negatives)
 
 
 def build_model(opts: AdapterOptions, env: Env, data: TrainData) -> Model:
@@ -1016,7 +1021,9 @@ def train_epoch(run: Run, epoch: int) -> None:
     for b in bar:
         t0 = time.perf_counter()
         if data.live is not None:
-            images, texts = _live_batch(next(loader), data.live, ctx, env.warn)
+            images, texts, rows = _live_batch(next(loader), data.live, ctx, env.warn)
+            if data.negatives is not None:
+                texts.update({k: v.to(ctx.device) for k, v in data.negatives.batch(rows).items()})
         else:
             arrays = to_tensors(data.cache.batch(mine(batches[b]), keys), ctx.device)
             images, texts = {k: arrays[k] for k in head_cls.image_keys}, {k: arrays[k] for k in head_cls.text_keys}
@@ -1213,9 +1220,10 @@ def _workers(opts: AdapterOptions) -> int:
     return opts.workers if opts.workers is not None else _default_workers()
 
 
-def _live_batch(batch: dict, live, ctx: _Ctx, warn) -> tuple[dict, dict]:
-    """A loaded --unfreeze batch as (images, texts) inputs of LiveModel. Undecodable images dropped their pairs;
-    on several ranks every rank keeps as many pairs as the smallest local batch (gathered shapes must agree)."""
+def _live_batch(batch: dict, live, ctx: _Ctx, warn) -> tuple[dict, dict, np.ndarray]:
+    """A loaded --unfreeze batch as (images, texts) inputs of LiveModel, and its caption rows. Undecodable images
+    dropped their pairs; on several ranks every rank keeps as many pairs as the smallest local batch (gathered shapes
+    must agree)."""
     from train.adapter_live import take
 
     for skip in live.note_skips(batch["skips"]):
@@ -1233,7 +1241,7 @@ def _live_batch(batch: dict, live, ctx: _Ctx, warn) -> tuple[dict, dict]:
     batch = take(batch, n)
     images = {"pixels": batch["pixels"].to(ctx.device)}
     texts = {"ids": batch["ids"].to(ctx.device), "attention_mask": batch["attention_mask"].to(ctx.device)}
-    return images, texts
+    return images, texts, batch["rows"].numpy()
 
 
 def _save_rank_rng(state_path: Path, rank: int) -> None:

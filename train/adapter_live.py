@@ -229,6 +229,10 @@ class LiveModel(nn.Module):
     def loss(self, image_reps, text_reps, *, rank: int = 0, world_size: int = 1):
         return self.head.loss(image_reps, text_reps, rank=rank, world_size=world_size)
 
+    def logits(self, image_reps, text_reps):
+        """The head's image->text logits (what --hard-negatives' extra columns use)."""
+        return self.head.logits(image_reps, text_reps)
+
 
 def backbone_param_groups(model: nn.Module, weight_decay: float, lr: float) -> list[dict]:
     """AdamW groups of an unfrozen open_clip model at ``lr``: weight decay on matrices only, as open_clip (no decay

@@ -55,12 +55,24 @@ def caption_texts(cache, source_spec, split: str | None, options: dict) -> list[
     return [text[i] for i in ids]
 
 
-def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays: Callable, *, seed: int,
-                    forbid=(), batch_size: int = 256, say=print) -> TrainNegatives:
-    """Draw the training captions' negatives (vocabulary: ``texts[train_rows]``) and encode them with
-    ``text_arrays`` (captions -> cached-layout arrays)."""
+@dataclass
+class DrawnNegatives:
+    """rows [num_captions, K]: for each caption row and type slot, the index of its negative in ``texts`` (-1:
+    none); ``types``: the K slots."""
+
+    rows: np.ndarray
+    texts: list[str]
+    types: tuple[str, ...]
+
+    def summary(self, captions: int) -> str:
+        return (f"hard negatives: {len(self.texts)} texts for {captions} training captions ("
+                + ", ".join(f"{t} {int((self.rows[:, k] >= 0).sum())}" for k, t in enumerate(self.types)) + ")")
+
+
+def draw_negatives(texts: list[str], train_rows: np.ndarray, types, *, seed: int, forbid=()) -> DrawnNegatives:
+    """The training captions' negatives, at most one per type each, the vocabulary that of ``texts[train_rows]``;
+    each distinct text once."""
     from extract.hard_negatives import HardNegatives
-    from train.adapter_eval import concat_padded
 
     train_texts = [texts[int(r)] for r in train_rows]
     gen = HardNegatives.for_captions(train_texts, types, forbid=forbid)
@@ -70,12 +82,49 @@ def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays
     for r, negs in zip(train_rows, drawn):
         for kind, text in negs:
             rows[int(r), gen.types.index(kind)] = unique.setdefault(text, len(unique))
-    ordered = list(unique)
-    say(f"hard negatives: {len(ordered)} texts for {len(train_rows)} training captions ("
-        + ", ".join(f"{t} {int((rows[:, k] >= 0).sum())}" for k, t in enumerate(gen.types)) + "); encoding them")
+    return DrawnNegatives(rows, list(unique), gen.types)
+
+
+def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays: Callable, *, seed: int,
+                    forbid=(), batch_size: int = 256, say=print) -> TrainNegatives:
+    """Draw the training captions' negatives (:func:`draw_negatives`) and encode them with ``text_arrays``
+    (captions -> cached-layout arrays)."""
+    from train.adapter_eval import concat_padded
+
+    drawn = draw_negatives(texts, train_rows, types, seed=seed, forbid=forbid)
+    say(drawn.summary(len(train_rows)) + "; encoding them")
+    ordered = drawn.texts
     parts = [text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     arrays = concat_padded(parts) if parts else {}
-    return TrainNegatives(rows, arrays, gen.types)
+    return TrainNegatives(drawn.rows, arrays, drawn.types)
+
+
+class LiveNegatives:
+    """``--unfreeze``'s negatives: tokenized per batch, so the backbone being trained encodes them at every step
+    (NegCLIP fine-tunes the whole model this way, §4 of Yuksekgonul et al. 2023)."""
+
+    def __init__(self, drawn: DrawnNegatives, tokenizer, context_length: int):
+        self.drawn, self.tokenizer, self.context_length = drawn, tokenizer, context_length
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return self.drawn.types
+
+    def batch(self, caption_rows) -> dict:
+        """``neg:ids`` [b, K, L], ``neg:attention_mask`` [b, K, l] (l: the longest negative) and ``neg_valid`` [b, K]
+        of these caption rows (an empty text where a caption has no negative of a type)."""
+        import torch
+
+        from extract.tokens import tokenize_with_spans
+
+        index = self.drawn.rows[np.asarray(caption_rows)]
+        b, k = index.shape
+        texts = [self.drawn.texts[i] if i >= 0 else "" for i in index.reshape(-1)]
+        tok = tokenize_with_spans(self.tokenizer, texts, self.context_length)
+        length = int(tok.attention_mask.sum(1).max())
+        return {PREFIX + "ids": tok.ids.reshape(b, k, -1),
+                PREFIX + "attention_mask": tok.attention_mask[:, :length].reshape(b, k, length),
+                "neg_valid": torch.as_tensor(index >= 0)}
 
 
 class NegativeLoss:

@@ -1,34 +1,41 @@
 """``python -m train.demo``: the main job end to end on the embedded default, the toy world.
 
-It checks the backbone (absent weights fail at once, naming the file), generates the toy world, pre-trains the
-tiny backbone on it with CLIP's objective (``train.pretrain.pretrain``; a few minutes on a CPU) unless
-``--pretrained`` names weights, then trains every registered adapter on that frozen base
-(``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed)
-and prints the side-by-side table of the frozen base vs base + each adapter on the test split: retrieval R@k,
-multi-positive retrieval (any-true R@k and mAP, by caption kind and object count: ``train.multipositive``) and
-accuracy per hard-negative type, each adapter's difference from the base with its 95% paired bootstrap interval
-over the test images (``*``: the interval excludes 0). ``--seeds N`` trains every adapter N times (mean ± sd over
-seeds; the interval is that of the seed-averaged difference).
+It checks the backbones (absent weights fail at once, naming the file), generates the toy world (holding out of its
+train split the colour-shape combinations the bases' own pre-training held out, ``extract.backbone.trained_holdout``,
+so its held-out rows test combinations no model saw), pre-trains a base that has no weights of its own (``--base
+tiny``: CLIP's objective, ``train.pretrain.pretrain``) and trains every registered adapter on each frozen base
+(``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed).
+The default bases are the two toy bases that ship with plugvlm (``extract/bases``): CLIP and CLIP + hard negatives
+(NegCLIP's recipe). Each base gets its full table of the frozen base vs base + each adapter on the test split:
+retrieval R@k, multi-positive retrieval (any-true R@k and mAP, by caption kind and object count:
+``train.multipositive``) and accuracy per hard-negative type (held-out combinations as their own rows), each
+adapter's difference from its base with its 95% paired bootstrap interval over the test images (``*``: the interval
+excludes 0). The frozen bases are compared with each other the same way, and the binding table gathers the rows
+that matter for binding (:func:`binding_table`). ``--seeds N`` trains every adapter N times (mean ± sd over seeds;
+the interval is that of the seed-averaged difference).
 
-``--full`` is the long run (57 minutes on 2 CPU cores with ``--seeds 3``, measured): each method where its paper makes
-its claim. It also trains a small YOLO on the toy world's train split (``extract.toy_detector``) and adds ComAlign
-on those detected boxes and on random boxes next to its ground-truth ones (the oracle no user has), adds the
-PowerCLIP head trained with its CLIP term alone (the control of its powerset loss), and it builds a
-long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.toyworld --long-captions``)
-and prints a second table on its test split: the frozen base (77 tokens: long captions are cut), SmartCLIP's frozen
-mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the paper's recipe) and
-SmartCLIP trained on the short-caption world only.
+``--full`` is the long run (57 minutes on 2 CPU cores with ``--base tiny --seeds 3``, measured): each method where its
+paper makes its claim, on the last base. It also trains a small YOLO on the toy world's train split
+(``extract.toy_detector``) and adds ComAlign on those detected boxes and on random boxes next to its ground-truth
+ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
+loss), and it builds a long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens:
+``extract.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
+captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
+(``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
 
-It ends by serving the best adapter (the highest held-out T2I R@1, chosen on the validation split, not the test
-split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds the search
-index of the test split with it, and one example query shows the first-stage hits next to the adapter's own
-re-ranking.
+It ends by serving the best adapter over every base (the highest held-out T2I R@1, chosen on the validation split,
+not the test split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds
+the search index of the test split with it, one example query shows the first-stage hits next to the adapter's own
+re-ranking, and the caption probe's graded swaps (``serve.app.grade_examples``) show one the served model gets right
+and one it gets wrong.
 
-Everything lands in ``--out``: ``toyworld/``, ``base/`` (the pre-trained backbone, open_clip-loadable
-``model.safetensors`` + ``model.json``, and its last checkpoint), ``adapters/`` (cache, one run folder per
-method, ``results.{json,md,png}``), ``index/`` (the search index of the best adapter: ``python -m serve.query
-OUT/index "..."`` searches it), ``demo_report.json`` and the resolved ``config.json``. Rerunning reuses the
-toy world, the base and the feature cache when their settings are unchanged; the adapters are trained again.
+Everything lands in ``--out``: ``toyworld/``, ``base/`` (one base to pre-train; ``bases/<base>/`` for several: the
+pre-trained backbone, open_clip-loadable ``model.safetensors`` + ``model.json``, and its last checkpoint),
+``adapters/`` (one base) or ``adapters/<base>/`` (several: ``results.{json,md,png}``, one run folder per method;
+``adapters/cache`` is shared), ``bases-compared/``, ``binding.md``, ``index/`` (the search index of the best
+adapter: ``python -m serve.query OUT/index "..."`` searches it), ``demo_report.json`` and the resolved
+``config.json``. Rerunning reuses the toy world, a pre-trained base and the feature caches when their settings are
+unchanged; the adapters are trained again.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import dataclasses
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -46,6 +53,8 @@ from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, positive_int, save_config
 
 PROG = "python -m train.demo"
+#: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/bases); the first is the reference
+DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
 @dataclass
@@ -55,11 +64,18 @@ class DemoOptions:
     out: str = option("runs/demo", help="output folder (toy world, base, adapters, reports)")
     n: int = option(2000, type=positive_int, help="toy-world scenes to generate")
     seed: int = option(0, type=nonnegative_int, help="seeds the toy world, pre-training and adapters")
-    base: str = option("tiny", help="backbone alias or open_clip model name")
-    pretrained: str | None = option(None, help="weights of --base (tag, file or 'none'); without it the tiny base is "
-                                               "pre-trained on the toy world first, other bases use the alias's default "
-                                               "weights")
-    pretrain_epochs: int = option(10, type=positive_int, help="epochs of CLIP pre-training of the tiny base")
+    base: Any = option(",".join(DEFAULT_BASES), metavar="BASES",
+                       help="backbone aliases or open_clip model names, comma list: every adapter trains on each "
+                            "(default: the shipped toy CLIP and its twin pre-trained with hard negatives, NegCLIP's "
+                            "recipe; extract/bases)")
+    pretrained: str | None = option(None, help="weights of a single --base (tag, file or 'none'); without it a base "
+                                               "with no weights of its own (e.g. tiny) is pre-trained on the toy world "
+                                               "first, the others use their alias's weights")
+    holdout: str | None = option(None, metavar="COMBOS",
+                                 help="(colour, shape) combinations held out of the toy world's train split (default: "
+                                      "those the bases' own pre-training held out, so the held-out rows test "
+                                      "combinations no model saw)")
+    pretrain_epochs: int = option(10, type=positive_int, help="epochs of CLIP pre-training of a base without weights")
     pretrain_batch_size: int = option(64, type=positive_int, help="pre-training batch")
     methods: Any = option("all", help=f"adapters to train: comma list from {', '.join(ADAPTERS.names())}, or all")
     epochs: int = option(5, type=positive_int, help="adapter training epochs")
@@ -120,6 +136,17 @@ def best_adapter(methods: dict) -> str | None:
     scored = {m: r["val"]["retrieval T2I R@1"] for m, r in methods.items()
               if r.get("checkpoint") and "retrieval T2I R@1" in (r.get("val") or {})}
     return max(scored, key=scored.get) if scored else None
+
+
+def served_checkpoint(report: dict) -> str | None:
+    """The checkpoint of the adapter a demo report says it served (best held-out T2I R@1 over every base); None
+    when it served none. Reports of one base written before the demo compared bases name it by method."""
+    served = report.get("served") or {}
+    if served.get("checkpoint"):
+        return served["checkpoint"]
+    methods = (report.get("adapters") or {}).get("methods")
+    method = best_adapter(methods) if isinstance(methods, dict) else None
+    return methods[method]["checkpoint"] if method else None
 
 
 class Steps:
@@ -185,60 +212,153 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
     return compare(copts)
 
 
-def serve_best(opts: DemoOptions, result: dict, world: Path, out: Path, step=say) -> dict | None:
-    """Index the toy world's test split with the best adapter (``serve.index``) and run :data:`EXAMPLE_QUERY`
-    with re-ranking; returns what it did, with the hits, for the report."""
+def serve_best(opts: DemoOptions, results: dict[str, dict], world: Path, out: Path, step=say) -> dict | None:
+    """Index the toy world's test split with the best adapter over every base (``serve.index``) and run
+    :data:`EXAMPLE_QUERY` with re-ranking; returns what it did, with the hits, for the report, and the caption
+    probe's examples there: a swap the served model gets right and one it gets wrong (``serve.app``)."""
+    from serve.app import Served
     from serve.index import IndexOptions, build_index
     from serve.query import table
     from serve.search import Searcher
 
-    method = best_adapter(result["methods"])
-    if method is None:
+    best = {(base, m): r["methods"][m]["val"]["retrieval T2I R@1"] for base, r in results.items()
+            for m in [best_adapter(r["methods"])] if m is not None}
+    if not best:
         step("serving skipped: no adapter with held-out figures")
         return None
-    checkpoint = result["methods"][method]["checkpoint"]
-    step(f"serving {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
+    base, method = max(best, key=best.get)
+    checkpoint = results[base]["methods"][method]["checkpoint"]
+    step(f"serving {base} + {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
     manifest = build_index(IndexOptions(model=checkpoint, data=str(world), out=str(out / "index"), kind="flat",
                                         cache_dir=str(out / "adapters" / "cache"), device=opts.device,
                                         workers=opts.workers, seed=opts.seed))
     searcher = Searcher.open(out / "index", device=opts.device or "cpu")
     hits = searcher.search_text(EXAMPLE_QUERY, k=5, rerank=50)
-    return {"method": method, "index": str(out / "index"), "images": manifest["collection"]["images"],
+    probes = [{"type": e.type, "verdict": e.verdict, "image_id": e.image_id, "positive": e.positive,
+               "negative": e.negative} for e in Served(searcher).examples if e.verdict]
+    return {"base": base, "method": method, "checkpoint": checkpoint, "index": str(out / "index"), "images": manifest["collection"]["images"],
             "captions": manifest["collection"]["captions"], "query": EXAMPLE_QUERY,
-            "hits": hits.to_dict(), "table": table(searcher, hits)}
+            "hits": hits.to_dict(), "table": table(searcher, hits), "probes": probes}
+
+
+def bases_of(opts: DemoOptions) -> list[str]:
+    """``--base`` as a list (the first is the reference of the bases' comparison); a ValueError says what is wrong."""
+    bases = list(opts.base) if isinstance(opts.base, (list, tuple)) else [
+        b.strip() for b in str(opts.base).split(",") if b.strip()]
+    if not bases:
+        raise ValueError("--base names no backbone: give one or more, e.g. --base toy-clip,toy-negclip")
+    if len(set(bases)) != len(bases):
+        raise ValueError(f"--base names a backbone twice: {','.join(bases)}")
+    if opts.pretrained is not None and len(bases) > 1:
+        raise ValueError(f"--pretrained names the weights of one --base; {len(bases)} are given ({','.join(bases)}): "
+                         "each uses its alias's weights, or run the demo once per base")
+    return bases
+
+
+#: the binding table's columns: (heading, train.evaluate metric); a column no row has is left out
+BINDING_COLUMNS = (("T2I R@1", "retrieval T2I R@1"), ("I2T R@1", "retrieval I2T R@1"),
+                   ("replace-obj", "toyworld replace-obj"), ("swap-att", "toyworld swap-att"),
+                   ("swap-obj", "toyworld swap-obj"), ("replace-rel", "toyworld replace-rel"),
+                   ("held-out replace-obj", "toyworld held-out replace-obj"),
+                   ("held-out swap-att", "toyworld held-out swap-att"))
+
+
+def _cell(m: dict | None, reference: bool) -> str:
+    """A binding-table cell: the base's figure with its interval, an adapter's mean (± sd over seeds) with ``*``
+    where its difference from its base has an interval excluding 0."""
+    if not m:
+        return ""
+    if reference:
+        lo, hi = m.get("ci") or (None, None)
+        return f"{m['mean']:.1f}" + (f" [{lo:.1f}, {hi:.1f}]" if lo is not None else "")
+    sd = f" ± {m['sd']:.1f}" if len(m.get("runs") or ()) > 1 else ""
+    return f"{m['mean']:.1f}{sd}{' *' if m.get('significant') else ''}"
+
+
+def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
+    """One row per base and per base + adapter (``tables``: base -> the ``table`` of its train.evaluate
+    results.json) over :data:`BINDING_COLUMNS`; ``versus`` (the bases' own comparison) adds a row per base after
+    the first: its difference from the first with the paired interval."""
+    keys = [(h, k) for h, k in BINDING_COLUMNS if any(k in col for t in tables.values() for col in
+                                                         t["metrics"].values())]
+    lines = ["| model | " + " | ".join(h for h, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for base, t in tables.items():
+        for name, metrics in t["metrics"].items():
+            cells = [_cell(metrics.get(k), name == t["reference"]) for _, k in keys]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if versus:
+        first = versus["reference"]
+        for name, metrics in versus["metrics"].items():
+            if name == first:
+                continue
+            cells = []
+            for _, k in keys:
+                m = metrics.get(k)
+                cells.append("" if not m or m.get("delta") is None else
+                             f"{m['delta']:+.1f} [{m['delta_ci'][0]:+.1f}, {m['delta_ci'][1]:+.1f}]"
+                             f"{' *' if m.get('significant') else ''}")
+            lines.append(f"| {name} − {first} (frozen) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | None], world: Path,
+                  out: Path) -> dict:
+    """The frozen bases side by side on the test split (``train.evaluate``, the first base the reference): what
+    pre-training with hard negatives changed, with paired intervals. Returns train.evaluate's results.json."""
+    from train.evaluate import EvaluateOptions, evaluate
+
+    given = [weights[b] for b in bases]
+    models = [b if w is None else w for b, w in zip(bases, given)]
+    report = evaluate(EvaluateOptions(model=models, data=str(world), split="test", tasks="retrieval,compositional",
+                                      out=str(out), seed=opts.seed, device=opts.device))
+    return json.loads(Path(report["reports"][0]).read_text())
 
 
 def demo(opts: DemoOptions) -> dict:
     """Run the demo (module docstring); returns its report (also written to ``OUT/demo_report.json``) with the
-    table as ``markdown``."""
+    binding table as ``markdown`` and each base's full table under ``adapters``."""
     from extract import toyworld
-    from extract.backbone import load_backbone
+    from extract.backbone import load_backbone, resolve_spec, trained_holdout
     from train.adapter_compare import CompareOptions, columns, compare
 
     out = Path(opts.out)
     started = time.perf_counter()
-    step = Steps(7 if opts.full else 5)
-    pretrain_base = opts.pretrained is None and opts.base.startswith("tiny")
-    # the backbone first: missing weights must fail before any other work
-    step(f"backbone: {opts.base} (weights: "
-         f"{'pre-trained on the toy world next' if pretrain_base else opts.pretrained or 'the alias default'})")
-    backbone = load_backbone(opts.base, "none" if pretrain_base else opts.pretrained, device="cpu")
-    info = backbone.describe()
-    say(f"  {info['model']}: embed dim {info['embed_dim']}, {info['grid'][0]}x{info['grid'][1]} patches, "
-        f"{info['context_length']} tokens")
-    del backbone
+    bases = bases_of(opts)
+    several = len(bases) > 1
+    step = Steps(4 + len(bases) + several + (2 if opts.full else 0))
+    # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
+    untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
+    infos = {}
+    # the backbones first: missing weights must fail before any other work
+    step(f"backbone{'s' if several else ''}: " + ", ".join(
+        f"{b} (weights: {'pre-trained on the toy world next' if b in untrained else opts.pretrained or 'the alias default'})"
+        for b in bases))
+    for b in bases:
+        backbone = load_backbone(b, "none" if b in untrained else opts.pretrained, device="cpu")
+        infos[b] = backbone.describe()
+        say(f"  {b}: {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
+            f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
+        del backbone
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
-    step(f"toy world: {opts.n} scenes, seed {opts.seed}")
-    world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line), replace=True)
+    holdout = opts.holdout if opts.holdout is not None else sorted(
+        {c for b in bases for c in trained_holdout(b, None if b in untrained else opts.pretrained)})
+    step(f"toy world: {opts.n} scenes, seed {opts.seed}" + (
+        f", holding out of its train split what the bases never saw: {', '.join(holdout)}"
+        if holdout and opts.holdout is None else ""))
+    world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line), replace=True,
+                            holdout=holdout)
 
-    pretrained = opts.pretrained
-    if pretrain_base:
-        step(f"pre-training the {opts.base} base on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
-        pretrained = _pretrain_base(opts, world, out / "base")
+    weights = {b: opts.pretrained for b in bases}
+    if untrained:
+        step(f"pre-training {', '.join(untrained)} on the toy world (CLIP, {opts.pretrain_epochs} epochs)")
+        for b in untrained:
+            weights[b] = _pretrain_base(replace(opts, base=b), world, out / ("bases" if several else "") /
+                                        (b if several else "base"))
     else:
-        step("pre-training skipped: using the given weights")
+        step("pre-training skipped: " + ("using the given weights" if opts.pretrained else "the bases come with "
+                                         "weights"))
 
     methods = opts.methods
     if isinstance(methods, str):
@@ -249,51 +369,76 @@ def demo(opts: DemoOptions) -> dict:
         detector = toy_detector(opts, world, out / "toy-detector")
     elif opts.full:
         step("detector skipped: ComAlign is not among --methods")
-    if opts.full:
+    if opts.full:  # the long run's extra columns go to the last base, the strongest by default
         variants = full_variants(methods, detector["weights"] if detector else None)
-    step(f"adapters on the frozen base: {', '.join(methods)}"
-         + "".join(f"; {v.method} ({v.label})" for v in variants))
-    copts = CompareOptions(data=str(world), out=str(out / "adapters"), base=opts.base, pretrained=pretrained,
-                           methods=methods, variants=variants, epochs=opts.epochs, batch_size=opts.batch_size,
-                           seed=opts.seed, seeds=opts.seeds, workers=opts.workers, device=opts.device)
-    for key, *_ in columns(copts):  # the demo retrains its adapters each time: its own earlier runs make way
-        shutil.rmtree(out / "adapters" / key, ignore_errors=True)
-    result = compare(copts)
+    results, tables = {}, {}
+    for b in bases:
+        extra = variants if b == bases[-1] else []
+        step(f"adapters on the frozen {b}: {', '.join(methods)}" + "".join(f"; {v.method} ({v.label})"
+                                                                           for v in extra))
+        copts = CompareOptions(data=str(world), out=str(out / "adapters" / (b if several else "")), base=b,
+                               pretrained=weights[b], methods=methods, variants=extra, epochs=opts.epochs,
+                               batch_size=opts.batch_size, seed=opts.seed, seeds=opts.seeds, workers=opts.workers,
+                               device=opts.device, cache_dir=str(out / "adapters" / "cache"))
+        for key, *_ in columns(copts):  # the demo retrains its adapters each time: its own earlier runs make way
+            shutil.rmtree(Path(copts.out) / key, ignore_errors=True)
+        results[b] = compare(copts)
+        if results[b].get("reports"):
+            tables[b] = json.loads(Path(results[b]["reports"][0]).read_text())["table"]
+    versus = None
+    if several:
+        step(f"the frozen bases compared: {', '.join(bases[1:])} against {bases[0]}")
+        versus = compare_bases(opts, bases, weights, world, out / "bases-compared")["table"]
     long_result = None
     if opts.full:
         step(f"SmartCLIP on long captions: a long-caption toy world ({opts.n} scenes of 4-8 objects)")
-        long_result = long_captions(opts, pretrained, world, out / "long-captions")
-    served = serve_best(opts, result, world, out, step)
-    report = {"backbone": info, "pretrained": pretrained, "toyworld": str(world), "adapters": result,
-              "detector": detector, "long_captions": long_result, "served": served,
+        long_result = long_captions(replace(opts, base=bases[-1]), weights[bases[-1]], world,
+                                    out / "long-captions")
+    served = serve_best(opts, results, world, out, step)
+    report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
+              "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
+              "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "seconds": time.perf_counter() - started}
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "binding.md").write_text((report["markdown"] or "") + "\n")
     return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: DemoOptions) -> None:
         report = demo(opts)
-        table = report["adapters"].get("markdown")
-        if table:
-            seeds = f"{opts.seeds} seeds, {opts.seed}..{opts.seed + opts.seeds - 1}" if opts.seeds > 1 else \
-                f"seed {opts.seed}"
-            print(f"\nfrozen base vs base + adapter (toy world test split, adapters trained with {seeds}; retrieval R@k, "
-                  "multi-positive any-true R@k and mAP, hard-negative accuracy, %):")
-            print(table)
+        seeds = f"{opts.seeds} seeds, {opts.seed}..{opts.seed + opts.seeds - 1}" if opts.seeds > 1 else \
+            f"seed {opts.seed}"
+        results = report["adapters"]
+        if report.get("markdown"):
+            print(f"\nbinding: frozen base vs base + adapter (toy world test split, adapters trained with {seeds}; "
+                  "retrieval R@1 and hard-negative accuracy, %, chance 50; base: [95% bootstrap interval over test "
+                  "images]; adapter: mean ± sd over seeds, * its difference from its base excludes 0):")
+            print(report["markdown"])
+        if len(results) == 1 and next(iter(results.values())).get("markdown"):
+            print(f"\nfrozen base vs base + adapter, every figure (toy world test split, adapters trained with "
+                  f"{seeds}; retrieval R@k, multi-positive any-true R@k and mAP, hard-negative accuracy, %):")
+            print(next(iter(results.values()))["markdown"])
+        else:
+            print("\nevery figure, per base: " + ", ".join(r["table"] for r in results.values() if r.get("table")))
         long_table = (report.get("long_captions") or {}).get("markdown")
         if long_table:
-            print(f"\nSmartCLIP on long captions (long-caption toy world's test split, {seeds}; the base reads 77 tokens, "
-                  f"the fine-tuned column {LONG_CONTEXT}; %):")
+            print(f"\nSmartCLIP on long captions (long-caption toy world's test split, {seeds}; the base reads 77 "
+                  f"tokens, the fine-tuned column {LONG_CONTEXT}; %):")
             print(long_table)
         if report.get("served"):
             served = report["served"]
-            print(f"the best adapter, {served['method']}, serving the test split ({served['images']} images; "
-                  f"first 50 re-ranked by its own score):")
+            print(f"\nthe best adapter, {served['base']} + {served['method']}, serving the test split "
+                  f"({served['images']} images; first 50 re-ranked by its own score):")
             print(served["table"])
-            print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50")
-        say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, "
-            "adapters/results.{json,md,png}" + (", long-captions/results.{json,md,png}" if opts.full else ""))
+            for p in served.get("probes") or ():
+                print(f"  {p['type']}, {p['verdict']}: image {p['image_id']}, \"{p['positive']}\" (true) vs "
+                      f"\"{p['negative']}\"")
+            print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50; the caption "
+                  f"probe: python -m serve --index {served['index']}")
+        say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "
+            "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
+            + (", long-captions/results.{json,md,png}" if opts.full else ""))
 
     return run_job(job, parse_args(argv))
 

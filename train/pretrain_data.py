@@ -385,6 +385,10 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
     desc = {"kind": type(source).__name__, "spec": str(data), "split": split if _is_toyworld(data) else None,
             "images": len(dataset), "captions": sum(len(r.captions) for r in dataset.records),
             "index_report": source.report.counts()}
+    if _is_toyworld(data):  # what the weights never saw: a demo world holding these out tests composition
+        from extract.toyworld import heldout_of
+
+        desc["holdout"] = sorted(f"{c} {s}" for c, s in heldout_of(data))
     report = SkipReport().merge(source.report)
     return TrainData(loader, sampler.steps_per_epoch, accum_freq, "indexed", desc, report, sampler,
                      {r.image_id for r in dataset.records})

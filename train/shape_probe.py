@@ -16,7 +16,12 @@ initialisation, the floor):
   has collapsed the shape words: hard negatives that replace a shape then look like their positive, and no
   gradient asks the image tower for shape (the saddle a contrastive base can sit on; see the README's "Hard
   negatives"); and the same for relations: a relation caption against its converse ("to the left of" / "to the
-  right of") and against its objects swapped.
+  right of") and against its objects swapped;
+- position: whether the image side says which object is left. On two-object scenes (two colours), for each colour a
+  probe of "the object of this colour is left of the other" (chance 50), from the global image embedding and from
+  the patch tokens (the positions of the last feature map, concatenated), averaged over the colours. A base whose
+  tokens know and whose embedding does not has pooled position away: a head that scores global embeddings of crops
+  (ComAlign's relation components) cannot learn left from right from it.
 """
 from __future__ import annotations
 
@@ -58,16 +63,60 @@ def single_object_scenes(world: Path, n_train: int, n_test: int) -> tuple[list[d
     return train, test
 
 
-def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256) -> np.ndarray:
+def two_object_scenes(world: Path, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    """Scenes of two objects of different colours: (train split, val/test), at most n_train / n_test."""
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"]
+              if len(s["objects"]) == 2 and s["objects"][0]["colour"] != s["objects"][1]["colour"]]
+    return ([s for s in scenes if s["split"] == "train"][:n_train],
+            [s for s in scenes if s["split"] != "train"][:n_test])
+
+
+def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256,
+                   tokens: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The global image embeddings [n, D]; with ``tokens`` also the L2-normalised patch tokens, flattened [n, N*D]."""
     from PIL import Image
 
-    out = []
+    out, toks = [], []
     for a in range(0, len(scenes), batch):
         ims = torch.stack([backbone.preprocess(Image.open(world / s["file_name"]).convert("RGB"))
                            for s in scenes[a:a + batch]])
         with torch.no_grad():
-            out.append(backbone.encode_images(ims.to(backbone.device)).embedding.float().cpu())
-    return torch.cat(out).numpy()
+            f = backbone.encode_images(ims.to(backbone.device))
+        out.append(f.embedding.float().cpu())
+        if tokens:
+            toks.append(torch.nn.functional.normalize(f.patches.float(), dim=-1).flatten(1).cpu())
+    return (torch.cat(out).numpy(), torch.cat(toks).numpy()) if tokens else torch.cat(out).numpy()
+
+
+def left_labels(scenes: list[dict], colour: str, margin: float = 4.0) -> tuple[np.ndarray, np.ndarray]:
+    """(scene indices, 1 where the object of ``colour`` is left of the other) over the scenes holding one object of
+    that colour whose centres lie at least ``margin`` px apart horizontally."""
+    idx, left = [], []
+    for i, s in enumerate(scenes):
+        mine = [o for o in s["objects"] if o["colour"] == colour]
+        if len(mine) != 1:
+            continue
+        other = next(o for o in s["objects"] if o is not mine[0])
+        dx = (other["box"][0] + other["box"][2] / 2) - (mine[0]["box"][0] + mine[0]["box"][2] / 2)
+        if abs(dx) >= margin:
+            idx.append(i)
+            left.append(int(dx > 0))
+    return np.asarray(idx, dtype=np.int64), np.asarray(left, dtype=np.int64)
+
+
+def left_right_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: list[dict]) -> float | None:
+    """Held-out accuracy (%) of "the object of colour c is left of the other", one probe per colour, averaged over
+    the colours with both answers among >= 5 train scenes each and >= 10 held-out scenes; None without any."""
+    from extract.toyworld import COLOURS
+
+    scores = []
+    for colour in COLOURS:
+        itr, ytr = left_labels(train, colour)
+        ite, yte = left_labels(test, colour)
+        if min(int(ytr.sum()), int(len(ytr) - ytr.sum())) < 5 or len(yte) < 10:
+            continue
+        scores.append(probe(xtr[itr], ytr.tolist(), xte[ite], yte.tolist()))
+    return float(np.mean(scores)) if scores else None
 
 
 def probe(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: list[str]) -> float:
@@ -121,7 +170,8 @@ def text_collapse(backbone) -> dict[str, float]:
             "text cosine, colour differs": float(np.mean(colour_only)), **relation_cosines(backbone)}
 
 
-def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict]) -> dict[str, float]:
+def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict],
+                  pairs: tuple[list[dict], list[dict]] = ([], [])) -> dict[str, float]:
     from extract.backbone import load_backbone
 
     world = Path(opts.data)
@@ -131,15 +181,24 @@ def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test
     for key in ("shape", "colour"):
         out[f"image probe: {key} %"] = probe(xtr, [s["objects"][0][key] for s in train],
                                              xte, [s["objects"][0][key] for s in test])
+    ptr, pte = pairs
+    if ptr and pte:
+        (etr, ttr), (ete, tte) = (image_features(backbone, world, ptr, tokens=True),
+                                  image_features(backbone, world, pte, tokens=True))
+        for name, a, b in (("embedding", etr, ete), ("tokens", ttr, tte)):
+            found = left_right_probe(a, ptr, b, pte)
+            if found is not None:
+                out[f"image probe: left/right from {name} %"] = found
     out.update(text_collapse(backbone))
     return out
 
 
 def shape_probe(opts: ShapeProbeOptions) -> dict[str, dict[str, float]]:
     train, test = single_object_scenes(Path(opts.data), opts.n_train, opts.n_test)
+    pairs = two_object_scenes(Path(opts.data), opts.n_train, opts.n_test)
     results = {}
     for weights in progress(opts.pretrained or ["none"], desc="probing", unit="model"):
-        results[weights] = probe_weights(opts, weights, train, test)
+        results[weights] = probe_weights(opts, weights, train, test, pairs)
     if opts.json_out:
         Path(opts.json_out).write_text(json.dumps(results, indent=2) + "\n")
     return results
@@ -161,7 +220,8 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: ShapeProbeOptions) -> None:
         results = shape_probe(opts)
-        print("single-object scenes: shape chance 16.7%, colour chance 12.5%; text cosines near 1 = collapsed words")
+        print("single-object scenes: shape chance 16.7%, colour chance 12.5%; two-object scenes: left/right chance "
+              "50%; text cosines near 1 = collapsed words")
         print(table(results))
 
     return run_job(job, parse_options(ShapeProbeOptions, build_parser(), argv))

@@ -38,6 +38,7 @@ from PIL import Image
 
 from extract.images import BadCaption, BadImage, DecodedImage, Unusual, decode_image, validate_caption
 from extract.report import Note, Skip, SkipReport
+from extract.toyworld import is_toyworld
 
 __all__ = [
     "COCOSource",
@@ -835,7 +836,7 @@ def open_source(spec: str | Path, **options: Any) -> DataSource:
     if path.suffix.lower() not in (".csv", ".tsv") or path.is_dir():
         options = {k: v for k, v in options.items() if k not in CSV_OPTIONS}
     if path.is_dir():
-        if (path / "meta.json").is_file() and (path / "annotations.json").is_file():
+        if is_toyworld(path):
             return ToyWorldSource(path, **options)
         if expand_shards(path):
             return WebDatasetSource(path, **options)

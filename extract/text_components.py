@@ -57,6 +57,7 @@ import argparse
 import csv
 import time
 from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -79,6 +80,11 @@ _EXCLUDED_PIPES = ("ner", "lemmatizer", "attribute_ruler")
 
 class SpacyModelNotFoundError(OSError):
     """spaCy or its English model is not installed; the message says what to install."""
+
+
+#: parses kept per process (:meth:`TextComponentExtractor.parse`), the oldest dropped first: a few KB each
+PARSE_CACHE = 50_000
+_PARSES: dict[int, OrderedDict] = {}
 
 
 @lru_cache(maxsize=None)
@@ -392,9 +398,23 @@ class TextComponentExtractor:
             if tokenized.spans.shape[0] != len(captions):
                 raise ValueError(f"tokenized holds {tokenized.spans.shape[0]} captions, got {len(captions)}")
             spans = tokenized.spans.numpy()
-        docs = self.nlp.pipe(captions, batch_size=self.batch_size, n_process=self.n_process)
+        docs = self.parse(captions)
         return [self._components(_Caption(text, doc, self.ids, None if spans is None else spans[b]))
                 for b, (text, doc) in enumerate(zip(captions, docs))]
+
+    def parse(self, captions: Sequence[str]) -> list:
+        """spaCy's parse of each caption, each distinct text parsed once per process: an evaluation scores the same
+        captions and hard negatives with every adapter, and each adapter run parses its held-out captions again.
+        A parse depends on the text and the pipeline only (one per process, :func:`load_spacy`), so reusing it
+        changes no output (a test compares against fresh parses)."""
+        cache = _PARSES.setdefault(id(self.nlp), OrderedDict())
+        todo = [t for t in dict.fromkeys(captions) if t not in cache]
+        for text, doc in zip(todo, self.nlp.pipe(todo, batch_size=self.batch_size, n_process=self.n_process)):
+            cache[text] = doc
+        docs = [cache[t] for t in captions]
+        while len(cache) > PARSE_CACHE:
+            cache.popitem(last=False)
+        return docs
 
     # -- rules ------------------------------------------------------------------------------------
     def _components(self, c: _Caption) -> TextComponents:

@@ -8,6 +8,8 @@ offsets, and the ids we produce are checked (in the tests) to equal the tokenize
 from __future__ import annotations
 
 import difflib
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,36 @@ def _align(cleaned: str, text: str, lower: bool) -> list[int]:
     return mapping
 
 
+#: tokenisations kept per process (:func:`_encoded`), the oldest dropped first
+ENCODE_CACHE = 100_000
+_ENCODED: OrderedDict = OrderedDict()
+
+
+def _vocabulary_key(tok) -> str:
+    """What decides a SimpleTokenizer's output (its vocabulary and merges, its text cleaning), as a digest computed
+    once per tokenizer object: tokenizers loaded again by later runs of a process share their cached encodings."""
+    key = getattr(tok, "_plugvlm_vocabulary_key", None)
+    if key is None:
+        h = hashlib.sha256(repr(sorted(tok.encoder.items())).encode())
+        h.update(repr(sorted(tok.bpe_ranks.items())).encode() if hasattr(tok, "bpe_ranks") else b"")
+        h.update(repr(getattr(tok.clean_fn, "__name__", tok.clean_fn)).encode())
+        key = h.hexdigest()
+        tok._plugvlm_vocabulary_key = key
+    return key
+
+
+def _encoded(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """:func:`_simple_tokenizer_encode`, each (vocabulary, text) once per process: every adapter run and every
+    evaluated model tokenises the same held-out captions and hard negatives again."""
+    key = (_vocabulary_key(tok), text)
+    found = _ENCODED.get(key)
+    if found is None:
+        found = _ENCODED[key] = _simple_tokenizer_encode(tok, text)
+        while len(_ENCODED) > ENCODE_CACHE:
+            _ENCODED.popitem(last=False)
+    return found
+
+
 def _simple_tokenizer_encode(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """Replay ``SimpleTokenizer.encode`` on one caption, returning ids and [start, end) spans."""
     cleaned = tok.clean_fn(text)
@@ -112,7 +144,7 @@ def tokenize_with_spans(tokenizer, texts: list[str], context_length: int | None 
     spans = torch.full((len(texts), length, 2), NO_SPAN, dtype=torch.long)
     truncated = torch.zeros(len(texts), dtype=torch.bool)
     for i, text in enumerate(texts):
-        body, body_spans = _simple_tokenizer_encode(tokenizer, text)
+        body, body_spans = _encoded(tokenizer, text)
         seq = [tokenizer.sot_token_id] + body + [tokenizer.eot_token_id]
         sp = [(NO_SPAN, NO_SPAN)] + body_spans + [(NO_SPAN, NO_SPAN)]
         if len(seq) > length:

@@ -126,7 +126,7 @@ def resolve_world(data: str | None) -> Path:
 
         return toyworld.ensure(say=say)
     world = Path(data)
-    if not (world / "annotations.json").is_file() or not (world / "meta.json").is_file():
+    if not toyworld.is_toyworld(world):
         raise FileNotFoundError(f"--data {world} is not a toy-world folder (no annotations.json / meta.json there): "
                                 f"generate one with `python -m extract.toyworld --out {world}`, or leave --data out "
                                 "for the embedded toy world")

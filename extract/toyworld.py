@@ -213,6 +213,13 @@ def parse_holdout(spec: str | Iterable) -> frozenset:
     return frozenset(combos)
 
 
+def is_toyworld(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a generated toy world (a folder with ``meta.json`` and ``annotations.json``): the one test
+    every command uses to decide that a ``--data`` is one."""
+    return bool(path) and Path(str(path)).is_dir() and (Path(str(path)) / "meta.json").is_file() and (
+        Path(str(path)) / "annotations.json").is_file()
+
+
 def heldout_of(world: str | os.PathLike) -> frozenset:
     """The (colour, shape) combinations a generated toy world held out of its train split (``meta.json``)."""
     meta = json.loads((Path(world) / "meta.json").read_text())

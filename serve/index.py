@@ -39,6 +39,7 @@ from extract.cli import build_parser as build_cli
 from extract.config import fraction, nonnegative_int, positive_float, positive_int
 from extract.extract_options import DEFAULT_WORKERS
 from extract.source_args import BoxOptions, SourceOptions, open_options, source_flags
+from extract.toyworld import is_toyworld
 from serve.faiss_index import KINDS, memory_size, parse_memory
 from serve.layout import write_table as layout_write_table
 from serve.layout import (FORMAT, MANIFEST, METADATA_SUFFIX, VERSION, BuildDir, IndexDirError, build_lock, check_alignment, check_model,
@@ -154,11 +155,6 @@ def parse_args(argv: Sequence[str] | None = None) -> IndexOptions:
 
 
 # --------------------------------------------------------------------------------------------- the model
-def _is_toyworld(spec: str) -> bool:
-    path = Path(str(spec))
-    return path.is_dir() and (path / "meta.json").is_file() and (path / "annotations.json").is_file()
-
-
 def _model_kind(opts: IndexOptions, scorer) -> str:
     from adapters.scoring import is_adapter_path, pretrained_checkpoint
     from extract.weights import checkpoint_sidecar
@@ -178,7 +174,7 @@ def load_model(opts: IndexOptions):
     from adapters.scoring import load_scorer
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    annotations = opts.annotations or (opts.data if _is_toyworld(opts.data) else None)
+    annotations = opts.annotations or (opts.data if is_toyworld(opts.data) else None)
     scorer = load_scorer(opts.model, opts.pretrained, device=device, annotations=annotations, detector=opts.detector)
     if not (hasattr(scorer, "first_stage_image") and hasattr(scorer, "first_stage_text")):
         raise ValueError(f"{scorer.name} ({type(scorer).__name__}) gives no first-stage vectors (first_stage_image / "
@@ -622,7 +618,7 @@ def _data_entry(spec: str, split: str | None, cache) -> dict:
 
 
 def _split_for(opts: IndexOptions) -> str | None:
-    if _is_toyworld(opts.data):
+    if is_toyworld(opts.data):
         return opts.split or "test"
     if opts.split:
         raise ValueError(f"--split applies to toy worlds only; {opts.data} is another kind of source")

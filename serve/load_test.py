@@ -13,7 +13,7 @@ whichever comes first. The server's memory is read from its ``/health`` before a
 
 Bounded on purpose: a fixed number of requests, a time cap, and only loopback addresses (a load generator pointed
 at another machine is refused). Without ``--url`` it starts ``python -m serve --port 0`` itself (``--index`` passed
-on), waits for it and stops it at the end. The bar (issue 17): zero errors and no memory growth across a run; a
+on), waits for it and stops it at the end. The bar: zero errors and no memory growth across a run; a
 phase that misses it is marked and the exit status is 1.
 """
 from __future__ import annotations

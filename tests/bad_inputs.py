@@ -10,15 +10,15 @@ silently wrong result.
 Layout under the corpus root (the tables lie next to their images: relative paths resolve against a table's folder)::
 
     images/             good, converted (CMYK, 16-bit, palette + transparency) and broken image files
-    images/mixed.csv    good rows among bad images, bad captions and an unterminated quote (issue 14, item 3)
-    images/*.csv        tables no command can read: wrong columns, tab-separated .csv, empty, UTF-16 (item 8)
+    images/mixed.csv    good rows among bad images, bad captions and an unterminated quote
+    images/*.csv        tables no command can read: wrong columns, tab-separated .csv, empty, UTF-16
     images/coco.json    COCO captions with an annotation of an unknown image and a bad caption
     shards/             a webdataset shard cut in the middle
-    configs/*.yaml      values that must fail the command line's checks (item 4)
+    configs/*.yaml      values that must fail the command line's checks
     checkpoints/        an adapter and a training state with flipped bytes, an adapter with NaN weights, a damaged
-                        pre-training checkpoint, a foreign pickle (items 2 and 9); --pretrained files torch cannot
+                        pre-training checkpoint, a foreign pickle; --pretrained files torch cannot
                         use: a .pt cut in half, a 404 page saved as .pt, another architecture's state dict
-    caches/truncated    a feature cache with a cut .npy (item 10)
+    caches/truncated    a feature cache with a cut .npy
 """
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def flip_tensor_bytes(path: Path, at: int | None = None, count: int = 64) -> Non
     path.write_bytes(bytes(data))
 
 
-# --pretrained files torch cannot use, with what the one error line must say (issue 14, item 9)
+# --pretrained files torch cannot use, with what the one error line must say
 UNUSABLE_WEIGHTS = {
     "cut.pt": "is not a readable PyTorch file (cut short or not a checkpoint",
     "junk.pt": "is not a readable PyTorch file (cut short or not a checkpoint",

@@ -15,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -224,7 +223,7 @@ def test_nan_steps_are_skipped_logged_and_abort_keeping_the_last_good_checkpoint
 
 
 def test_divergence_before_any_good_state_does_not_claim_one(run, root, tmp_path, capsys):
-    """Issue 14, item 12: the warning named last.safetensors as "the last good state" when none existed."""
+    """The warning once named last.safetensors as "the last good state" when none existed."""
     cache_path = Path(read_meta(run / "adapter.safetensors")["extraction"]["path"])
     everything = _nan_cache(cache_path, tmp_path / "all-nan", None)
     out = tmp_path / "fresh"
@@ -246,14 +245,14 @@ def test_divergence_before_any_good_state_does_not_claim_one(run, root, tmp_path
     ("--val-fraction", "0", "--val-fraction must be in (0, 1) without --val-data, got 0"),
 ])
 def test_settings_that_would_train_nothing_are_refused(root, tmp_path, capsys, flag, value, message):
-    """Issue 14, item 5: --epochs -1 once exited 0 with an untrained model and a result table."""
+    """--epochs -1 once exited 0 with an untrained model and a result table."""
     with pytest.raises(SystemExit) as e:
         parse_args(adapter_argv(root, "comalign", tmp_path / "run", flag, value))
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_batch_larger_than_the_training_set_fails_before_extraction(root, tmp_path, capsys):
-    """Issue 14, item 11: the default batch of 256 on a small data set failed only after the whole extraction."""
+    """The default batch of 256 on a small data set failed only after the whole extraction."""
     argv = ["--method", "comalign", "--data", str(root / "world"), "--out", str(tmp_path / "run"),
             "--cache-dir", str(tmp_path / "cache"), "--workers", "0", "--batch-size", "256"]
     assert main(argv) == 2
@@ -298,9 +297,8 @@ def test_without_weights_it_fails_in_seconds_naming_them_before_building_anythin
     """The README's command as typed: no --data, no --out. The weights check comes before the default toy world is
     generated, before any cache and before the run folder."""
     monkeypatch.chdir(tmp_path)
-    t0 = time.perf_counter()
     code = main(["--base", "ViT-B-32", "--method", "comalign"])
-    assert code == 2 and time.perf_counter() - t0 < 10
+    assert code == 2 and list(tmp_path.iterdir()) == []  # no toy world, no cache, no run folder
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err  # load_backbone's message, naming the fix
     assert "ViT-B-32" in err and "--pretrained" in err
@@ -352,7 +350,7 @@ def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeyp
 
 
 def test_the_python_entry_refuses_what_the_command_line_refuses(tmp_path):
-    """train(AdapterOptions(...)) gets the flags' own checks before anything loads (issue 14, item 5: --epochs 0
+    """train(AdapterOptions(...)) gets the flags' own checks before anything loads (--epochs 0
     once trained nothing and wrote a table); head and extraction options are checked like their generated flags."""
     base = dict(method="comalign", data=str(tmp_path / "nowhere"), out=str(tmp_path / "run"))
     for bad, message in (({"epochs": 0}, "epochs: expected an integer >= 1, got 0"),

@@ -190,7 +190,7 @@ def test_random_init_is_seeded_and_hashed():
 
 
 def test_a_weights_file_is_described_by_its_resolved_path(tiny, tmp_path, monkeypatch):
-    """Issue 14, item 15: how a checkpoint path is spelled must not change the fingerprint of what it builds."""
+    """How a checkpoint path is spelled must not change the fingerprint of what it builds."""
     from safetensors.torch import save_file
 
     (tmp_path / "w").mkdir()

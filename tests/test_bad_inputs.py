@@ -1,7 +1,7 @@
 """Every entry point that reads data, configs, checkpoints or caches, run against the bad-input corpus
 (``tests/bad_inputs.py``): each bad input ends in a report line (the good rows kept, unchanged) or in one
 ``error:`` line naming the file and what to do, with exit status 2 -- never a traceback (an exception
-escaping ``main`` fails the test), never a silently wrong result (issue 14)."""
+escaping ``main`` fails the test), never a silently wrong result."""
 from __future__ import annotations
 
 import json

@@ -179,7 +179,7 @@ def test_a_second_run_waits_for_the_lock_naming_its_holder_then_gives_up(tmp_pat
         with pytest.raises(CacheBusyError) as err:
             with CacheDir(tmp_path, {"s": 1}).build_lock("run-b", timeout=0.6, say=said.append, poll=0.05):
                 pytest.fail("two runs held the lock at once")
-        assert 0.5 < time.monotonic() - started < 10
+        assert time.monotonic() - started >= 0.6  # it waited out its timeout before giving up
         msg = str(err.value)
         assert f"pid {os.getpid()} on host {socket.gethostname()} since {holder['since']}" in msg
         assert str(cache.path / "lock") in msg and "rerun" in msg

@@ -1,5 +1,5 @@
 """extract.cli: options dataclasses and their parsers, one-line errors, --quiet / --verbose, progress in logs;
-and, for every entry point, that --help stays cheap (issue 15)."""
+and, for every entry point, that --help stays cheap."""
 from __future__ import annotations
 
 import io
@@ -119,8 +119,9 @@ def test_quiet_and_verbose(capsys):
     assert cli.verbosity() == cli.QUIET
     _parser().parse_args(["--verbose"])
     assert cli.verbosity() == cli.VERBOSE
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         _parser().parse_args(["--quiet", "--verbose"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_progress_in_a_log_is_a_few_plain_lines():
@@ -214,7 +215,7 @@ def test_every_option_says_what_it_does(name):
 
 
 def test_no_job_builds_a_command_line_to_call_another():
-    """Jobs compose as functions: no module outside tests parses an argv list it built itself (issue 15)."""
+    """Jobs compose as functions: no module outside tests parses an argv list it built itself."""
     import re
 
     calls = re.compile(r"\b(parse_args|main)\(\s*\[|\bargv \+= \[|\bargv = \[\"--|sys\.executable, \"-m\"")

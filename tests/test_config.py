@@ -95,7 +95,7 @@ def _training_parser():
 ])
 def test_config_values_pass_the_command_line_checks(tmp_path, capsys, text, expected):
     """Each bad value stops with the flag's own check, naming the file and the key: no training with lr 1.0,
-    no KeyError or YAML traceback (issue 14, item 4)."""
+    no KeyError or YAML traceback."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
     with pytest.raises(SystemExit) as e:

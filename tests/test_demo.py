@@ -92,7 +92,7 @@ def test_a_base_without_weights_is_pre_trained_first_and_reused(tmp_path, capsys
 
 def test_demo_log_reads_well(tmp_path):
     """`python -m train.demo > demo.log 2>&1`: no line over 300 characters (tqdm frames once made a 26 KB line),
-    no warning repeated, the table printed once (issue 15)."""
+    no warning repeated, the table printed once."""
     log = subprocess.run([sys.executable, "-m", "train.demo", "--out", str(tmp_path / "demo"), *SMALL], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})

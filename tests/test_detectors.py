@@ -7,7 +7,6 @@ conftest's socket guard turns any download attempt into a failure.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -116,10 +115,9 @@ def test_missing_yolo_weights_fail_before_ultralytics_is_touched(tmp_path, monke
     ultralytics made unimportable, reaching it would raise MissingDependencyError instead."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "ultralytics", None)
-    t0 = time.perf_counter()
     with pytest.raises(WeightsNotFoundError) as err:
         load_detector("yolov9c.pt")
-    assert time.perf_counter() - t0 < 1.0
+    assert sys.modules["ultralytics"] is None  # refused before any attempt to import it
     msg = str(err.value)
     assert "yolov9c.pt" in msg and str(tmp_path / "yolov9c.pt") in msg and "--detector" in msg
     assert not list(tmp_path.iterdir())  # nothing was downloaded or written

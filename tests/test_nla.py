@@ -516,3 +516,23 @@ def test_powerclip_loss_gradients_reach_every_input():
     out["loss"].backward()
     for t in (img, txt, regions, nodes):
         assert torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0
+
+
+def test_nla_t2_has_its_exact_values():
+    """Pinned, not only bounded: at Q = 0 every subset scores zeta(0) = 0, so NLA-T2 = tau * alpha * log K; and a
+    small case computed by hand with math's own functions (a slipped temperature or sign moves it)."""
+    import math
+
+    for tau, alpha, k in ((0.01, 0.75, 5), (0.5, 0.0, 3), (0.1, 1.0, 7)):
+        got = nla_t2(torch.zeros(4, k, dtype=torch.float64), tau, alpha)
+        assert float(got) == pytest.approx(tau * alpha * math.log(k), abs=1e-12)
+    q = torch.tensor([[0.4, -0.2, 0.1], [0.3, 0.5, -0.6]], dtype=torch.float64)  # M = 2 regions, K = 3 nodes
+    tau, alpha = 0.5, 0.75
+
+    def zeta(x):
+        return x + alpha * math.log(math.cosh(x))
+
+    sums = [sum(zeta(float(q[m, b]) / (2 * tau)) for m in range(2)) for b in range(3)]
+    expected = tau * (math.log(sum(math.exp(v) for v in sums)) - (1 - alpha) * math.log(3))
+    assert float(nla_t2(q, tau, alpha)) == pytest.approx(expected, abs=1e-12)
+    assert float(nla_t2(q, tau, alpha)) == pytest.approx(0.6032641123, abs=1e-9)  # the figure itself

@@ -126,10 +126,12 @@ def test_missing_cache_fails_with_a_message(tmp_path, capsys):
     assert "python -m extract" in capsys.readouterr().err
 
 
-def test_bad_arguments_are_refused(tmp_path):
+def test_bad_arguments_are_refused(tmp_path, capsys):
     for bad in (["--taus", "0.1,-1"], ["--alphas", "0,2"], ["--regions", "17"], ["--samples", "3"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as e:
             nla_report.parse_args(["--out", str(tmp_path), *bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and bad[0] in err, err  # one line naming the flag it refused
 
 
 def test_lambda_and_alpha_star_against_library_bounds():

@@ -435,11 +435,9 @@ def no_backbone(monkeypatch):
 ])
 def test_missing_detector_or_segmenter_weights_fail_before_any_work(world, tmp_path, capsys, no_backbone, flags,
                                                                     named):
-    started = time.perf_counter()
-    assert main(_argv(world, tmp_path / "cache", *flags)) == 2
+    assert main(_argv(world, tmp_path / "cache", *flags)) == 2  # no_backbone: loading the backbone would fail
     assert named in capsys.readouterr().err
     assert not (tmp_path / "cache").exists()
-    assert time.perf_counter() - started < 30
 
 
 # --------------------------------------------------------------------------------------------- ViT-B-32

@@ -1,4 +1,4 @@
-"""python -m train.pretrain: the engine, its checkpoints, and the reliability checks of issue 6 (two processes
+"""python -m train.pretrain: the engine, its checkpoints, and its reliability checks (two processes
 equal one, kill -9 and resume equal an uninterrupted run, NaN steps skipped then a clean abort)."""
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path):
 
 
 def test_nan_steps_are_skipped_then_the_run_stops_with_checkpoints_intact(toy, tmp_path, capsys):
-    """Skipped steps change nothing; no checkpoint is written right after one (issue 14, item 6: step_2 and step_4
+    """Skipped steps change nothing; no checkpoint is written right after one (step_2 and step_4
     once held blown-up weights and were called intact); console, log.csv and checkpoint names count steps alike."""
     from train.pretrain import main
 
@@ -275,7 +275,7 @@ def test_a_resnet_tower_trains_with_clip_and_is_refused_by_patch_objectives(toy,
 
 @pytest.mark.parametrize("flag, value", [("--epochs", "-1"), ("--epochs", "0"), ("--lr", "-1e-3"), ("--batch-size", "0")])
 def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, flag, value):
-    """Issue 14, item 5: --epochs -1 once exited 0 and saved an untrained model."""
+    """--epochs -1 once exited 0 and saved an untrained model."""
     from train.pretrain import parse_args
 
     with pytest.raises(SystemExit) as e:

@@ -1,6 +1,6 @@
 """The README is the front door: its set-up commands are what CI runs, it has a contents list, and every block
 marked ``<!-- runnable -->`` (shell or Python) runs as written, in order, in a fresh folder, on the embedded
-default, and reads well in a log (issue 15)."""
+default, and reads well in a log."""
 from __future__ import annotations
 
 import argparse

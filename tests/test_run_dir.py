@@ -24,7 +24,7 @@ def test_claim_refuses_a_folder_holding_another_run(tmp_path):
 
 
 def test_claim_creates_the_folder_and_refuses_one_it_cannot_write(tmp_path):
-    """Issue 14: an unusable --out (under a file, as /etc/passwd/x) failed only at the run's first write, after
+    """An unusable --out (under a file, as /etc/passwd/x) failed only at the run's first write, after
     extraction, with "[Errno 20] Not a directory" alone."""
     out = tmp_path / "a" / "run"
     claim(out, {"method": "comalign"})

@@ -76,7 +76,7 @@ def test_json_has_every_section_with_sane_figures(bench):
     assert search["rerank_check"]["ok"], search["rerank_check"]
     for mode in ("bare", "searcher"):
         st = data["startup"][mode]
-        assert st["open_s"] > 0 and st["first_query_s"] > 0 and st["process_s"] >= st["in_process_s"]
+        assert st["open_s"] > 0 and st["first_query_s"] > 0 and st["process_s"] > 0 and st["in_process_s"] > 0
     assert data["startup"]["searcher"]["hits"] == 10
     assert len(data["targets"]) >= 4 and all(t["met"] in (True, False, None) for t in data["targets"])
     for t in data["targets"]:  # None: the run says its timings are a measurement fault, and why

@@ -1,4 +1,4 @@
-"""serve.heatmap / serve.heatmap_eval: per-phrase heatmaps that are right, not decorative (issue 17, items 2 and 5).
+"""serve.heatmap / serve.heatmap_eval: per-phrase heatmaps that are right, not decorative.
 
 Our forward through the vision tower reproduces open_clip's exactly on its query-key path, the v-v path matches
 torch's own attention with the value projection in every role, feature surgery's fast form equals the literal

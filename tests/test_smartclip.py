@@ -204,14 +204,19 @@ def test_first_stage_then_exact_rerank():
         assert torch.equal(exact[full, j], exact[:, j].sort(descending=True).values)
 
 
-def test_bf16_autocast_keeps_scores_in_fp32():
+def test_bf16_autocast_keeps_scores_in_fp32_and_near_the_fp32_run():
     head = _trained_like()
     b = _batch()
+    with torch.no_grad():
+        ir32, tr32 = head.encode_image(b), head.encode_text(b)
+        want_scores, want_loss = head.score(ir32, tr32), head.loss(ir32, tr32)["loss"]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ir, tr = head.encode_image(b), head.encode_text(b)
         scores = head.score(ir, tr)
         loss = head.loss(ir, tr)["loss"]
     assert scores.dtype == torch.float32 and torch.isfinite(loss)
+    torch.testing.assert_close(scores.detach(), want_scores, rtol=2e-2, atol=2e-2)  # bf16 keeps ~3 digits
+    torch.testing.assert_close(loss.detach().float(), want_loss, rtol=2e-2, atol=2e-2)
 
 
 # ------------------------------------------------------------------------------------ real tiny cache

@@ -404,3 +404,30 @@ def test_cli(tmp_path, capsys):
     assert err.startswith("error: ") and "no column 'caption'" in err and err.count("\n") == 1
     assert main(["--captions", str(tmp_path / "absent.txt")]) == 2
     assert "absent.txt: no such caption file" in capsys.readouterr().err
+
+
+def test_each_text_is_parsed_once_per_process_and_the_reuse_changes_nothing(ex, monkeypatch):
+    """Evaluations score the same captions with every adapter: a text parsed before is not parsed again, and its
+    components equal those of a fresh parse (the cache emptied)."""
+    import extract.text_components as tc
+
+    texts = ["a zebra to the left of a violet giraffe", "two objects: a red circle and a small blue square",
+             "a zebra to the left of a violet giraffe"]
+    first = ex.extract(texts)
+    parsed = []
+    real_pipe = ex.nlp.pipe
+
+    def counting(items, **kw):
+        items = list(items)
+        parsed.extend(items)
+        return real_pipe(items, **kw)
+
+    monkeypatch.setattr(ex.nlp, "pipe", counting)
+    again = ex.extract(texts + ["a green star above a yellow hexagon"])
+    assert parsed == ["a green star above a yellow hexagon"]  # only the new text, once
+    assert again[:3] == first
+    monkeypatch.setattr(tc, "_PARSES", {})
+    assert ex.extract(texts) == first and parsed[1:] == texts[:2]  # parsed anew, each distinct text once
+    monkeypatch.setattr(tc, "PARSE_CACHE", 1)
+    ex.extract(texts)
+    assert len(tc._PARSES[id(ex.nlp)]) == 1  # bounded: the oldest parses go first

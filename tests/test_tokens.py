@@ -84,3 +84,25 @@ def test_any_unicode_ids_match(text):
 def test_unsupported_tokenizer_is_refused_clearly():
     with pytest.raises(NotImplementedError, match="SimpleTokenizer"):
         tokenize_with_spans(object(), ["x"])
+
+
+def test_encodings_are_reused_across_tokenizer_objects_of_one_vocabulary(monkeypatch):
+    """A later run's tokenizer (a new object, the same vocabulary) reuses the encodings; the result is the one a
+    fresh encoding gives; a tokenizer with another vocabulary does not share them."""
+    import open_clip
+
+    import extract.tokens as tokens
+
+    texts = ["a small red circle to the left of a blue square", "naïve café, ﬁne print"]
+    first = tokenize_with_spans(open_clip.get_tokenizer("ViT-B-32"), texts)
+    calls = []
+    real = tokens._simple_tokenizer_encode
+    monkeypatch.setattr(tokens, "_simple_tokenizer_encode", lambda tok, text: calls.append(text) or real(tok, text))
+    again = tokenize_with_spans(open_clip.get_tokenizer("ViT-B-32"), texts)
+    assert calls == [] and torch.equal(again.ids, first.ids) and torch.equal(again.spans, first.spans)
+    monkeypatch.setattr(tokens, "_ENCODED", tokens.OrderedDict())
+    fresh = tokenize_with_spans(open_clip.get_tokenizer("ViT-B-32"), texts)
+    assert calls == texts and torch.equal(fresh.ids, first.ids) and torch.equal(fresh.spans, first.spans)
+    other = open_clip.get_tokenizer("ViT-B-32")
+    other.encoder = {**other.encoder, "zzz": len(other.encoder)}
+    assert tokens._vocabulary_key(other) != tokens._vocabulary_key(open_clip.get_tokenizer("ViT-B-32"))

@@ -1,5 +1,4 @@
 """Weights resolution: local first, download only when reachable, otherwise fail fast and say what to do."""
-import time
 
 import open_clip
 import pytest
@@ -12,11 +11,20 @@ from extract.weights import WeightsNotFoundError, resolve_weights
 
 
 @pytest.mark.parametrize("base", ["ViT-B-32", "ViT-B-16", "ViT-L-14", "coca_ViT-B-32"])
-def test_absent_tag_fails_fast_naming_file_and_remedy(base):
-    t0 = time.perf_counter()
+def test_absent_tag_fails_fast_naming_file_and_remedy(base, monkeypatch):
+    """Fast because it never reaches for the network: no connection is even attempted."""
+    import socket
+
+    tried = []
+
+    def connect(self, address):
+        tried.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
     with pytest.raises(WeightsNotFoundError) as e:
         load_backbone(base)
-    assert time.perf_counter() - t0 < 5
+    assert tried == []
     msg = str(e.value)
     assert "--pretrained /path/to/" in msg and "huggingface-cli download" in msg and "open_clip_model.safetensors" in msg
 
@@ -137,6 +145,5 @@ def test_probe_host_on_loopback():
     port = server.getsockname()[1]
     assert weights.probe_host("127.0.0.1", port, timeout=2) is None
     server.close()
-    t0 = time.perf_counter()
-    reason = weights.probe_host("127.0.0.1", port, timeout=2)  # nothing listens now
-    assert reason is not None and "Refused" in reason and time.perf_counter() - t0 < 2.5
+    reason = weights.probe_host("127.0.0.1", port, timeout=2)  # nothing listens now: refused at once, not timed out
+    assert reason is not None and "Refused" in reason and "timed out" not in reason

@@ -84,8 +84,9 @@ from extract.config import (fraction, nonnegative_float, nonnegative_int, parse_
                             positive_int, save_config)
 from extract.source_args import SourceOptions
 from extract.tensorfile import first_nonfinite
+from extract.toyworld import is_toyworld
 from train.adapter_data import (cache_config, caption_rows_of, check_cache, epoch_batches, extraction_options,
-                                final_table_data, is_toyworld, obtain_cache, split_images)
+                                final_table_data, obtain_cache, split_images)
 from train.adapter_eval import CachedBase, HeldOut, attach_toyworld_negatives, encode_heldout, evaluate_heldout, \
     heldout_split
 

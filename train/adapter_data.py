@@ -25,14 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from extract.cache import FeatureCache, settings_diff
+from extract.toyworld import is_toyworld
 
 
 # --------------------------------------------------------------------------------------------- data sources
-def is_toyworld(spec) -> bool:
-    path = Path(str(spec))
-    return path.is_dir() and (path / "meta.json").is_file() and (path / "annotations.json").is_file()
-
-
 def listed_images(spec, split: str | None = None, **options) -> int | None:
     """How many images a data source lists, read from its index without decoding or encoding anything
     (toy world, CSV/TSV, COCO JSON); None for a streaming source (webdataset), which only extraction counts.

@@ -113,7 +113,8 @@ def live_splits(args, world: Path | None) -> tuple[Pairs, np.ndarray, Pairs]:
     (``train.adapter.prepare_data``): a toy world's ``val`` split, else ``--val-data``, else a seeded
     ``--val-fraction`` of the training images held out with all of their captions."""
     from extract.source_args import source_options
-    from train.adapter_data import caption_rows_of, is_toyworld, split_images
+    from extract.toyworld import is_toyworld
+    from train.adapter_data import caption_rows_of, split_images
 
     options = {"image_root": args.image_root, "unusual": args.extract_options.get("unusual"), **source_options(args)}
     train = Pairs.open(args.data, "train" if world else None, **options)
@@ -369,7 +370,7 @@ def extraction_args(args, world: Path | None) -> dict:
 def prepare_live(args, backbone, base_describe: dict) -> LiveData:
     """Splits (:func:`live_splits`), the live extractor and the extraction description the checkpoint stores."""
     from adapters.adapter_scorer import LiveExtractor
-    from train.adapter_data import is_toyworld
+    from extract.toyworld import is_toyworld
 
     world = Path(args.data) if is_toyworld(args.data) else None
     train, train_rows, val = live_splits(args, world)

@@ -3,7 +3,7 @@
 Strict R@k (``train/retrieval.py``) credits a caption only with its own image. On data whose captions can be true of
 other images too, that undercounts: a toy-world one-object caption ("a small red circle") is true of every test
 image holding a small red circle, about 6 of 200, so a perfect model's strict T2I R@1 on those captions is about
-1/6 (issue 18), and a gain on partial captions is invisible. The toy world knows the truth
+1/6, and a gain on partial captions is invisible. The toy world knows the truth
 (``extract.toyworld.satisfies``); :func:`toyworld_truth` turns it into a matrix and these metrics read it.
 
 Definitions. ``truth[i, t]``: caption t is true of image i (a caption is always true of its own image). Scores go

@@ -1,7 +1,7 @@
 """``python -m train.nla_benchmark``: the PowerCLIP NLA core's speed and memory, measured in one run.
 
 (a) one loss step (``PowerCLIPLoss`` forward + backward, same batch B x K x d) at M = 15 over M = 5
-    (issue 5's target: <= 1.5x);
+    (target: <= 1.5x);
 (b) the exact loss (closed-form T2R + R2T enumerated over the 2^M region subsets, same composition) over the
     NLA loss at M = 12 (target: >= 50x slower);
 (c) peak memory of the chunked pair similarities for Bi = Bj = 1024, M = 10, K = 16, d = 512 (target:

@@ -67,6 +67,7 @@ from extract.config import (_config_value, fraction, nonnegative_float, nonnegat
 from extract.hard_negatives import HardNegativeOptions, parse_types  # noqa: E402
 from extract.source_args import SourceOptions, source_options  # noqa: E402
 from extract.tensorfile import first_nonfinite  # noqa: E402
+from extract.toyworld import is_toyworld  # noqa: E402
 from train import pretrain_checkpoint as ckpt  # noqa: E402
 from train.pretrain_data import SeededTransform, build_train_data, to_device  # noqa: E402
 from train.run_dir import claim, default_out  # noqa: E402
@@ -586,10 +587,6 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
-def _is_toyworld(path: str | None) -> bool:
-    return bool(path) and Path(path).is_dir() and (Path(path) / "annotations.json").is_file()
-
-
 def resolve_options(opts: PretrainOptions, dist: Dist) -> tuple[PretrainOptions, list[str]]:
     """The options with data, epochs, out and val_data filled in where they were left to the run
     (:class:`PretrainOptions`), and one line per choice made, for the run's first lines. The embedded toy world
@@ -614,7 +611,7 @@ def resolve_options(opts: PretrainOptions, dist: Dist) -> tuple[PretrainOptions,
         changes["out"] = str(default_out("pretrain", opts.model, opts.method))
         notes.append(f"out: {changes['out']} (no --out given)")
     data = changes.get("data", opts.data)
-    if opts.val_data is None and _is_toyworld(data):
+    if opts.val_data is None and is_toyworld(data):
         changes["val_data"] = data
     return dataclasses.replace(opts, **changes), notes
 
@@ -647,7 +644,7 @@ def with_hard_negatives(objective, opts: PretrainOptions):
 
     from extract.toyworld import heldout_of
 
-    forbid = heldout_of(opts.data) if opts.data and _is_toyworld(opts.data) else frozenset()
+    forbid = heldout_of(opts.data) if opts.data and is_toyworld(opts.data) else frozenset()
     generator = HardNegatives(Vocabulary(), parse_types(opts.hard_negatives), forbid)
     return WithHardNegatives(objective, generator, opts.hard_negative_weight, opts.seed)
 

@@ -1,5 +1,5 @@
 """``python -m train.pretrain_benchmark``: step-time ratios of the pre-training objectives, measured in one run on
-the same model, batch and machine (issue 6's speed targets).
+the same model, batch and machine (the speed targets below).
 
     python -m train.pretrain_benchmark                               # ViT-B-16 geometry, batch 8, on CPU
     python -m train.pretrain_benchmark --device cuda --batch-size 128 --precision amp_bf16 --steps 10
@@ -16,7 +16,7 @@ shared CPU, single steps still vary by 2x, so use many rounds or a quiet machine
 - ``clip-pgs`` at a fixed 0.5 ratio (CLIP-PGS_0.5) / ``flip`` at 0.5 (<= 1.03x: the paper's "< 3%");
 - ``flip`` at 0.5 / ``clip`` (<= 0.65x);
 - ``powerclip`` with M = 15 / M = 5 masks (<= 1.5x): PowerCLIP's Fig. 9 (training time vs number of masks);
-  issue 5's bound for the NLA loss, which ``python -m train.nla_benchmark`` also measures for the loss alone.
+  our bound for the NLA loss, which ``python -m train.nla_benchmark`` also measures for the loss alone.
 
 Everything runs through ``train.pretrain.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
 the data already in memory: data loading is not what is compared. The default model is the papers' ViT-B/16

@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from extract.data import IndexedSource, WebDatasetSource, expand_shards, open_source
 from extract.images import BadImage
 from extract.report import Skip, SkipReport
+from extract.toyworld import is_toyworld
 
 MAX_REPLACEMENTS = 50  # unreadable images in a row before an indexed source is declared broken
 
@@ -349,7 +350,7 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
     spec_is_stream = _is_stream(data)
     if not spec_is_stream:
         options: dict[str, Any] = {}
-        if _is_toyworld(data):
+        if is_toyworld(data):
             options["split"] = split
         elif image_root:
             options["image_root"] = image_root
@@ -382,10 +383,10 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
     dataset = IndexedPairs(source, transform, seed)
     sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, accum_freq, seed)
     loader = DataLoader(dataset, batch_sampler=sampler, **loader_kw)
-    desc = {"kind": type(source).__name__, "spec": str(data), "split": split if _is_toyworld(data) else None,
+    desc = {"kind": type(source).__name__, "spec": str(data), "split": split if is_toyworld(data) else None,
             "images": len(dataset), "captions": sum(len(r.captions) for r in dataset.records),
             "index_report": source.report.counts()}
-    if _is_toyworld(data):  # what the weights never saw: a demo world holding these out tests composition
+    if is_toyworld(data):  # what the weights never saw: a demo world holding these out tests composition
         from extract.toyworld import heldout_of
 
         desc["holdout"] = sorted(f"{c} {s}" for c, s in heldout_of(data))
@@ -409,18 +410,11 @@ def _stream_start(resume_state: dict[str, Any] | None, layout: dict[str, Any], a
     return micro, step, f"exact: continues after {micro} micro-batches per rank"
 
 
-def _is_toyworld(data: str) -> bool:
-    from pathlib import Path
-
-    p = Path(str(data))
-    return p.is_dir() and (p / "meta.json").is_file() and (p / "annotations.json").is_file()
-
-
 def _is_stream(data: str) -> bool:
     from pathlib import Path
 
     text = str(data)
     p = Path(text)
     if p.is_dir():
-        return not _is_toyworld(text) and bool(expand_shards(text))
+        return not is_toyworld(text) and bool(expand_shards(text))
     return ("{" in text and "}" in text) or text.lower().endswith((".tar", ".tar.gz", ".tgz"))

@@ -1,6 +1,6 @@
 """Ranks and recalls of score matrices: the one place that decides how scores become ranks.
 
-Every metric of the project (retrieval in ``train/retrieval.py``, zero-shot top-k, compositional items,
+Every metric of the project (retrieval in ``adapters/eval/retrieval.py``, zero-shot top-k, compositional items,
 the linear probe's accuracies, ComAlign / PowerCLIP fitting inference params on a held-out split here, and
 the serving engine) ranks through :func:`rank_safe` / :func:`positive_ranks`, so two rules hold everywhere:
 
@@ -13,7 +13,7 @@ the serving engine) ranks through :func:`rank_safe` / :func:`positive_ranks`, so
   and report them.
 
 Retrieval protocol (several captions per image; image -> text counts an image as found at its best own
-caption), for a whole score matrix held in memory (``train/retrieval.py`` streams chunked matrices and is
+caption), for a whole score matrix held in memory (``adapters/eval/retrieval.py`` streams chunked matrices and is
 tested against this)::
 
     rank(t) = 1 + #{images j != img(t) : S[j, t] >= S[img(t), t]}

@@ -127,7 +127,7 @@ def _required(ns) -> None:
 def default_out(model: str) -> str:
     """``runs/index-<model>`` for a model alias, or for a checkpoint its run folder's name (``runs/demo/adapters/
     comalign/adapter.safetensors`` -> ``runs/index-comalign``)."""
-    from train.run_dir import default_out as run_folder
+    from extract.run_dir import default_out as run_folder
 
     path = Path(model)
     if path.suffix == ".safetensors":

@@ -129,11 +129,12 @@ RECALL_RERANKS = (10, 50, 100)
 
 def recall(opts: QueryOptions) -> tuple[object, str]:
     """``--recall``: (searcher, the Markdown table of ``serve.search.recall_table``): served R@k, first stage and
-    re-ranked with each K of :data:`RECALL_RERANKS`, and ``train.evaluate``'s retrieval figures computed from the
-    index's feature cache (``run_retrieval_cached``: the same arrays, so with an exact index and K covering the
-    collection the rows agree; a collection of several parts has no single cache and gets no evaluation row)."""
+    re-ranked with each K of :data:`RECALL_RERANKS`, and the evaluation suite's retrieval figures computed from the
+    index's feature cache (``adapters.eval.retrieval.run_retrieval_cached``: the same arrays, so with an exact index
+    and K covering the collection the rows agree; a collection of several parts has no single cache and gets no
+    evaluation row)."""
     from serve.search import Searcher, recall_table
-    from train.evaluate import run_retrieval_cached
+    from adapters.eval.retrieval import run_retrieval_cached
 
     check_options(opts, build_parser())
     searcher = Searcher.open(opts.index, opts.model, pretrained=opts.pretrained, device=opts.device,

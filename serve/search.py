@@ -47,7 +47,7 @@ ValueErrors, so ``python -m serve.query`` reports them as one line (exit status 
 index directory or the cache.
 
 :func:`served_recall` measures R@k of the served results on the collection itself (every caption searching
-the images, every image the captions), with the evaluation suite's protocol (``train.retrieval``), for
+the images, every image the captions), with the evaluation suite's protocol (``adapters.eval.retrieval``), for
 side-by-side tables with ``train.evaluate``.
 """
 from __future__ import annotations
@@ -826,7 +826,7 @@ def _default_boxes(model: str, manifest: dict, caches: list | None) -> tuple[Any
 def served_recall(searcher: Searcher, rerank: int | None = None, *, ks: Sequence[int] = KS, queries: str = "cache",
                   batch_size: int = 256) -> dict:
     """R@k (percent) of the served results on the indexed collection itself, both directions, with the
-    evaluation suite's protocol (``train.retrieval``): each caption searches the images (its own image is the
+    evaluation suite's protocol (``adapters.eval.retrieval``): each caption searches the images (its own image is the
     answer), each image searches the captions (found at its best own caption); ties count against the model
     and non-finite scores rank last, read from the scores the hits carry (re-ranked ones with ``rerank``). A
     query asks for ``max(ks)`` hits, and for more while the last one ties its answer (duplicate captions tie
@@ -840,7 +840,7 @@ def served_recall(searcher: Searcher, rerank: int | None = None, *, ks: Sequence
 
     Returns ``{"text_to_image": {"R@1": ..., "n": queries, "rerank": K as used}, "image_to_text": {...},
     "rerank": K as asked, "queries": ...}``; K as used is clamped to the side's collection (None: no second
-    stage). Images without captions are no query, as in ``train.retrieval``."""
+    stage). Images without captions are no query, as in ``adapters.eval.retrieval``."""
     if queries not in ("cache", "live"):
         raise ValueError(f"queries must be 'cache' or 'live', got {queries!r}")
     if "text" not in searcher._sides:
@@ -919,8 +919,8 @@ def _served_rank(hits: Hits, own: set[int]) -> tuple[float, bool]:
 def recall_table(searcher: Searcher, reranks: Sequence[int] = (10, 50, 100), *, evaluation: dict | None = None,
                  ks: Sequence[int] = KS, queries: str = "cache") -> str:
     """A Markdown table of :func:`served_recall`: the first stage, re-ranked with each K of ``reranks`` (only for
-    models with a second stage) and, given ``evaluation`` (``train.evaluate``'s retrieval result for the same
-    model and data), the evaluation suite's figures, side by side."""
+    models with a second stage) and, given ``evaluation`` (the evaluation suite's retrieval result for the same
+    model and data: ``adapters.eval.retrieval.run_retrieval_cached``), its figures, side by side."""
     rows = [("served, first stage", served_recall(searcher, None, ks=ks, queries=queries))]
     if searcher.has_second_stage:
         rows += [(f"served, re-ranked K={K}", served_recall(searcher, K, ks=ks, queries=queries)) for K in reranks]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train.bootstrap import (PerQuery, bootstrap_figures, compare_columns, mean_sd, resample_counts,
+from adapters.eval.bootstrap import (PerQuery, bootstrap_figures, compare_columns, mean_sd, resample_counts,
                              unit_sums)
 
 

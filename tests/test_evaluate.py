@@ -181,7 +181,7 @@ def test_item_correctness_with_non_finite_scores():
 
 
 def test_all_nan_scorer_gets_zero_retrieval_from_encoded_reps():
-    from train.evaluate import retrieval_from_reps
+    from adapters.eval.retrieval import retrieval_from_reps
 
     reps = {"embed": torch.full((3, 4), float("nan"))}
     out = retrieval_from_reps(NanScorer(), reps, {"embed": torch.randn(6, 4)}, torch.tensor([0, 0, 1, 1, 2, 2]))

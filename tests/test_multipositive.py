@@ -1,5 +1,5 @@
 """Multi-positive retrieval (any-true R@k, mAP) against a hand-computed example and a per-query reference, in every
-chunked / stored / streaming configuration of train.retrieval, and the toy world's truth against satisfies()."""
+chunked / stored / streaming configuration of adapters.eval.retrieval, and the toy world's truth against satisfies()."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.multipositive import ranked_truth, summary, toyworld_truth
-from train.retrieval import retrieval_queries
+from adapters.eval.multipositive import ranked_truth, summary, toyworld_truth
+from adapters.eval.retrieval import retrieval_queries
 
 
 def reference(scores: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,5 +1,5 @@
 """adapters.ranking (in-memory, for the library) against a per-query loop and the evaluation suite's
-chunked ranks (train.retrieval), on matrices with ties and several captions per image."""
+chunked ranks (adapters.eval.retrieval), on matrices with ties and several captions per image."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adapters.ranking import image_to_text_ranks, mean_recall, text_to_image_ranks
-from train.retrieval import ranks_from_scores
+from adapters.eval.retrieval import ranks_from_scores
 
 
 def loop_ranks(scores: np.ndarray, owner: list[int]):

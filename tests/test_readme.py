@@ -71,13 +71,14 @@ def test_every_flag_the_readme_shows_exists():
     """A README command with a flag its module no longer has fails for the user at once: check them all."""
     import importlib
 
-    parsers, unknown, checked = {}, [], 0
+    parsers, unknown, checked, ours = {}, [], 0, {"extract", "adapters", "train", "serve"}
     for name, args in _readme_commands():
         module_name = {"extract": "extract.pipeline", "serve": "serve.__main__"}.get(name, name)
         if module_name not in parsers:
             try:
                 module = importlib.import_module(module_name)
-            except ImportError:
+            except ImportError as e:  # one of ours that does not import fails the user at once: so it fails here
+                assert name.split(".")[0] not in ours, f"the README runs python -m {name}, which does not import: {e}"
                 parsers[module_name] = None
             else:
                 parsers[module_name] = module.build_parser() if hasattr(module, "build_parser") else None
@@ -90,3 +91,24 @@ def test_every_flag_the_readme_shows_exists():
             if flag not in known:
                 unknown.append(f"python -m {name} ... {flag}")
     assert checked > 100 and not unknown, unknown
+
+
+def test_the_demo_worlds_figures_in_the_readme_are_the_generators(tmp_path):
+    """The binding table's test split, as the README states it, is what the demo's world holds: same scenes, captions,
+    hard negatives and held-out combinations (deterministic: the generator is seeded)."""
+    import json
+
+    from extract import toyworld
+    from extract.backbone import trained_holdout
+    from train.demo import DEFAULT_BASES, parse_args
+
+    opts = parse_args([])
+    held = sorted({c for b in DEFAULT_BASES for c in trained_holdout(b)})
+    world = toyworld.ensure(tmp_path / "world", opts.n, opts.seed, say=lambda *a: None, holdout=held)
+    test = json.loads((world / "meta.json").read_text())["counts"]["splits"]["test"]
+    stated = re.search(r"Test split: ([\d,]+) images, ([\d,]+) captions, ([\d,]+) hard negatives, 4 combinations held "
+                       r"out\n\(([^)]*)\)", README)
+    assert stated, "the binding table's test-split sentence moved: update this test with it"
+    numbers = [int(stated.group(k).replace(",", "")) for k in (1, 2, 3)]
+    assert numbers == [test["images"], test["captions"], test["negatives"]]
+    assert stated.group(4).split(", ") == held

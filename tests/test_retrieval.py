@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.retrieval import feature_score_fn, ranks_from_scores, retrieval_metrics
+from adapters.eval.retrieval import feature_score_fn, ranks_from_scores, retrieval_metrics
 
 
 def brute_force(scores: np.ndarray, caption_image) -> tuple[np.ndarray, np.ndarray]:
@@ -166,7 +166,7 @@ def test_one_direction_equals_that_half_of_both_and_t2i_alone_reads_the_matrix_o
     """A directional scorer asks each of its two matrices for one direction (train.evaluate): each half equals the
     same direction of the two-direction run, multi-positive figures included, and text->image alone makes one pass
     over the caption chunks even when streaming (image->text needs the second)."""
-    from train.retrieval import retrieval_queries
+    from adapters.eval.retrieval import retrieval_queries
 
     rng = np.random.default_rng(4)
     n_img, n_txt = 13, 37

@@ -1,11 +1,11 @@
-"""train.run_dir: default run folders, and a run never silently overwriting another."""
+"""extract.run_dir: default run folders, and a run never silently overwriting another."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from train.run_dir import claim, default_out
+from extract.run_dir import claim, default_out
 
 
 def test_default_out_names_the_run_by_its_parts():

@@ -16,7 +16,7 @@ What it does, in order:
    and loads the frozen backbone: absent weights fail here, in seconds, naming the file to supply. Then the
    data (default: the embedded toy world, ``extract.toyworld.ensure``, generated at ``runs/toy`` on first use)
    and the run folder (default ``runs/<base>-<method>``; a folder holding a run with other settings is refused,
-   ``train.run_dir.claim``).
+   ``extract.run_dir.claim``).
 2. Gets the feature caches the method needs (its head class names the components; ``train.adapter_data``):
    built with ``python -m extract``'s code when missing, reused by fingerprint when present; a ``--cache`` built
    for another backbone or without the needed components is an error naming both. Held-out split: a toy
@@ -791,9 +791,9 @@ def setup(opts: AdapterOptions) -> Env:
 def place_run(opts: AdapterOptions, env: Env) -> AdapterOptions:
     """``opts`` with its data and run folder: without ``--data`` (or ``--cache``) the embedded toy world, generated
     on first use (``extract.toyworld.ensure``); without ``--out`` ``runs/<base>-<method>``. The folder is claimed
-    (``train.run_dir.claim``): one holding a run with other settings is refused, unless ``--resume``."""
+    (``extract.run_dir.claim``): one holding a run with other settings is refused, unless ``--resume``."""
     from extract import toyworld
-    from train.run_dir import claim, default_out
+    from extract.run_dir import claim, default_out
 
     if opts.data is None and opts.cache is None:
         env.say(f"no --data: training on the embedded toy world for {opts.epochs} epoch{'s' * (opts.epochs != 1)}")

@@ -14,7 +14,7 @@ their union), so the backbone runs over the data once for methods whose extracti
 settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.evaluate's report,
 one column per model) and ``OUT/compare.json`` (per method: steps, training time, held-out metrics, fitted
 inference parameters). Every adapter cell shows its difference from the frozen base with a 95% paired bootstrap
-interval over the test images, ``*`` where the interval excludes 0 (``train.bootstrap``). ``--seeds N`` trains each
+interval over the test images, ``*`` where the interval excludes 0 (``adapters.eval.bootstrap``). ``--seeds N`` trains each
 adapter N times (seeds ``--seed`` .. ``--seed+N-1``, in ``OUT/<method>/seed-<s>``; the base, the data and the cache
 stay the same): each cell is then mean ± sd over the seeds and the interval is that of the seed-averaged difference.
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adapters.registry import ADAPTERS
-from train.bootstrap import DEFAULT_RESAMPLES
+from adapters.eval.bootstrap import DEFAULT_RESAMPLES
 from extract.cli import Parser, check_options, from_namespace, option, run_job, say
 from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, parse_with_config, positive_int, save_config
@@ -227,7 +227,7 @@ def compare(opts: CompareOptions) -> dict:
     With ``seeds`` > 1 each method's entry also holds ``runs`` (one entry per seed, as above, with its ``seed``);
     its ``val`` is the mean over seeds of each held-out figure, ``steps`` / ``inference`` / ``checkpoint`` are those
     of its run with the best held-out T2I R@1 (what a caller serves), ``seconds`` the total. The table's cells are
-    mean ± sd over seeds; the interval is that of the seed-averaged difference (``train.bootstrap``)."""
+    mean ± sd over seeds; the interval is that of the seed-averaged difference (``adapters.eval.bootstrap``)."""
     from train.adapter import train
     from train.adapter_data import final_table_data
     from train.evaluate import EvaluateOptions, evaluate

@@ -1,8 +1,8 @@
 """Held-out evaluation of an adapter head (and of the frozen base) from cached features, for the training loop.
 
 Each epoch the loop scores the validation split through the head without touching the backbone: image and
-caption arrays come from the cache, the retrieval protocol is ``train.retrieval.retrieval_metrics`` (via
-``train.evaluate.retrieval_from_reps``, which ranks each direction with its own matrix for directional heads),
+caption arrays come from the cache, the retrieval protocol is ``adapters.eval.retrieval.retrieval_metrics`` (via
+``adapters.eval.retrieval.retrieval_from_reps``, which ranks each direction with its own matrix for directional heads),
 and the toy world's hard negatives (``train.benchmarks.read_toyworld``) are scored as in ``train.evaluate``
 (image -> text choice, a tie is wrong). The negatives' texts are not captions, so they are not in the cache:
 their arrays are computed once, before training, by the live pipeline with the cache's own settings
@@ -42,7 +42,7 @@ class HeldOut:
     name: str = "val"
     negatives: list[tuple[int, int, int, str, tuple]] = field(default_factory=list)
     text_arrays: dict[str, np.ndarray] | None = None
-    truth: object = None  # train.multipositive.ToyTruth of these images and captions (multi-positive retrieval)
+    truth: object = None  # adapters.eval.multipositive.ToyTruth of these images and captions (multi-positive retrieval)
 
     @property
     def caption_image(self) -> torch.Tensor:
@@ -93,7 +93,7 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
 
 
 def _toyworld_truth(heldout: HeldOut, world, split: str):
-    from train.multipositive import toyworld_truth
+    from adapters.eval.multipositive import toyworld_truth
 
     caption_ids = getattr(heldout.cache, "caption_ids", None)
     if caption_ids is None:
@@ -162,7 +162,8 @@ def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, rep
     metrics) once per process (``extract.cli.warn_once``): the training loop evaluates the same split every
     epoch, a comparison in every run, and each warning is one line."""
     from adapters.ranking import rank_safe
-    from train.evaluate import item_correct, result_warnings, retrieval_from_reps
+    from adapters.eval.retrieval import retrieval_from_reps
+    from train.evaluate import item_correct, result_warnings
 
     was_training = getattr(head, "training", False)
     if hasattr(head, "eval"):

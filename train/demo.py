@@ -8,7 +8,7 @@ tiny``: CLIP's objective, ``train.pretrain.pretrain``) and trains every register
 The default bases are the two toy bases that ship with plugvlm (``extract/bases``): CLIP and CLIP + hard negatives
 (NegCLIP's recipe). Each base gets its full table of the frozen base vs base + each adapter on the test split:
 retrieval R@k, multi-positive retrieval (any-true R@k and mAP, by caption kind and object count:
-``train.multipositive``) and accuracy per hard-negative type (held-out combinations as their own rows), each
+``adapters.eval.multipositive``) and accuracy per hard-negative type (held-out combinations as their own rows), each
 adapter's difference from its base with its 95% paired bootstrap interval over the test images (``*``: the interval
 excludes 0). The frozen bases are compared with each other the same way, and the binding table gathers the rows
 that matter for binding (:func:`binding_table`). ``--seeds N`` trains every adapter N times (mean ± sd over seeds;
@@ -136,17 +136,6 @@ def best_adapter(methods: dict) -> str | None:
     scored = {m: r["val"]["retrieval T2I R@1"] for m, r in methods.items()
               if r.get("checkpoint") and "retrieval T2I R@1" in (r.get("val") or {})}
     return max(scored, key=scored.get) if scored else None
-
-
-def served_checkpoint(report: dict) -> str | None:
-    """The checkpoint of the adapter a demo report says it served (best held-out T2I R@1 over every base); None
-    when it served none. Reports of one base written before the demo compared bases name it by method."""
-    served = report.get("served") or {}
-    if served.get("checkpoint"):
-        return served["checkpoint"]
-    methods = (report.get("adapters") or {}).get("methods")
-    method = best_adapter(methods) if isinstance(methods, dict) else None
-    return methods[method]["checkpoint"] if method else None
 
 
 class Steps:

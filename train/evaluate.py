@@ -30,14 +30,14 @@ import numpy as np
 import torch
 
 from adapters.ranking import positive_ranks, rank_safe
-from adapters.scoring import cat_reps, load_scorer, num_items, take_reps
+from adapters.scoring import cat_reps, load_scorer, take_reps
 from extract.cli import Parser, check_options, option, parse_options, progress, run_job, say, warn_once
 from extract.cli import build_parser as build_cli
 from extract.config import fraction, nonnegative_int, positive_int, save_config
 from extract.source_args import BoxOptions, SourceOptions
 from extract.images import BadImage, decode_image
-from train.bootstrap import DEFAULT_RESAMPLES, PerQuery, compare_columns, mean_sd
-from train.retrieval import RetrievalQueries, retrieval_queries, summarise
+from adapters.eval.bootstrap import DEFAULT_RESAMPLES, PerQuery, compare_columns, mean_sd
+from adapters.eval.retrieval import group_rows, hits, retrieval_from_reps, run_retrieval_cached, scene_truth
 from train.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_representations, class_scores,
                             read_classification, topk_accuracy)
 
@@ -255,88 +255,12 @@ def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int
     return cat_reps(parts), kept, skipped
 
 
-def directed_scorer(scorer, direction: str):
-    """score function (image_reps, text_reps) -> [I, T] for one direction ("t2i": texts rank images, "i2t":
-    images rank texts); the plain ``score`` for scorers whose directions agree."""
-    if getattr(scorer, "directional", False):
-        return lambda i, t: scorer.score_directed(i, t, direction)
-    return scorer.score
-
-
 @torch.no_grad()
 def encode_texts(scorer, texts: Sequence[str], batch_size: int):
     return cat_reps([scorer.encode_texts(list(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
 
 
 # --------------------------------------------------------------------------------------------- tasks
-def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | None = None,
-                         per_query: PerQuery | None = None) -> dict:
-    """Retrieval from a feature cache (fp16 on disk, scored in fp32) instead of re-encoding the data.
-
-    A bare backbone scores the cache's global embeddings: it must be the backbone that built the cache (same
-    architecture, preprocessing and weights hash). An adapter scores its head's arrays (``image_keys`` /
-    ``text_keys``) read from the cache: the cache must have been extracted with the adapter's own extraction
-    settings (its checkpoint's ``extraction.settings``; the data aside), so it holds exactly the arrays live
-    extraction would give the head, and the head's directions are ranked as in :func:`retrieval_from_reps`.
-    A scorer that reads itself from a cache without being an adapter (``cache_keys`` / ``encode_arrays``: FILIP's
-    late interaction on the cached patch and token embeddings) needs the backbone check of a bare backbone and a
-    cache holding its arrays (``scorer.cache_components``). Other scorers are refused. The refusals name the two
-    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in :func:`run_retrieval`."""
-    from adapters.adapter_scorer import AdapterScorer
-    from adapters.scoring import BackboneScorer
-    from extract.cache import settings_diff
-
-    if isinstance(scorer, AdapterScorer):
-        diff = scorer.cache_settings_diff(cache.settings)
-        if diff:
-            ours = scorer.meta.get("extraction", {}).get("path", "its training cache")
-            raise ValueError(f"--cache {cache.path} ({cache.settings.get('summary', '')}) was extracted with other "
-                             f"settings than {scorer.name} was trained on ({ours}); checkpoint's -> cache's:\n  "
-                             + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
-                             "(python -m extract with its --components and extraction flags), or drop --cache")
-        return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
-    own_arrays = hasattr(scorer, "encode_arrays") and hasattr(scorer, "cache_keys")  # FILIP
-    if not (isinstance(scorer, BackboneScorer) or own_arrays):
-        raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
-                         "method: evaluate it without --cache")
-    theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
-    if theirs != ours:
-        raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
-                         + "\n  ".join(settings_diff(theirs, ours)[:8]))
-    if own_arrays:
-        missing = sorted({k for side in ("image", "text") for k in scorer.cache_keys(side)} - set(cache.keys))
-        if missing:
-            components = ",".join(getattr(scorer, "cache_components", ()))
-            raise ValueError(f"--cache {cache.path} lacks the arrays {missing} that {scorer.name} scores with: extract "
-                             f"the retrieval data with --components {components}, or drop --cache")
-        return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
-    image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
-    text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
-    out = retrieval_from_reps(scorer, {"embed": image}, {"embed": text}, torch.from_numpy(cache.caption_image_index()),
-                              truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
-                              image_keys=cache.image_ids(), score=lambda i, t: i["embed"] @ t["embed"].T)
-    out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
-    return out
-
-
-def _retrieval_of_own_reps(scorer, cache, batch_size: int, scenes: dict | None, per_query):
-    """Retrieval of a scorer that reads its representations from the cache itself (``cache_keys`` /
-    ``encode_arrays``: adapters, FILIP), every image against every caption."""
-    image_reps = _cached_reps(scorer, cache, "image", cache.num_images, batch_size)
-    text_reps = _cached_reps(scorer, cache, "text", cache.num_captions, batch_size)
-    out = retrieval_from_reps(scorer, image_reps, text_reps, torch.from_numpy(cache.caption_image_index()),
-                              truth=_truth(scenes, cache.image_ids(), cache.caption_ids()), per_query=per_query,
-                              image_keys=cache.image_ids())
-    out.update(images=cache.num_images, captions=cache.num_captions, skipped_images=0, cache=str(cache.path))
-    return out
-
-
-def _cached_reps(scorer, cache, side: str, n: int, batch_size: int):
-    """An adapter's (or FILIP's) representations of every cache row of ``side`` ("image" / "text"), in batches."""
-    return cat_reps([scorer.encode_arrays({k: cache.gather(k, np.arange(a, min(a + batch_size, n)))
-                                           for k in scorer.cache_keys(side)}, side) for a in range(0, n, batch_size)])
-
-
 def run_retrieval(scorer, source, batch_size: int, scenes: dict | None = None,
                   per_query: PerQuery | None = None) -> dict:
     """Retrieval over a data source: an indexed one (CSV/COCO/toy world) is decoded record by record with the
@@ -378,116 +302,10 @@ def run_retrieval(scorer, source, batch_size: int, scenes: dict | None = None,
     text_reps = encode_texts(scorer, texts, batch_size)
     image_ids = [ids[k] for k in kept]
     out = retrieval_from_reps(scorer, image_reps, text_reps, torch.tensor(caption_image),
-                              truth=_truth(scenes, image_ids, caption_ids), per_query=per_query, image_keys=image_ids)
+                              truth=scene_truth(scenes, image_ids, caption_ids), per_query=per_query, image_keys=image_ids)
     out.update(images=len(kept), captions=len(texts),
                skipped_images=len(skipped) + sum(1 for x in source.report.skips if x.kind == "image"))
     return out
-
-
-def _truth(scenes: dict | None, image_ids, caption_ids):
-    """The toy-world truth of the evaluated images and captions (``train.multipositive.toyworld_truth``); None
-    without scenes, or (said once) when the ids are not the toy world's."""
-    if not scenes:
-        return None
-    from train.multipositive import toyworld_truth
-
-    try:
-        return toyworld_truth(scenes, [str(i) for i in image_ids], [str(c) for c in caption_ids])
-    except ValueError as e:
-        warn_once(f"note: no multi-positive retrieval: {e}")
-        return None
-
-
-def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tensor, truth=None,
-                        per_query: PerQuery | None = None, image_keys=None, score=None) -> dict:
-    """retrieval_metrics on encoded images and captions; a directional scorer ranks each direction with its own
-    score matrix (text->image ranks from "t2i" scores, image->text ranks from "i2t"; ``nonfinite_scores`` and
-    ``n_scores`` then add up both matrices).
-
-    ``truth`` (a ``train.multipositive.ToyTruth``) adds ``multi_positive`` (:func:`multi_positive_report`),
-    computed in the same passes. ``per_query`` receives every query's values (:func:`retrieval_per_query`), the
-    images keyed by ``image_keys`` (default: their rows). ``score``: the (image reps, text reps) -> [I, T]
-    function of a non-directional scorer (default ``scorer.score``)."""
-    n_images = num_items(image_reps)
-    matrix = truth.matrix if truth is not None else None
-
-    def queries(fn, directions) -> RetrievalQueries:
-        return retrieval_queries(lambda rows: fn(image_reps, take_reps(text_reps, rows)), n_images, caption_image,
-                                 truth=matrix, directions=directions)
-
-    if not getattr(scorer, "directional", False):
-        q = queries(score or scorer.score, ("t2i", "i2t"))
-    else:
-        from train.multipositive import MultiPositive
-
-        a, b = queries(directed_scorer(scorer, "t2i"), ("t2i",)), queries(directed_scorer(scorer, "i2t"), ("i2t",))
-        multi = None
-        if truth is not None:
-            multi = MultiPositive(a.multi.t2i_first, a.multi.t2i_ap, a.multi.t2i_true,
-                                  b.multi.i2t_first, b.multi.i2t_ap, b.multi.i2t_true)
-        q = RetrievalQueries(a.t2i, b.i2t, a.nonfinite + b.nonfinite, a.n_scores + b.n_scores, multi)
-    out = summarise(q, n_images)
-    if truth is not None:
-        out["multi_positive"] = multi_positive_report(q, truth)
-    if per_query is not None:
-        retrieval_per_query(per_query, q, torch.as_tensor(caption_image), truth,
-                            list(image_keys) if image_keys is not None else list(range(n_images)))
-    return out
-
-
-def multi_positive_report(q: RetrievalQueries, truth) -> dict:
-    """The ``multi_positive`` section of a retrieval result (``train.multipositive``): ``text_to_image`` and
-    ``image_to_text`` (any-true R@1/5/10, mAP, n, true_per_query; T2I also its strict R@1 for comparison), and the
-    same per caption group (``text_to_image_by``: caption kind, object count of the caption's own image, one-object
-    captions by that count) and per image group (``image_to_text_by``: object count)."""
-    from train.multipositive import summary
-
-    m = q.multi
-    t2i = lambda keep=None: summary(m.t2i_first, m.t2i_ap, m.t2i_true, keep, strict=q.t2i)  # noqa: E731
-    i2t = lambda keep=None: summary(m.i2t_first, m.i2t_ap, m.i2t_true, keep)  # noqa: E731
-    return {"text_to_image": t2i(), "image_to_text": i2t(),
-            "text_to_image_by": {name: t2i(torch.from_numpy(mask)) for name, mask in truth.caption_groups().items()},
-            "image_to_text_by": {name: i2t(torch.from_numpy(mask)) for name, mask in truth.image_groups().items()},
-            "rule": "a caption is true of an image when extract.toyworld.satisfies(scene, struct) holds"}
-
-
-def _hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np.ndarray:
-    hit = (ranks <= k).double().numpy()
-    return hit if counted is None else np.where(counted.numpy(), hit, np.nan)
-
-
-def retrieval_per_query(per_query: PerQuery, q: RetrievalQueries, caption_image: torch.Tensor, truth,
-                        image_keys: list) -> None:
-    """Every retrieval row of :func:`headline` as per-query values (family "retrieval captions": one value per
-    caption, unit = its image; "retrieval images": one per image), for ``train.bootstrap``."""
-    per_query.add_family("retrieval captions", [image_keys[int(i)] for i in caption_image])
-    per_query.add_family("retrieval images", image_keys)
-    has_caption = q.i2t > 0
-    for k in (1, 5, 10):
-        per_query.add(f"retrieval T2I R@{k}", "retrieval captions", _hits(q.t2i, k))
-        per_query.add(f"retrieval I2T R@{k}", "retrieval images", _hits(q.i2t, k, has_caption))
-    if truth is None:
-        return
-    m = q.multi
-    has_true = m.i2t_true > 0
-    for k in (1, 5, 10):
-        per_query.add(f"retrieval T2I any-true R@{k}", "retrieval captions", _hits(m.t2i_first, k))
-    per_query.add("retrieval T2I mAP", "retrieval captions", m.t2i_ap.numpy())
-    per_query.add("retrieval I2T any-true R@1", "retrieval images", _hits(m.i2t_first, 1, has_true))
-    per_query.add("retrieval I2T mAP", "retrieval images", m.i2t_ap.numpy())
-    for name, mask in truth.caption_groups().items():
-        if mask.any():
-            for metric, values in _group_rows(name, _hits(m.t2i_first, 1), m.t2i_ap.numpy()):
-                per_query.add(metric, "retrieval captions", np.where(mask, values, np.nan))
-
-
-def _group_rows(group: str, any_true_r1, ap) -> list[tuple[str, object]]:
-    """The table rows of one caption group: any-true R@1 and mAP for a caption kind, mAP for the object-count
-    groups (the one figure that weighs every true image, where the count changes how many there are)."""
-    rows = [(f"T2I mAP [{group}]", ap)]
-    if "object images" not in group:
-        rows.insert(0, (f"T2I any-true R@1 [{group}]", any_true_r1))
-    return rows
 
 
 def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int,
@@ -507,7 +325,7 @@ def run_zeroshot(scorer, data: ClassificationSet, templates, batch_size: int,
         per_query.add_family("zero-shot images", [data.paths[k] for k in kept])
         for k in (1, 5):
             if f"top{k}" in out:
-                per_query.add(f"zero-shot top-{k}", "zero-shot images", _hits(rank, k))
+                per_query.add(f"zero-shot top-{k}", "zero-shot images", hits(rank, k))
     out.update(classes=len(data.classes), templates=len(templates), skipped_images=len(skipped) + len(data.skipped))
     return out
 
@@ -668,7 +486,7 @@ def headline(results: dict) -> dict[str, float]:
             for k in ("R@1", "R@5", "R@10"):
                 flat[f"retrieval {tag} {k}"] = r[d][k]
         mp = r.get("multi_positive")
-        if mp:  # a toy world: captions true of several images (train.multipositive)
+        if mp:  # a toy world: captions true of several images (adapters.eval.multipositive)
             for k in ("R@1", "R@5", "R@10"):
                 flat[f"retrieval T2I any-true {k}"] = mp["text_to_image"][k]
             flat["retrieval T2I mAP"] = mp["text_to_image"]["mAP"]
@@ -677,7 +495,7 @@ def headline(results: dict) -> dict[str, float]:
                 flat["retrieval I2T mAP"] = mp["image_to_text"]["mAP"]
             for group, row in mp["text_to_image_by"].items():
                 if row.get("n"):
-                    for metric, _ in _group_rows(group, None, None):
+                    for metric, _ in group_rows(group, None, None):
                         flat[metric] = row["R@1" if "any-true" in metric else "mAP"]
     z = results.get("zeroshot")
     if z and "top1" in z:
@@ -702,7 +520,7 @@ def comparison(all_results: dict[str, dict], columns: dict[str, list[str]], per_
     bootstrap's ``ci`` (95% interval of the seed-averaged figure over resampled test images) and, for every column
     after the first (the reference, e.g. the frozen base), ``delta`` (mean - the reference's), ``delta_ci`` and
     ``significant`` (the interval excludes 0). Figures without per-query values (the linear probe) get a delta but
-    no interval. ``train.bootstrap`` says how, and what the interval leaves out."""
+    no interval. ``adapters.eval.bootstrap`` says how, and what the interval leaves out."""
     names = list(columns)
     reference = names[0] if len(names) > 1 else None
     boot = compare_columns(per_query, columns, reference, n_resamples, seed)
@@ -855,8 +673,8 @@ def evaluate(opts: EvaluateOptions) -> dict:
     "per_query"}`` and writes ``results.{json,md,png}`` (``results.json``: config, results per model and the
     table of :func:`comparison`) and ``config.json`` under ``opts.out``. With several models the first is the
     reference: every other column shows its difference from it with a paired bootstrap interval over the test
-    images (``--bootstrap`` resamples, seeded by ``--seed``; ``train.bootstrap``). ``per_query``: each model's
-    per-query values (``train.bootstrap.PerQuery``), for callers that aggregate further. Warnings (non-finite
+    images (``--bootstrap`` resamples, seeded by ``--seed``; ``adapters.eval.bootstrap``). ``per_query``: each model's
+    per-query values (``adapters.eval.bootstrap.PerQuery``), for callers that aggregate further. Warnings (non-finite
     scores, small splits) are printed once each; the table itself is left to the caller (the command line prints
     it)."""
     check_options(opts, build_parser())

@@ -13,7 +13,7 @@ what the command line with those flags does (the same checks, the same files); t
 into :class:`PretrainOptions`. Without ``--data`` a run trains on the embedded toy world
 (``extract.toyworld.ensure``: ``runs/toy``, generated on first use) for ``TOY_EPOCHS`` epochs unless ``--epochs``
 says otherwise (``EPOCHS`` on data you name); without ``--out`` it writes ``runs/pretrain-MODEL-METHOD``. A run
-folder holding another run's settings is refused (``train.run_dir.claim``), ``--resume`` continues it.
+folder holding another run's settings is refused (``extract.run_dir.claim``), ``--resume`` continues it.
 
 The engine follows open_clip's trainer (``open_clip_train``): AdamW (0.9, 0.98, eps 1e-6), lr 1e-3, weight
 decay 0.2 on every tensor but gains, biases and the logit scale, cosine schedule with linear warm-up, autocast
@@ -70,7 +70,7 @@ from extract.tensorfile import first_nonfinite  # noqa: E402
 from extract.toyworld import is_toyworld  # noqa: E402
 from train import pretrain_checkpoint as ckpt  # noqa: E402
 from train.pretrain_data import SeededTransform, build_train_data, to_device  # noqa: E402
-from train.run_dir import claim, default_out  # noqa: E402
+from extract.run_dir import claim, default_out  # noqa: E402
 
 PRECISIONS = {"fp32": None, "amp": torch.float16, "fp16": torch.float16, "amp_bf16": torch.bfloat16,
               "bf16": torch.bfloat16}

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from extract.cli import Parser, check_options, option, parse_options, run_job, say, set_verbosity, verbosity
 from extract.cli import build_parser as build_cli
 from extract.config import nonnegative_int, positive_float, positive_int, save_config
-from train.run_dir import claim
+from extract.run_dir import claim
 
 DEFAULT_METHODS = ("clip", "flip", "clip-pgs", "filip", "powerclip")
 

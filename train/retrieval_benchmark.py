@@ -1,7 +1,7 @@
 """``python -m train.retrieval_benchmark``: retrieval metrics over 25k captions x 5k images of cached-size
 features (D = 512), timed in one run: the stored-matrix path, the streaming path (memory bounded to one
 chunk) and, as the ratio's baseline, the bare matmul that any implementation must pay. Target: < 2 s.
-``--true-per-caption K`` also times both paths with multi-positive retrieval (``train.multipositive``), each
+``--true-per-caption K`` also times both paths with multi-positive retrieval (``adapters.eval.multipositive``), each
 caption true of K random images besides its own."""
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict:
     chunk in memory": s}``, plus the same keys with " + multi-positive")."""
     import torch
 
-    from train.retrieval import feature_score_fn, retrieval_metrics, retrieval_queries
+    from adapters.eval.retrieval import feature_score_fn, retrieval_metrics, retrieval_queries
 
     g = torch.Generator().manual_seed(0)
     img = torch.nn.functional.normalize(torch.randn(args.images, args.dim, generator=g), dim=-1)

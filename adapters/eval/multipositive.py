@@ -1,6 +1,6 @@
 """Multi-positive retrieval: captions that are true of several images, and images that several captions describe.
 
-Strict R@k (``train/retrieval.py``) credits a caption only with its own image. On data whose captions can be true of
+Strict R@k (``adapters/eval/retrieval.py``) credits a caption only with its own image. On data whose captions can be true of
 other images too, that undercounts: a toy-world one-object caption ("a small red circle") is true of every test
 image holding a small red circle, about 6 of 200, so a perfect model's strict T2I R@1 on those captions is about
 1/6, and a gain on partial captions is invisible. The toy world knows the truth
@@ -20,7 +20,7 @@ captions of the split (true ones: every caption true of it, its own and other im
 candidate, rank_1 is the strict rank and AP = 1 / rank. A query without any true candidate (an image no caption
 is true of) has ``n_true = 0``, rank 0 and AP NaN, and is left out of the means.
 
-Computation (:class:`MultiPositivePasses`), inside the two chunked passes of ``train.retrieval``: text -> image
+Computation (:class:`MultiPositivePasses`), inside the two chunked passes of ``adapters.eval.retrieval``: text -> image
 per chunk of captions (whole columns) by one sort per column (:func:`ranked_truth`); image -> text needs whole
 rows, so pass 1 collects each image's true-caption scores and pass 2 counts, chunk by chunk, the captions scoring
 at least each of them (``torch.searchsorted`` on the sorted chunk), never holding more than one chunk of scores.
@@ -139,7 +139,7 @@ class MultiPositive:
 
 
 class MultiPositivePasses:
-    """The multi-positive side of ``train.retrieval``'s two passes over caption chunks. ``truth``: a bool tensor
+    """The multi-positive side of ``adapters.eval.retrieval``'s two passes over caption chunks. ``truth``: a bool tensor
     [I, T] or a function ``rows -> bool [I, len(rows)]`` (caption t true of image i); own pairs are set true."""
 
     def __init__(self, truth, n_images: int, caption_image: Tensor, directions: Sequence[str] = ("t2i", "i2t")):

@@ -60,6 +60,7 @@ import numpy as np
 
 from extract.cli import Parser, VERBOSE, check_options, option, parse_options, run_job, say, verbosity
 from extract.cli import build_parser as build_cli
+from extract import toyworld
 from extract.config import fraction, nonnegative_int, positive_int
 
 PROG = "python -m extract.toy_detector"
@@ -122,8 +123,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyDetectorOptions:
 def resolve_world(data: str | None) -> Path:
     """The toy-world folder ``data`` names (checked), or the embedded default (generated on first use)."""
     if data is None:
-        from extract import toyworld
-
         return toyworld.ensure(say=say)
     world = Path(data)
     if not toyworld.is_toyworld(world):

@@ -173,7 +173,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
     A scorer that reads itself from a cache without being an adapter (``cache_keys`` / ``encode_arrays``: FILIP's
     late interaction on the cached patch and token embeddings) needs the backbone check of a bare backbone and a
     cache holding its arrays (``scorer.cache_components``). Other scorers are refused. The refusals name the two
-    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in :func:`run_retrieval`."""
+    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in ``train.evaluate.run_retrieval``."""
     from adapters.adapter_scorer import AdapterScorer
     from adapters.scoring import BackboneScorer
     from extract.cache import settings_diff
@@ -303,7 +303,7 @@ def hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np
 
 def retrieval_per_query(per_query: PerQuery, q: RetrievalQueries, caption_image: torch.Tensor, truth,
                         image_keys: list) -> None:
-    """Every retrieval row of :func:`headline` as per-query values (family "retrieval captions": one value per
+    """Every retrieval row of ``train.evaluate.headline`` as per-query values (family "retrieval captions": one value per
     caption, unit = its image; "retrieval images": one per image), for ``adapters.eval.bootstrap``."""
     per_query.add_family("retrieval captions", [image_keys[int(i)] for i in caption_image])
     per_query.add_family("retrieval images", image_keys)

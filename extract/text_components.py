@@ -82,8 +82,8 @@ class SpacyModelNotFoundError(OSError):
     """spaCy or its English model is not installed; the message says what to install."""
 
 
-#: parses kept per process (:meth:`TextComponentExtractor.parse`), the oldest dropped first: a few KB each
-PARSE_CACHE = 50_000
+#: parses kept per process (:meth:`TextComponentExtractor.parse`), the least recently used dropped first (a Doc is 5-10 KB)
+PARSE_CACHE = 10_000
 _PARSES: dict[int, OrderedDict] = {}
 
 
@@ -412,6 +412,8 @@ class TextComponentExtractor:
         for text, doc in zip(todo, self.nlp.pipe(todo, batch_size=self.batch_size, n_process=self.n_process)):
             cache[text] = doc
         docs = [cache[t] for t in captions]
+        for text in dict.fromkeys(captions):  # least recently used first out
+            cache.move_to_end(text)
         while len(cache) > PARSE_CACHE:
             cache.popitem(last=False)
         return docs

@@ -74,8 +74,8 @@ def _align(cleaned: str, text: str, lower: bool) -> list[int]:
     return mapping
 
 
-#: tokenisations kept per process (:func:`_encoded`), the oldest dropped first
-ENCODE_CACHE = 100_000
+#: tokenisations kept per process (:func:`_encoded`), the least recently used dropped first (about 2 KB each)
+ENCODE_CACHE = 20_000
 _ENCODED: OrderedDict = OrderedDict()
 
 
@@ -99,8 +99,13 @@ def _encoded(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     found = _ENCODED.get(key)
     if found is None:
         found = _ENCODED[key] = _simple_tokenizer_encode(tok, text)
-        while len(_ENCODED) > ENCODE_CACHE:
+        while len(_ENCODED) > ENCODE_CACHE:  # least recently used first out
             _ENCODED.popitem(last=False)
+    else:
+        try:
+            _ENCODED.move_to_end(key)
+        except KeyError:  # dropped by another thread meanwhile: still a valid result
+            pass
     return found
 
 

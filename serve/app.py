@@ -507,8 +507,11 @@ def grade_examples(served: "Served", candidates: list[ProbeExample], per_type: i
             continue
         found: dict[bool, ProbeExample] = {}
         for e in pool:
-            row = served.probe(served.collection_image(e.image_id), e.positive, e.negative,
-                               with_heatmaps=False).rows[-1]  # the served model's row
+            try:
+                row = served.probe(served.collection_image(e.image_id), e.positive, e.negative,
+                                   with_heatmaps=False).rows[-1]  # the served model's row
+            except (QueryError, OSError):  # an image moved or unreadable since indexing: not an example
+                continue
             right = row["prefers"] == "A"
             found.setdefault(right, with_fields(
                 e, verdict=f"{served.searcher.scorer.name} {'right' if right else 'wrong'}"))

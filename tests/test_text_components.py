@@ -430,4 +430,4 @@ def test_each_text_is_parsed_once_per_process_and_the_reuse_changes_nothing(ex, 
     assert ex.extract(texts) == first and parsed[1:] == texts[:2]  # parsed anew, each distinct text once
     monkeypatch.setattr(tc, "PARSE_CACHE", 1)
     ex.extract(texts)
-    assert len(tc._PARSES[id(ex.nlp)]) == 1  # bounded: the oldest parses go first
+    assert len(tc._PARSES[id(ex.nlp)]) == 1  # bounded: the least recently used parses go first

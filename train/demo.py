@@ -225,8 +225,9 @@ def serve_best(opts: DemoOptions, results: dict[str, dict], world: Path, out: Pa
     hits = searcher.search_text(EXAMPLE_QUERY, k=5, rerank=50)
     probes = [{"type": e.type, "verdict": e.verdict, "image_id": e.image_id, "positive": e.positive,
                "negative": e.negative} for e in Served(searcher).examples if e.verdict]
-    return {"base": base, "method": method, "checkpoint": checkpoint, "index": str(out / "index"), "images": manifest["collection"]["images"],
-            "captions": manifest["collection"]["captions"], "query": EXAMPLE_QUERY,
+    return {"base": base, "method": method, "checkpoint": checkpoint, "index": str(out / "index"),
+            "images": manifest["collection"]["images"], "captions": manifest["collection"]["captions"],
+            "query": EXAMPLE_QUERY,
             "hits": hits.to_dict(), "table": table(searcher, hits), "probes": probes}
 
 
@@ -271,7 +272,7 @@ def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
     keys = [(h, k) for h, k in BINDING_COLUMNS if any(k in col for t in tables.values() for col in
                                                          t["metrics"].values())]
     lines = ["| model | " + " | ".join(h for h, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    for base, t in tables.items():
+    for t in tables.values():
         for name, metrics in t["metrics"].items():
             cells = [_cell(metrics.get(k), name == t["reference"]) for _, k in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")

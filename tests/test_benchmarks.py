@@ -312,12 +312,13 @@ def test_toyworld_items_naming_a_heldout_combination_get_their_own_rows(tmp_path
 
     toyworld.generate(tmp_path / "w", n=80, seed=1, holdout="red circle,blue square", workers=1)
     bench = read_toyworld(tmp_path / "w", split="test")
-    tagged = [i for i in bench.items if i.tags]
+    held = lambda item: tuple(t for t in item.tags if t.startswith("held-out"))  # noqa: E731
+    tagged = [i for i in bench.items if held(i)]
     assert tagged and len(tagged) < len(bench.items)
     for item in bench.items:
         names = "red circle" in item.texts[0] or "blue square" in item.texts[0]
-        assert (item.tags == (f"held-out {item.subtype}", "held-out all")) == names
-    assert not any(i.tags for i in read_toyworld(tmp_path / "w", split="train").items)
+        assert (held(item) == (f"held-out {item.subtype}", "held-out all")) == names
+    assert not any(held(i) for i in read_toyworld(tmp_path / "w", split="train").items)
     table = run_compositional(load_scorer("tiny", "none"), bench, batch_size=64)["per_type"]
     assert table["held-out all"]["n"] == len(tagged)
     assert sum(table[f"held-out {t}"]["n"] for t in {i.subtype for i in tagged}) == len(tagged)
@@ -367,3 +368,23 @@ def test_undecodable_text_names_line(tmp_path):
     file.write_bytes((_wino_line(0) + "\n").encode() + b'{"id": "\xff"}\n')
     with pytest.raises(BenchmarkFormatError, match="line 2.*UTF-8"):
         read_winoground(file)
+
+
+def test_swaps_between_two_objects_of_one_shape_get_their_own_row(world):
+    """"a red circle left of a blue circle" / "a blue circle left of a red circle": only colour and side tell them
+    apart, so these swap-att items also count in their own row; every other item does not."""
+    import json
+
+    from train.benchmarks import SAME_SHAPE_SWAP, read_toyworld as read
+
+    structs = {}
+    for entry in json.loads((world / "negatives.json").read_text())["items"]:
+        for neg in entry["negatives"]:
+            structs[(f"{entry['caption_id']}/{neg['type']}", entry["split"])] = neg["struct"]
+    items = read(world, split="test").items
+    same = [i for i in items if SAME_SHAPE_SWAP in i.tags]
+    assert same and all(i.subtype == "swap-att" for i in same)
+    for item in items:
+        objects = structs[(item.item_id, "test")]["objects"]
+        one_shape = item.subtype == "swap-att" and len(objects) == 2 and objects[0]["shape"] == objects[1]["shape"]
+        assert (SAME_SHAPE_SWAP in item.tags) == one_shape

@@ -437,7 +437,9 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
     One "text" item per (caption, hard negative) pair: ``texts = (positive, negative text)``, ``subtype``
     = the negative's type (``replace-att``, ``swap-obj`` ...), ``item_id = "<caption_id>/<type>"``; an item whose
     positive names a combination the world held out of training (``meta.json``'s ``holdout``) is also tagged
-    ``held-out <type>`` and ``held-out all`` (composition, not memory: its own rows in every table); image
+    ``held-out <type>`` and ``held-out all`` (composition, not memory: its own rows in every table); a swap-att
+    item between two objects of one shape is also tagged :data:`SAME_SHAPE_SWAP` (there the colours swap sides, so
+    telling it apart needs position as much as binding: its own row); image
     = the COCO file's ``file_name`` under ``image_root`` (default ``world_dir``). One pair per item keeps
     the per-type accuracy a two-way choice like SugarCrepe's. An image id of the split that the COCO
     file does not list is a format error.
@@ -479,9 +481,23 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
             neg = _object(neg_file, neg_where, raw_neg)
             neg_type, text = _text(neg_file, neg_where, neg, "type"), _text(neg_file, neg_where, neg, "text")
             tags = (f"held-out {neg_type}", "held-out all") if _names_any(positive, heldout) else ()
+            if neg_type == "swap-att" and _one_shape_pair(neg.get("struct")):
+                tags += (SAME_SHAPE_SWAP,)
             pending.append(_Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type, tags=tags),
                                     f"{neg_file}: {neg_where}"))
     return _finish("toyworld", "text", pending)
+
+
+#: the toy world's row of swap-att items between two objects of the same shape ("a red circle left of a blue
+#: circle" / "a blue circle left of a red circle"): only colour and side tell them apart
+SAME_SHAPE_SWAP = "swap-att [same shape]"
+
+
+def _one_shape_pair(struct) -> bool:
+    """A negative's structure of exactly two objects sharing their shape."""
+    objects = struct.get("objects") if isinstance(struct, dict) else None
+    return (isinstance(objects, list) and len(objects) == 2 and all(isinstance(o, dict) for o in objects)
+            and objects[0].get("shape") is not None and objects[0].get("shape") == objects[1].get("shape"))
 
 
 # --------------------------------------------------------------------------------------------- dispatch

@@ -408,11 +408,12 @@ class TextComponentExtractor:
         A parse depends on the text and the pipeline only (one per process, :func:`load_spacy`), so reusing it
         changes no output (a test compares against fresh parses)."""
         cache = _PARSES.setdefault(id(self.nlp), OrderedDict())
-        todo = [t for t in dict.fromkeys(captions) if t not in cache]
+        distinct = list(dict.fromkeys(captions))
+        todo = [t for t in distinct if t not in cache]
         for text, doc in zip(todo, self.nlp.pipe(todo, batch_size=self.batch_size, n_process=self.n_process)):
             cache[text] = doc
         docs = [cache[t] for t in captions]
-        for text in dict.fromkeys(captions):  # least recently used first out
+        for text in distinct:  # least recently used first out
             cache.move_to_end(text)
         while len(cache) > PARSE_CACHE:
             cache.popitem(last=False)

@@ -216,8 +216,8 @@ def parse_holdout(spec: str | Iterable) -> frozenset:
 def is_toyworld(path: str | os.PathLike | None) -> bool:
     """Whether ``path`` is a generated toy world (a folder with ``meta.json`` and ``annotations.json``): the one test
     every command uses to decide that a ``--data`` is one."""
-    return bool(path) and Path(str(path)).is_dir() and (Path(str(path)) / "meta.json").is_file() and (
-        Path(str(path)) / "annotations.json").is_file()
+    folder = Path(str(path)) if path else None
+    return folder is not None and (folder / "meta.json").is_file() and (folder / "annotations.json").is_file()
 
 
 def heldout_of(world: str | os.PathLike) -> frozenset:

@@ -75,10 +75,12 @@ def test_a_world_without_enough_single_object_scenes_is_refused(tmp_path, capsys
 
 def test_the_left_right_probe_reads_position_where_features_hold_it():
     """Features holding each colour's horizontal centre give "is the red one left of the other" linearly (~100%);
-    features without position stay near chance (50%)."""
+    features without position stay near chance (50%). Labels follow the toy world's own rule (boxes are
+    [x0, y0, x1, y1]; centres too close to call are left out)."""
     import numpy as np
 
     from extract.toyworld import COLOURS as PALETTE
+    from extract.toyworld import relation_holds
     from train.shape_probe import left_labels, left_right_probe
 
     COLOURS = list(PALETTE)
@@ -87,18 +89,23 @@ def test_the_left_right_probe_reads_position_where_features_hold_it():
     for i in range(600):
         a, b = rng.choice(len(COLOURS), 2, replace=False)
         xs = rng.uniform(0, 56, 2)
-        scenes.append({"objects": [{"colour": COLOURS[c], "box": [float(x), 10.0, 8.0, 8.0]} for c, x in
+        scenes.append({"objects": [{"colour": COLOURS[c], "box": [float(x), 10.0, float(x) + 8, 18.0]} for c, x in
                                    zip((a, b), xs)]})
         row = np.zeros(len(COLOURS))
-        row[[a, b]] = xs
+        row[[a, b]] = xs + 4
         feats.append(row)
     feats = np.asarray(feats)
-    idx, left = left_labels(scenes[:5], COLOURS[0])
-    for i, y in zip(idx, left):  # the label is the scene's own geometry
+    idx, left = left_labels(scenes, COLOURS[0], 64)
+    assert len(idx) > 20 and set(left.tolist()) == {0, 1}
+    for i, y in zip(idx, left):  # the label is the scene's own geometry, by the toy world's rule
         mine, other = sorted(scenes[i]["objects"], key=lambda o: o["colour"] != COLOURS[0])
-        assert y == int(mine["box"][0] < other["box"][0])
-    with_position = left_right_probe(feats[:400], scenes[:400], feats[400:], scenes[400:])
+        assert y == int(relation_holds(mine["box"], "left of", other["box"], 64))
+        assert relation_holds(mine["box"], "left of" if y else "right of", other["box"], 64)
+    close = [i for i, s in enumerate(scenes) if COLOURS[0] in {o["colour"] for o in s["objects"]} and i not in idx]
+    assert close and all(abs(scenes[i]["objects"][0]["box"][0] - scenes[i]["objects"][1]["box"][0]) < 9.6
+                         for i in close)  # too close to call: no label
+    with_position = left_right_probe(feats[:400], scenes[:400], feats[400:], scenes[400:], 64)
     without = left_right_probe(rng.normal(size=feats.shape)[:400], scenes[:400], rng.normal(size=feats.shape)[400:],
-                               scenes[400:])
+                               scenes[400:], 64)
     assert with_position > 95 and 30 < without < 70
-    assert left_right_probe(feats[:4], scenes[:4], feats[4:8], scenes[4:8]) is None  # too few scenes: no figure
+    assert left_right_probe(feats[:4], scenes[:4], feats[4:8], scenes[4:8], 64) is None  # too few: no figure

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from extract.data import IndexedSource, WebDatasetSource, expand_shards, open_source
 from extract.images import BadImage
 from extract.report import Skip, SkipReport
-from extract.toyworld import is_toyworld
+from extract.toyworld import heldout_of, is_toyworld
 
 MAX_REPLACEMENTS = 50  # unreadable images in a row before an indexed source is declared broken
 
@@ -387,8 +387,6 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
             "images": len(dataset), "captions": sum(len(r.captions) for r in dataset.records),
             "index_report": source.report.counts()}
     if is_toyworld(data):  # what the weights never saw: a demo world holding these out tests composition
-        from extract.toyworld import heldout_of
-
         desc["holdout"] = sorted(f"{c} {s}" for c, s in heldout_of(data))
     report = SkipReport().merge(source.report)
     return TrainData(loader, sampler.steps_per_epoch, accum_freq, "indexed", desc, report, sampler,

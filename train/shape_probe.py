@@ -53,22 +53,23 @@ class ShapeProbeOptions:
     json_out: str | None = option(None, help="also write the figures to this JSON file")
 
 
-def single_object_scenes(world: Path, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
-    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if len(s["objects"]) == 1]
-    train = [s for s in scenes if s["split"] == "train"][:n_train]
-    test = [s for s in scenes if s["split"] != "train"][:n_test]
+def split_scenes(scenes: list[dict], keep, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    """The scenes ``keep`` accepts: (train split, at most n_train; val/test, at most n_test)."""
+    kept = [s for s in scenes if keep(s)]
+    return [s for s in kept if s["split"] == "train"][:n_train], [s for s in kept if s["split"] != "train"][:n_test]
+
+
+def single_object_scenes(world: Path, scenes: list[dict], n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
+    train, test = split_scenes(scenes, lambda s: len(s["objects"]) == 1, n_train, n_test)
     if len(train) < 20 or len(test) < 20:
         raise ValueError(f"{world}: only {len(train)} train / {len(test)} held-out single-object scenes; generate a "
                          "larger toy world (python -m extract.toyworld --n 5000)")
     return train, test
 
 
-def two_object_scenes(world: Path, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
-    """Scenes of two objects of different colours: (train split, val/test), at most n_train / n_test."""
-    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"]
-              if len(s["objects"]) == 2 and s["objects"][0]["colour"] != s["objects"][1]["colour"]]
-    return ([s for s in scenes if s["split"] == "train"][:n_train],
-            [s for s in scenes if s["split"] != "train"][:n_test])
+def two_colour_pair(scene: dict) -> bool:
+    """A scene of two objects of different colours (the left/right probe's)."""
+    return len(scene["objects"]) == 2 and scene["objects"][0]["colour"] != scene["objects"][1]["colour"]
 
 
 def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256,
@@ -88,31 +89,35 @@ def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256,
     return (torch.cat(out).numpy(), torch.cat(toks).numpy()) if tokens else torch.cat(out).numpy()
 
 
-def left_labels(scenes: list[dict], colour: str, margin: float = 4.0) -> tuple[np.ndarray, np.ndarray]:
-    """(scene indices, 1 where the object of ``colour`` is left of the other) over the scenes holding one object of
-    that colour whose centres lie at least ``margin`` px apart horizontally."""
+def left_labels(scenes: list[dict], colour: str, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scene indices, 1 where the object of ``colour`` is left of the other, 0 where it is right of it) over the
+    scenes holding one object of that colour, by the toy world's own rule (``extract.toyworld.relation_holds`` in a
+    ``side``-px image: centres far enough apart; scenes where neither holds are left out)."""
+    from extract.toyworld import relation_holds
+
     idx, left = [], []
     for i, s in enumerate(scenes):
         mine = [o for o in s["objects"] if o["colour"] == colour]
         if len(mine) != 1:
             continue
         other = next(o for o in s["objects"] if o is not mine[0])
-        dx = (other["box"][0] + other["box"][2] / 2) - (mine[0]["box"][0] + mine[0]["box"][2] / 2)
-        if abs(dx) >= margin:
-            idx.append(i)
-            left.append(int(dx > 0))
+        for answer, predicate in ((1, "left of"), (0, "right of")):
+            if relation_holds(mine[0]["box"], predicate, other["box"], side):
+                idx.append(i)
+                left.append(answer)
     return np.asarray(idx, dtype=np.int64), np.asarray(left, dtype=np.int64)
 
 
-def left_right_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: list[dict]) -> float | None:
+def left_right_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: list[dict],
+                     side: int) -> float | None:
     """Held-out accuracy (%) of "the object of colour c is left of the other", one probe per colour, averaged over
     the colours with both answers among >= 5 train scenes each and >= 10 held-out scenes; None without any."""
     from extract.toyworld import COLOURS
 
     scores = []
     for colour in COLOURS:
-        itr, ytr = left_labels(train, colour)
-        ite, yte = left_labels(test, colour)
+        itr, ytr = left_labels(train, colour, side)
+        ite, yte = left_labels(test, colour, side)
         if min(int(ytr.sum()), int(len(ytr) - ytr.sum())) < 5 or len(yte) < 10:
             continue
         scores.append(probe(xtr[itr], ytr.tolist(), xte[ite], yte.tolist()))
@@ -171,7 +176,7 @@ def text_collapse(backbone) -> dict[str, float]:
 
 
 def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict],
-                  pairs: tuple[list[dict], list[dict]] = ([], [])) -> dict[str, float]:
+                  pairs: tuple[list[dict], list[dict]] = ([], []), side: int = 64) -> dict[str, float]:
     from extract.backbone import load_backbone
 
     world = Path(opts.data)
@@ -186,7 +191,7 @@ def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test
         (etr, ttr), (ete, tte) = (image_features(backbone, world, ptr, tokens=True),
                                   image_features(backbone, world, pte, tokens=True))
         for name, a, b in (("embedding", etr, ete), ("tokens", ttr, tte)):
-            found = left_right_probe(a, ptr, b, pte)
+            found = left_right_probe(a, ptr, b, pte, side)
             if found is not None:
                 out[f"image probe: left/right from {name} %"] = found
     out.update(text_collapse(backbone))
@@ -194,11 +199,14 @@ def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test
 
 
 def shape_probe(opts: ShapeProbeOptions) -> dict[str, dict[str, float]]:
-    train, test = single_object_scenes(Path(opts.data), opts.n_train, opts.n_test)
-    pairs = two_object_scenes(Path(opts.data), opts.n_train, opts.n_test)
+    from extract.toyworld import load
+
+    world = load(opts.data)  # read once: annotations of a 20,000-scene world are tens of MB
+    train, test = single_object_scenes(Path(opts.data), world["scenes"], opts.n_train, opts.n_test)
+    pairs = split_scenes(world["scenes"], two_colour_pair, opts.n_train, opts.n_test)
     results = {}
     for weights in progress(opts.pretrained or ["none"], desc="probing", unit="model"):
-        results[weights] = probe_weights(opts, weights, train, test, pairs)
+        results[weights] = probe_weights(opts, weights, train, test, pairs, world["meta"]["size"])
     if opts.json_out:
         Path(opts.json_out).write_text(json.dumps(results, indent=2) + "\n")
     return results

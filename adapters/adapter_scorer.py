@@ -23,8 +23,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from adapters.base import AdapterHead, Reps, to_tensors
+from adapters.heads.base import AdapterHead, Reps, to_tensors
 from adapters.checkpoint import CheckpointError, load_adapter
+from adapters.scoring import CacheReadable, token_keys
 
 
 def load_annotations(spec) -> dict[str, dict]:
@@ -45,7 +46,7 @@ def load_annotations(spec) -> dict[str, dict]:
             if scene.get("file_name"):
                 out.setdefault(os.path.basename(scene["file_name"]), scene)
         return out
-    from extract.regions import load_box_annotations
+    from extract.components.regions import load_box_annotations
 
     return load_box_annotations(path)
 
@@ -66,8 +67,8 @@ class LiveExtractor:
 
     def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
                  detector: str | None = None):
-        from extract.data import ToyWorldSource
-        from extract.pipeline import ShardBuilder, _Components
+        from extract.data.sources import ToyWorldSource
+        from extract.pipeline import ShardBuilder, ExtractionComponents
 
         args = argparse.Namespace(**{**_extract_defaults(), **extraction_args})
         args.workers, args.annotations = 0, None
@@ -80,18 +81,18 @@ class LiveExtractor:
         if needs_gt and self.annotations is None:
             raise ValueError("this adapter was trained on ground-truth boxes: give the boxes of the images to score "
                              "(annotations=<toy-world folder | objects.json>, --annotations in python -m "
-                             "train.evaluate) or a detector to find them (detector=WEIGHTS.pt, --detector)")
+                             "train.eval.evaluate) or a detector to find them (detector=WEIGHTS.pt, --detector)")
         if box_source is not None:
             args.boxes = box_source
 
         class _Boxes(ToyWorldSource):
-            """Stands in for the training source: _Components takes ground-truth boxes from ``annotations``."""
+            """Stands in for the training source: ExtractionComponents takes ground-truth boxes from ``annotations``."""
 
             def __init__(self, annotations):  # noqa: D401 - no files to read
                 self.annotations = annotations
 
         self.args = args
-        self.components = _Components(args, _Boxes(self.annotations or {}), backbone.device)
+        self.components = ExtractionComponents(args, _Boxes(self.annotations or {}), backbone.device)
         self.builder = ShardBuilder(backbone, self.components, args)
         self.backbone = backbone
         self._file_ids = {}
@@ -138,7 +139,7 @@ def _settings_diff(trained: dict, live: dict) -> list[str]:
     return settings_diff({k: trained.get(k) for k in keys}, {k: live.get(k) for k in keys})
 
 
-class AdapterScorer:
+class AdapterScorer(CacheReadable):
     """Scorer for a trained head (see the module docstring). ``encode_pil(images, ids)`` is the entry point for
     evaluation and serving; ``encode_images`` works for heads whose components need no pixels."""
 
@@ -162,7 +163,7 @@ class AdapterScorer:
         its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads.
         A checkpoint of an ``--unfreeze`` fine-tune names its backbone weights (``RUN/backbone.safetensors``,
         read from the adapter's folder; ``pretrained`` then points at a moved copy) and its text context."""
-        from extract.backbone import load_backbone
+        from extract.models.backbone import load_backbone
 
         path = Path(path)
         if path.is_dir():
@@ -220,11 +221,9 @@ class AdapterScorer:
         """One key per text, equal exactly when the head receives the same arrays (adapters.scoring.Scorer): the
         backbone's token ids after truncation for heads that read tokens only (``text_from_tokens``), else the
         text itself (a spaCy parse of the whole caption can tell apart what truncation cut)."""
-        from adapters.scoring import token_keys
-
         return token_keys(self.backbone, texts) if self.head.text_from_tokens else list(texts)
 
-    # -- from a feature cache (train.evaluate --cache, serving's second stage) ------------------------------
+    # -- from a feature cache (train.eval.evaluate --cache, serving's second stage) ------------------------------
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The cache arrays the head reads per item of ``side`` ("image" or "text")."""
         if side not in ("image", "text"):

@@ -19,7 +19,7 @@ Two kinds of file, one format (safetensors tensors + a JSON description in the s
   description names it under ``"backbone"`` (file, SHA-256, text context length).
 
 Files are written to a temporary name and renamed, so a crash never leaves a half-written checkpoint where
-the last good one was. Every file carries the digest of its tensors (``extract.tensorfile``), checked when it
+the last good one was. Every file carries the digest of its tensors (``extract.common.tensorfile``), checked when it
 is read: a damaged copy, or a file holding NaN / infinite weights, is refused with its name.
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from adapters.base import AdapterHead
+from adapters.heads.base import AdapterHead
 from adapters.registry import ADAPTERS
-from extract.cache import atomic_write_text
-from extract.tensorfile import load_tensors, save_tensors
+from extract.common.files import atomic_write_text
+from extract.common.tensorfile import load_tensors, save_tensors
 
 FORMAT = "plugvlm-adapter"
 VERSION = 1
@@ -49,13 +49,13 @@ class CheckpointError(ValueError):
 def save_atomic(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
     """safetensors file written under a temporary name and renamed into place: a reader (or a run killed
     mid-write) never sees half a file. The header carries the tensors' digest, the file the umask's
-    permissions (:func:`extract.tensorfile.save_tensors`); :func:`read_tensors` reads it back verified."""
+    permissions (:func:`extract.common.tensorfile.save_tensors`); :func:`read_tensors` reads it back verified."""
     return save_tensors(path, tensors, metadata)
 
 
 def read_tensors(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The tensors of a file :func:`save_atomic` wrote (e.g. a per-rank RNG file), verified against its digest
-    (:func:`extract.tensorfile.load_tensors`: a damaged file or non-finite weights raise, naming the file)."""
+    (:func:`extract.common.tensorfile.load_tensors`: a damaged file or non-finite weights raise, naming the file)."""
     return load_tensors(path, device)[0]
 
 
@@ -107,7 +107,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 def read(path: str | os.PathLike, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, description) of a checkpoint; the tensors are verified against the digest saved with them
-    (a damaged file or non-finite weights raise :class:`extract.tensorfile.TensorFileError` naming the file)."""
+    (a damaged file or non-finite weights raise :class:`extract.common.tensorfile.TensorFileError` naming the file)."""
     meta = read_meta(path)
     return read_tensors(path, device), meta
 
@@ -160,7 +160,7 @@ def load_adapter(path: str | os.PathLike, device: str | torch.device = "cpu") ->
 def save_backbone_weights(path: str | os.PathLike, model: torch.nn.Module) -> dict:
     """Write an open_clip model's state dict as plain safetensors (open_clip's key names, no wrapper), atomically.
     Returns ``{"file": name, "weights_sha256": ...}`` for the adapter's description."""
-    from extract.weights import file_sha256
+    from extract.models.weights import file_sha256
 
     path = save_atomic(model.state_dict(), path, {"format": "pt"})
     return {"file": path.name, "weights_sha256": file_sha256(path)}

@@ -1,8 +1,8 @@
 """One registry mechanism for every method: adapter heads (``ADAPTERS``) and pre-training objectives
 (``PRETRAIN``).
 
-A method is one file that registers itself: adapter heads live in ``adapters/methods/``, pre-training
-objectives in ``adapters/pretrain/``; both folders are imported on first lookup, so adding a method is that
+A method is one file that registers itself: adapter heads live in ``adapters/heads/``, pre-training
+objectives in ``adapters/objectives/``; both folders are imported on first lookup, so adding a method is that
 file plus its test, with no list to edit. ``train/`` only ever asks the registry (``ADAPTERS.get(name)``)
 and never branches on a method's name.
 """
@@ -64,5 +64,5 @@ class Registry(Generic[T]):
         return name in self._entries
 
 
-ADAPTERS: Registry = Registry("adapter method", "adapters.methods")
-PRETRAIN: Registry = Registry("pre-training method", "adapters.pretrain")
+ADAPTERS: Registry = Registry("adapter method", "adapters.heads")
+PRETRAIN: Registry = Registry("pre-training method", "adapters.objectives")

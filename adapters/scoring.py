@@ -29,7 +29,7 @@ class Scorer(Protocol):
     retrieval directions score differently (ComAlign eq. 10-11).
     ``first_stage_image(image_reps, direction)`` / ``first_stage_text(text_reps, direction)`` (for serving): one
     vector per item whose inner products find a query's candidates (stage 1), which ``score`` re-ranks (stage 2);
-    ``direction`` "t2i" or "i2t" (see :class:`adapters.base.AdapterHead`).
+    ``direction`` "t2i" or "i2t" (see :class:`adapters.heads.base.AdapterHead`).
     ``ensemble(text_reps, groups)`` (optional): merge the texts of each group (prompt templates of one class)
     into one representation per group, in group order; without it, zero-shot averages scores over templates.
     ``text_input_keys(texts)`` (optional): one hashable per text, equal exactly when the model receives the same
@@ -46,6 +46,28 @@ class Scorer(Protocol):
     def encode_texts(self, texts: Sequence[str]) -> Reps: ...
 
     def score(self, image_reps: Reps, text_reps: Reps) -> torch.Tensor: ...
+
+
+class CacheReadable:
+    """What serving's second stage and ``--cache`` evaluation ask of a scorer, with the answers of a scorer that
+    has nothing beyond :class:`Scorer`: it scores alike in both directions, it re-ranks (its exact score may order
+    the first stage's candidates differently), and it cannot be read from a feature cache. The scorers subclass it and
+    override what they have, so callers ask the scorer instead of testing its type."""
+
+    directional = False
+    #: False where the first stage's inner product is the exact score (a bare backbone): nothing to re-rank
+    second_stage = True
+
+    def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
+        return self.score(image_reps, text_reps)
+
+    def cache_keys(self, side: str) -> tuple[str, ...]:
+        """The feature-cache arrays it reads per item of ``side`` ("image" / "text")."""
+        raise ValueError(f"{self.name}: no known way to read its representations from a feature cache")
+
+    def encode_arrays(self, arrays: dict, side: str) -> Reps:
+        """Representations of items of ``side`` from their cached arrays (one per :meth:`cache_keys`)."""
+        raise ValueError(f"{self.name}: no known way to read its representations from a feature cache")
 
 
 def cat_reps(parts: Sequence[Reps]) -> Reps:
@@ -70,11 +92,23 @@ def token_keys(backbone, texts: Sequence[str]) -> list[tuple[int, ...]]:
     return [tuple(row[mask].tolist()) for row, mask in zip(tokens.ids, tokens.attention_mask.bool())]
 
 
-class BackboneScorer:
+class BackboneScorer(CacheReadable):
     """A frozen backbone as a scorer: cosine similarity of the normalised global embeddings (CLIP).
 
-    Zero-shot prompt ensembles follow CLIP: mean of the normalised template embeddings, normalised again.
+    Zero-shot prompt ensembles follow CLIP: mean of the normalised template embeddings, normalised again. Its first
+    stage is its exact score (no second stage); from a feature cache it reads the global embeddings as stored (fp16,
+    unit norm before rounding: ``train.eval.evaluate --cache`` scores the same).
     """
+
+    second_stage = False
+
+    def cache_keys(self, side: str) -> tuple[str, ...]:
+        return ("image_embed",) if side == "image" else ("text_embed",)
+
+    def encode_arrays(self, arrays: dict, side: str) -> Reps:
+        import numpy as np
+
+        return {"embed": torch.as_tensor(np.asarray(arrays[self.cache_keys(side)[0]])).float().to(self.device)}
 
     def __init__(self, backbone, name: str | None = None):
         self.backbone = backbone
@@ -110,61 +144,3 @@ class BackboneScorer:
         n = int(groups.max()) + 1 if len(groups) else 0
         total = torch.zeros(n, emb.shape[1], dtype=emb.dtype, device=emb.device).index_add_(0, groups.to(emb.device), emb)
         return {"embed": torch.nn.functional.normalize(total, dim=-1)}
-
-
-def is_adapter_path(model: str) -> bool:
-    """True when ``--model`` names an adapter checkpoint file or a training run folder holding one."""
-    import os
-
-    return model.endswith(".safetensors") or os.path.isfile(os.path.join(model, "adapter.safetensors"))
-
-
-def pretrained_checkpoint(model: str) -> tuple[str, str] | None:
-    """(architecture, weights file) when ``--model`` names a ``python -m train.pretrain`` checkpoint (its
-    ``model.safetensors``, or the run folder holding one): it says what it is in its JSON description, so no
-    ``--pretrained`` is needed. None otherwise."""
-    from pathlib import Path
-
-    from extract.weights import checkpoint_sidecar
-
-    path = Path(model)
-    if path.is_dir():
-        path = path / "model.safetensors"
-    if path.suffix != ".safetensors" or not path.is_file():
-        return None
-    sidecar = checkpoint_sidecar(path)
-    return (sidecar["model"], str(path)) if sidecar and sidecar.get("model") else None
-
-
-def load_scorer(model: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
-                precision: str = "fp32", annotations=None, detector: str | None = None) -> Scorer:
-    """The scorer for ``--model``: a backbone alias / open_clip name, with ``pretrained`` a tag, a checkpoint
-    path or 'none'; a pre-trained checkpoint of ours (``RUN/model.safetensors`` or the run folder: it names its
-    architecture); or an adapter checkpoint (``RUN/adapter.safetensors`` or the run folder), rebuilt from the
-    file alone through the method registry (``pretrained`` then relocates its base weights). ``annotations`` /
-    ``detector``: boxes for adapters trained on ground-truth boxes (see :mod:`adapters.adapter_scorer`);
-    ignored by bare backbones."""
-    ours = pretrained_checkpoint(model) if pretrained is None else None
-    if ours is not None:
-        model, pretrained = ours
-    elif is_adapter_path(model):
-        from adapters.adapter_scorer import AdapterScorer
-
-        return AdapterScorer.from_checkpoint(model, device=device, pretrained=pretrained, annotations=annotations,
-                                             detector=detector)
-    from extract.backbone import load_backbone
-
-    backbone = load_backbone(model, pretrained, device=device, precision=precision)
-    label = model if pretrained is None else f"{model}:{pretrained}"
-    # A pre-trained checkpoint (python -m train.pretrain) names its method; a method that scores with more than
-    # the global embeddings (FILIP's late interaction) provides its scorer through the PRETRAIN registry.
-    from extract.weights import checkpoint_sidecar
-
-    sidecar = checkpoint_sidecar(backbone.weights.path) if backbone.weights.kind == "file" else None
-    if sidecar is not None:
-        from adapters.registry import PRETRAIN
-
-        method = PRETRAIN.get(sidecar["method"]) if sidecar.get("method") in PRETRAIN else None
-        if hasattr(method, "scorer"):
-            return method.scorer(backbone, name=label)
-    return BackboneScorer(backbone, name=label)

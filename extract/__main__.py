@@ -12,10 +12,10 @@ def main() -> int:
     """Parse first (no torch: --help and argument errors answer at once), then import the pipeline and run."""
     import sys
 
-    from extract.extract_options import parse_args
+    from extract.options import parse_args
 
     opts = parse_args(sys.argv[1:])
-    from extract.cli import run_job
+    from extract.common.cli import run_job
     from extract.pipeline import run
 
     return run_job(run, opts)

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +43,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+
+from extract.common.files import (atomic_write_text, fsync_path, holder_text, read_holder, release_flock,
+                                 take_flock)
 
 FORMAT_VERSION = 1
 IMAGE_PREFIXES = ("image_", "patch_", "region_", "ventity_", "vrelation_")
@@ -53,7 +55,6 @@ IMAGE_PREFIXES = ("image_", "patch_", "region_", "ventity_", "vrelation_")
 # useful default: the other run's cache is what this one would compute, so it is reused when that finishes.
 # The environment variable PLUGVLM_CACHE_LOCK_TIMEOUT overrides it.
 LOCK_TIMEOUT_S = 24 * 3600.0
-LOCK_REMINDER_S = 600.0  # while waiting, repeat who holds the lock this often
 
 
 class CacheError(ValueError):
@@ -276,7 +277,7 @@ class CacheDir:
         # The leader may itself wait up to `timeout` for another run; allow it that, plus time to get there.
         deadline = time.monotonic() + timeout + min(timeout, 120.0)
         while True:
-            if (_read_holder(lock_path) or {}).get("run") == run:
+            if (read_holder(lock_path) or {}).get("run") == run:
                 try:  # the description could outlive a killed leader: the lock must also be held right now
                     fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
                     fcntl.flock(f, fcntl.LOCK_UN)
@@ -284,7 +285,7 @@ class CacheDir:
                     return
             if time.monotonic() >= deadline:
                 raise CacheBusyError(f"{lock_path}: the first process of this run never took the lock "
-                                     f"(holder: {_holder_text(_read_holder(lock_path))})")
+                                     f"(holder: {holder_text(read_holder(lock_path))})")
             time.sleep(poll)
 
     def clean_partial(self, indices: Iterable[int]) -> int:
@@ -344,123 +345,6 @@ class CacheDir:
         return manifest
 
 
-def take_flock(f, lock_path: Path, run: str, *, timeout: float, busy: Callable[[str], Exception],
-               waiting: Callable[[str], str] | None = None, say: Callable[[str], None] = print,
-               poll: float = 0.5) -> None:
-    """Take an exclusive ``flock`` on ``f`` (the open file ``lock_path``, mode ``a+``), then describe the holder in
-    it (pid, host, ``run``, since when) for whoever finds it held.
-
-    timeout: seconds to wait (0: one try). Still held then: raise ``busy(holder)``, ``holder`` being who holds it
-        ("pid 12 on host h since ... (3 min ago)"). While waiting, ``say(waiting(holder))`` once and again every
-        :data:`LOCK_REMINDER_S`.
-
-    The kernel drops an flock when its process dies (kill -9 included): a crashed holder never leaves it taken.
-    Release with :func:`release_flock`. Shared by the feature cache's build lock and the search index's.
-    """
-    start = last_said = time.monotonic()
-    said = False
-    while True:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            pass
-        now = time.monotonic()
-        if now - start >= timeout:
-            raise busy(lock_holder(lock_path))
-        if waiting is not None and (not said or now - last_said >= LOCK_REMINDER_S):
-            say(waiting(lock_holder(lock_path)))
-            said, last_said = True, now
-        time.sleep(poll)
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
-              "since": time.strftime("%Y-%m-%d %H:%M:%S %z"), "since_unix": time.time()}
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps(holder))
-    f.flush()
-
-
-def release_flock(f) -> None:
-    """Clear the holder description :func:`take_flock` wrote and release the lock."""
-    f.seek(0)
-    f.truncate()
-    f.flush()
-    fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def lock_holder(lock_path: Path) -> str:
-    """Who holds ``lock_path``, as its holder described itself: "pid 12 on host h since ... (3 min ago)"."""
-    return _holder_text(_read_holder(lock_path))
-
-
-def _read_holder(lock_path: Path) -> dict | None:
-    """The holder a lock file describes (written by its holder after taking it), or None."""
-    try:
-        holder = json.loads(lock_path.read_text() or "null")
-    except (OSError, ValueError):
-        return None  # being rewritten at this instant, or unreadable: described as unknown
-    return holder if isinstance(holder, dict) else None
-
-
-def _holder_text(holder: dict | None) -> str:
-    if not holder:
-        return "a process that has not described itself yet"
-    ago = time.time() - float(holder.get("since_unix", time.time()))
-    return (f"pid {holder.get('pid')} on host {holder.get('host')} since {holder.get('since')} "
-            f"({ago / 60:.0f} min ago)")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one, never a part, even
-    after kill -9 or a power cut: temporary file, flushed and fsynced, renamed over, folder entry fsynced."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    apply_umask(tmp)
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def current_umask() -> int:
-    """The process's umask. Read from /proc where Linux shows it: os.umask can only read it by setting it,
-    and a thread creating a file in between would get the wrong permissions."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(path: str | os.PathLike) -> None:
-    """Give a file we wrote the permissions a plain ``open(path, "w")`` would have: 0o666 less the umask.
-    Every atomic writer calls it on its temporary file before the rename, because some writers create files
-    0600 whatever the umask (safetensors' save_file, tempfile.mkstemp), which hides checkpoints from the rest
-    of a group sharing a run folder."""
-    os.chmod(path, 0o666 & ~current_umask())
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (rename durability needs the directory entry flushed too); a no-op where the
-    OS refuses."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # --------------------------------------------------------------------------------------------- reading
 @dataclass
 class _Shard:
@@ -506,7 +390,7 @@ class FeatureCache:
             img += meta["images"]
             cap += meta["captions"]
         if damaged:
-            advice = (f"rerun the same `python -m extract` command (or train.adapter) that built this cache to rebuild "
+            advice = (f"rerun the same `python -m extract` command (or train.adapter.engine) that built this cache to rebuild "
                       f"{'that shard' if len(damaged) == 1 else 'those shards'} (nothing else is recomputed), or "
                       f"delete {self.path}")
             raise CacheError(f"{damaged[0]}: the shard is damaged; {advice}" if len(damaged) == 1 else

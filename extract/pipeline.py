@@ -32,16 +32,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from extract.backbone import FrozenBackbone, load_backbone
+from extract.models.backbone import FrozenBackbone, load_backbone
 from extract.cache import CacheDir, FeatureCache, settings_diff
-from extract.cli import check_options, progress, run_job
-from extract.cli import say as status
-from extract.config import save_config
-from extract.data import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
+from extract.common.cli import check_options, progress, run_job
+from extract.common.cli import say as status
+from extract.common.config import save_config
+from extract.data.sources import (DataSource, IndexedSource, SampleDataset, ToyWorldSource, WebDatasetSource,
                           collate_skipping, expand_shards, open_source)
-from extract.report import Skip, SkipReport
-from extract.extract_options import ExtractOptions, build_parser, parse_args
-from extract.source_args import open_options
+from extract.data.report import Skip, SkipReport
+from extract.options import ExtractOptions, build_parser, parse_args
+from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
@@ -132,7 +132,7 @@ def _stat(path: str) -> list:
         return [None, None]
 
 
-class _Components:
+class ExtractionComponents:
     """The component extractors this run needs, built (and validated) before any image is read."""
 
     def __init__(self, args, source: DataSource, device: torch.device):
@@ -140,14 +140,14 @@ class _Components:
         want = set(args.components)
         self.text = None
         if want & {"entities", "relations", "tree"}:
-            from extract.text_components import TextComponentExtractor
+            from extract.components.text import TextComponentExtractor
 
             self.text = TextComponentExtractor(max_entities=args.max_entities, max_relations=args.max_relations,
                                                max_leaves=args.max_leaves, max_nodes=args.max_nodes)
         self.annotations: dict[str, dict] = source.annotations if isinstance(source, ToyWorldSource) else {}
         self.annotations_file = None
         if args.annotations:
-            from extract.regions import load_box_annotations
+            from extract.components.regions import load_box_annotations
 
             self.annotations_file = args.annotations
             self.annotations = load_box_annotations(args.annotations)
@@ -164,19 +164,19 @@ class _Components:
             if not args.detector:
                 raise ValueError("entity/relation components need boxes: pass --detector WEIGHTS.pt (YOLO) or "
                                  "drop entities,relations from --components")
-            from extract.detectors import load_detector
+            from extract.components.detectors import load_detector
 
             self.detector = load_detector(args.detector, conf=args.conf, max_det=args.max_entities,
                                           device=str(device))
-        elif self.box_source == "random":  # the control for detector boxes (extract/random_boxes.py)
-            from extract.random_boxes import RandomBoxes
+        elif self.box_source == "random":  # the control for detector boxes (extract/components/random_boxes.py)
+            from extract.components.random_boxes import RandomBoxes
 
             self.detector = RandomBoxes(count=args.max_entities, seed=args.region_seed)
         self.segmenter = None
         if "regions" in want and args.regions == "sam2":
             if not args.segmenter:
                 raise ValueError("--regions sam2 needs --segmenter CONFIG (and --segmenter-weights PATH)")
-            from extract.detectors import load_segmenter
+            from extract.components.detectors import load_segmenter
 
             self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(device),
                                             image_size=args.segmenter_image_size, points_per_side=args.sam_points,
@@ -193,7 +193,7 @@ class _Components:
         if self.text is not None:
             out["text"] = self.text.settings()
         if self.annotations_file and (self.box_source == "gt" or ("regions" in a.components and a.regions == "gt")):
-            from extract.weights import file_sha256
+            from extract.models.weights import file_sha256
 
             out["annotations"] = {"file": str(Path(self.annotations_file).resolve()),
                                   "sha256": file_sha256(Path(self.annotations_file))}
@@ -228,11 +228,11 @@ def _image_seed(seed: int, image_id: str) -> np.random.Generator:
 class ShardBuilder:
     """Computes one shard's arrays from its samples (see the module docstring for what is cached)."""
 
-    def __init__(self, backbone: FrozenBackbone, comps: _Components, args):
+    def __init__(self, backbone: FrozenBackbone, comps: ExtractionComponents, args):
         self.bb, self.c, self.args = backbone, comps, args
         self.want = set(args.components)
         self.keep_raw = bool(comps.box_source or (("regions" in self.want) and args.regions in ("gt", "sam2")))
-        from extract.regions import preprocess_geometry
+        from extract.components.regions import preprocess_geometry
 
         self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
 
@@ -248,7 +248,7 @@ class ShardBuilder:
         return out
 
     def _regions(self, raws, image_ids) -> dict[str, np.ndarray]:
-        from extract.regions import annotation_for, boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
+        from extract.components.regions import annotation_for, boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
 
         a, grid, (input_size, mode) = self.args, self.bb.grid, self.geometry
         m = a.num_regions
@@ -274,7 +274,7 @@ class ShardBuilder:
     def _visual_components(self, raws, image_ids) -> dict[str, np.ndarray]:
         from PIL import Image
 
-        from extract.regions import annotation_for, crop_regions, gt_boxes, relation_boxes
+        from extract.components.regions import annotation_for, crop_regions, gt_boxes, relation_boxes
 
         a, d = self.args, self.bb.embed_dim
         n, E, R = len(image_ids), a.max_entities, a.max_relations
@@ -322,7 +322,7 @@ class ShardBuilder:
             out["token_mask"] = tok.attention_mask[:, :length].numpy()
         stats = {"truncated": int(tok.truncated.sum()), "phrases_cut": 0}
         if self.c.text is not None:
-            from extract.text_components import pack
+            from extract.components.text import pack
 
             a = self.args
             comps = self.c.text.extract(texts, tok)
@@ -353,7 +353,7 @@ class ShardBuilder:
         return emb, valid
 
 
-def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Concatenate batch dicts along rows, zero-padding trailing dims that vary (token lengths)."""
     if not parts:
         return {}
@@ -406,7 +406,7 @@ def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar)
         pbar.update(len(good["image_ids"]) + len(skips))  # after the work, so rate and ETA are honest
     if pending:
         encode(pending)
-    arrays = {**_concat(img_parts), **_concat(cap_parts)}
+    arrays = {**concat_rows(img_parts), **concat_rows(cap_parts)}
     arrays["caption_image"] = np.asarray(caption_image, dtype=np.int32)
     meta = {"images": len(image_ids), "captions": len(caption_ids), "image_ids": image_ids,
             "caption_ids": caption_ids, **stats,
@@ -416,7 +416,7 @@ def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar)
 
 def _pair_batches(samples, transform, batch_size: int):
     """Batches shaped like ``collate_skipping``'s from a streaming source's Sample iterator."""
-    from extract.data import Item
+    from extract.data.sources import Item
 
     buf = []
     for s in samples:
@@ -440,7 +440,7 @@ def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
     options = open_options(args)
     source = open_source(args.data, **options)
     # detector / segmenter / spaCy checked before the backbone loads: a missing file fails in seconds
-    comps = _Components(args, source, ranks.device)
+    comps = ExtractionComponents(args, source, ranks.device)
     if backbone is None:
         backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
     data = data_fingerprint(source)
@@ -471,7 +471,7 @@ def _run_id(ranks: _Ranks) -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
 
 
-def _extract(args, ranks: _Ranks, source: DataSource, comps: _Components, backbone: FrozenBackbone, settings: dict,
+def _extract(args, ranks: _Ranks, source: DataSource, comps: ExtractionComponents, backbone: FrozenBackbone, settings: dict,
              cache: CacheDir, say, t0: float) -> dict:
     """run()'s work once this run holds the cache's build lock."""
     # All ranks decide before rank 0 changes anything (the barrier), so they all take the same branch.

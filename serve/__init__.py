@@ -10,11 +10,12 @@ Two stages, as clip-retrieval's back-end plus what none has::
 Modules: ``layout`` (the index directory: files, manifest, atomic replacement, build lock), ``faiss_index``
 (index types, the ``auto`` choice, tuning, recall at build, on-disk IVF), ``index`` (``python -m serve.index``:
 build and ``--add``), ``stage2`` (re-ranking representations stored in the index), ``search`` (``Searcher``: open,
-search_text / search_image, re-ranking, filters, paging), ``query`` (``python -m serve.query``), ``benchmark``
-(``python -m serve.benchmark``); the app: ``app`` (the Gradio page over a ``Searcher``: text -> image,
-heatmaps, image -> text, the caption probe), ``heatmap_render`` (how it draws the heatmaps), ``http`` (FastAPI with
-the page mounted and clip-retrieval's ``/knn-service``), ``request_guard`` (what a request may make the server
-touch), ``__main__`` (``python -m serve``), ``load_test`` (``python -m serve.load_test``).
+search_text / search_image, re-ranking, filters, paging), ``query`` (``python -m serve.query``); the app:
+``service`` (``Served``: what the page and the API both call, with its ``Limits`` and ``Gate``), ``heatmap``
+(per-phrase maps under any scorer), ``app`` (the Gradio page over ``Served``), ``heatmap_render`` (how the page draws
+the heatmaps), ``http`` (FastAPI with the page mounted and clip-retrieval's ``/knn-service``), ``request_guard``
+(what a request may make the server touch), ``__main__`` (``python -m serve``). Its speed and load runs are
+``python -m train.bench.serve`` and ``python -m train.bench.serve_load``.
 
 The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
 

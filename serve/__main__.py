@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from extract.cli import Parser, build_parser as build_cli, check_options, option, parse_options, run_job, say
-from extract.config import nonnegative_int, positive_int
+from extract.common.cli import Parser, build_parser as build_cli, check_options, option, parse_options, run_job, say
+from extract.common.config import nonnegative_int, positive_int
 from serve.faiss_index import memory_size, parse_memory
 
 #: where python -m train.demo writes (its --out default)
@@ -99,7 +99,7 @@ def is_loopback(host: str) -> bool:
 def served_checkpoint(report: dict) -> str | None:
     """The adapter checkpoint a ``python -m train.demo`` report says the demo served (``served.checkpoint``: its
     best held-out T2I R@1 over every base); for a report written before it named one, the method with the best
-    held-out T2I R@1 among ``adapters.methods``; None when it served none."""
+    held-out T2I R@1 among ``adapters.heads``; None when it served none."""
     served = report.get("served") or {}
     if served.get("checkpoint"):
         return served["checkpoint"]
@@ -151,7 +151,7 @@ def default_index(device: str = "cpu", demo: Path = DEMO, rebuild: bool = False)
 # --------------------------------------------------------------------------------------------- serving
 def prepare(opts: ServeOptions):
     """(the Served index with its limits, the index folder): opens ``opts.index`` or the embedded default."""
-    from serve.app import Limits, Served
+    from serve.service import Limits, Served
     from serve.layout import IndexDirError, ModelMismatchError
 
     check_options(opts, build_parser())
@@ -178,7 +178,7 @@ def prepare(opts: ServeOptions):
 
 def banner(served, index: Path, url: str, opts: ServeOptions) -> str:
     """What the console says once the server is up."""
-    from serve.app import recall_text, search_params
+    from serve.service import recall_text, search_params
 
     d = served.describe()
     lines = [f"serving {index}: {d['model']} ({d['how']})",

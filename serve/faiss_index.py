@@ -64,7 +64,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from serve.layout import import_faiss
+
+def import_faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise ImportError("search indices need FAISS: pip install 'plugvlm[serve]' (or pip install faiss-cpu)") from None
+    return faiss
+
 
 KINDS = ("flat", "hnsw", "ivf-flat", "ivf-pq")
 HNSW_M = 32
@@ -125,7 +132,7 @@ def pq_key(n: int, d: int, max_bytes: int | None = None, refined: bool = False) 
     :class:`Refined`): at most one byte per :data:`DIMS_PER_CODE_BYTE` dimensions, since the codes then only have to
     shortlist the neighbours, not order them -- PQ64 for 512-d vectors instead of PQ256, a quarter of the RAM and
     of the OPQ training (which took tens of minutes for PQ256 on 2 cores here; the 1M-vector figures are
-    serve.benchmark's)."""
+    train.bench.serve's)."""
     cap = max(PQ_VALUES[-1], d // DIMS_PER_CODE_BYTE) if refined else d
     for m in PQ_VALUES:
         if m >= d or m > cap:
@@ -388,7 +395,7 @@ class Refined:
     same with a refinement index held in RAM (4 d bytes per vector: as much as IVF-Flat); here the vectors stay on
     disk and only the ``k x k_factor`` rows a query touches are read, so RAM holds the PQ codes alone (m + 8 bytes
     per vector). PQ at 64 bytes per 512-d vector ranks the true neighbours well enough to have them in a shortlist
-    of a few hundred, not well enough to order them: this is what makes it usable for retrieval (serve.benchmark:
+    of a few hundred, not well enough to order them: this is what makes it usable for retrieval (train.bench.serve:
     recall@10 0.23 without, table in the README). ``k_factor`` is tuned like nprobe (:func:`tune`).
 
     Everything else (``ntotal``, ``d``, ``metric_type``, ...) is the wrapped index's; ``reconstruct_batch`` returns

@@ -1,11 +1,11 @@
 """Per-phrase heatmaps of a query on an image, from the frozen backbone under any scorer, and ComAlign's boxes.
 
-For each noun phrase of the query ("a small red circle"; :mod:`extract.text_components`' spaCy parse) a map
+For each noun phrase of the query ("a small red circle"; :mod:`extract.components.text`' spaCy parse) a map
 [H, W] in [0, 1] at the image's original pixel size says where the backbone finds that phrase. Two training-free
-maps (``METHODS``; the first is the default, chosen by ``python -m serve.heatmap_eval``'s measurement):
+maps (``METHODS``; the first is the default, chosen by ``python -m train.eval.heatmaps``'s measurement):
 
 ``raw``
-    cosine of each projected patch token (``extract.backbone.ImageFeatures.patches``: ``ln_post(x_n) @ proj``,
+    cosine of each projected patch token (``extract.models.backbone.ImageFeatures.patches``: ``ln_post(x_n) @ proj``,
     the map the global embedding is made with) with the phrase's text embedding. Known weakness on real CLIP
     weights: noisy and often inverted maps, because nothing in CLIP's loss trains the patch tokens (the "opposite
     visualization" Li et al. 2023 set out to fix). Measured here too: on the CLIP-pre-trained tiny base, raw maps
@@ -27,12 +27,12 @@ maps (``METHODS``; the first is the default, chosen by ``python -m serve.heatmap
 
 Each grid map is min-max normalised over the patches (as Surgery's ``get_similarity_map``), then interpolated
 bilinearly between patch centres and mapped back through the preprocess's resize and centre crop
-(:func:`extract.regions.image_to_grid_transform`), so pixel (x, y) of the original image reads the grid where
+(:func:`extract.components.regions.image_to_grid_transform`), so pixel (x, y) of the original image reads the grid where
 the model saw it; pixels the crop cut away read 0 (the model never saw them). ``PhraseMap.peak`` keeps the
 largest un-normalised score, since a min-max map always has a hot spot, even for a phrase that is not there.
 
 ComAlign scorers (anything whose head scores entity / relation component sets with fine-grained matching, see
-:mod:`adapters.methods.comalign`): :meth:`Heatmapper.explain` recomputes the text->image score of eq. 10 from
+:mod:`adapters.heads.comalign`): :meth:`Heatmapper.explain` recomputes the text->image score of eq. 10 from
 its parts -- for every text entity / relation component, the image component (a box: ground truth or
 detector's, and relation boxes as their union) that wins its max in FGM, with that similarity; the mean of
 those maxima per type is the fine-grained term -- and :meth:`Heatmapper.maps` puts on each phrase the box that
@@ -50,12 +50,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from extract.backbone import is_vit
+from extract.models.backbone import is_vit
 
 if TYPE_CHECKING:
     from PIL import Image
 
-#: heatmap methods; the first is the default, by ``python -m serve.heatmap_eval``'s measurement (README): on the
+#: heatmap methods; the first is the default, by ``python -m train.eval.heatmaps``'s measurement (README): on the
 #: toy world's test split, the CLIP-pre-trained tiny base localises 84% of objects with surgery (3 seeds: 81-88%)
 #: and 29% with raw (inverted); a FILIP-pre-trained one ~99% with either
 METHODS = ("surgery", "raw")
@@ -123,7 +123,7 @@ class ScoreExplanation:
 
     components: every valid text entity / relation component with its winner; terms: ``entity`` / ``relation``
     (the mean of the components' scores of that kind: s^E_T2I, s^R_T2I; 0 without components), ``global``,
-    ``base``; weights: the fusion weights of eq. 10 (``adapters.methods.comalign.T2I_WEIGHTS``); score:
+    ``base``; weights: the fusion weights of eq. 10 (``adapters.heads.comalign.T2I_WEIGHTS``); score:
     ``sum(weights[k] * terms[k])``, which is the head's own ``score_directed(..., "t2i")``.
     """
 
@@ -150,7 +150,7 @@ class NounPhrase:
 # --------------------------------------------------------------------------------------------- phrases
 def noun_phrases(text: str, extractor, tokenized=None) -> list[NounPhrase]:
     """The noun phrases of ``text`` in caption order, from one spaCy parse (``extractor``: a
-    :class:`extract.text_components.TextComponentExtractor`; ``tokenized``: the backbone's tokenisation of
+    :class:`extract.components.text.TextComponentExtractor`; ``tokenized``: the backbone's tokenisation of
     ``[text]``, for token positions).
 
     Each entity of the parse that is not part of a longer one ("small red circle", not its bare noun "circle")
@@ -304,7 +304,7 @@ def grid_to_pixels(grid_maps: np.ndarray, image_size: tuple[int, int], input_siz
     """grid_maps [P, rows, cols] -> [P, H, W] float32 at the original image's size (``image_size`` = (W, H);
     ``input_size`` = the network input's (W, H); ``resize_mode`` the preprocess's): bilinear between patch centres,
     clamped at the grid's edge, 0 where the preprocess cropped the image away (module docstring)."""
-    from extract.regions import image_to_grid_transform
+    from extract.components.regions import image_to_grid_transform
 
     p, rows, cols = grid_maps.shape
     w, h = image_size
@@ -331,7 +331,7 @@ def box_outline(box: Sequence[float], size: tuple[int, int], width: int = 2) -> 
 
 # --------------------------------------------------------------------------------------------- the mapper
 class Heatmapper:
-    """Per-phrase heatmaps for one scorer (anything :func:`adapters.scoring.load_scorer` returns: the frozen
+    """Per-phrase heatmaps for one scorer (anything :func:`adapters.load.load_scorer` returns: the frozen
     backbone under it makes the maps; a ComAlign head adds its boxes).
 
     ``device``: where the scorer's backbone runs (a mismatch is refused, naming both). ``surgery_depth``: blocks
@@ -362,7 +362,7 @@ class Heatmapper:
             self.depth = default_depth(layers) if surgery_depth is None else int(surgery_depth)
             if not 1 <= self.depth <= layers:
                 raise ValueError(f"surgery depth must be 1..{layers} for {backbone.spec.model}, got {self.depth}")
-        from extract.regions import preprocess_geometry
+        from extract.components.regions import preprocess_geometry
 
         self.input_size, self.resize_mode = preprocess_geometry(backbone)
         self._extractor = None
@@ -375,7 +375,7 @@ class Heatmapper:
     def extractor(self):
         """The spaCy component extractor (loaded on first use), with caps high enough for any query."""
         if self._extractor is None:
-            from extract.text_components import TextComponentExtractor
+            from extract.components.text import TextComponentExtractor
 
             self._extractor = TextComponentExtractor(max_entities=64, max_relations=0, max_leaves=64, max_nodes=1)
         return self._extractor
@@ -508,9 +508,9 @@ class Heatmapper:
         return self._empty
 
     def _load(self, image, image_id: str | None):
-        """(RGB PIL image, id): a path is decoded with extract.images' checks; a PIL image is converted to RGB."""
+        """(RGB PIL image, id): a path is decoded with extract.data.images' checks; a PIL image is converted to RGB."""
         if isinstance(image, (str, os.PathLike)):
-            from extract.images import decode_image
+            from extract.data.images import decode_image
 
             return decode_image(str(image)).image, image_id or str(image)
         if not hasattr(image, "convert") or not hasattr(image, "size"):
@@ -534,7 +534,7 @@ class Heatmapper:
         component that wins its max (:class:`ScoreExplanation`); None for scorers without such components."""
         if not self.explains():
             return None
-        from adapters.methods.comalign import T2I_WEIGHTS
+        from adapters.heads.comalign import T2I_WEIGHTS
 
         scorer = self.scorer
         pil, image_id = self._load(image, image_id)

@@ -42,7 +42,7 @@ Routes (clip-retrieval's first, same request and response shapes):
     ``{"status": "ok", "pid", "rss_bytes", "uptime_s", "in_flight", "busy_refusals", "served": {...}}``.
 
 Safety: request bodies are refused above the upload limit (HTTP 413), model work goes through the app's
-:class:`serve.app.Gate` (HTTP 503 when busy, with Retry-After), Gradio's own URL-fetching routes (``/file=http...``,
+:class:`serve.service.Gate` (HTTP 503 when busy, with Retry-After), Gradio's own URL-fetching routes (``/file=http...``,
 ``/proxy=``) are refused (403) and its file route serves nothing of the collection directly (no ``allowed_paths``):
 a file outside Gradio's upload and cache folders asked for through it is refused with 403.
 """
@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request  # module level: FastAPI resolves the routes' annotations here
 
-from serve.app import DEFAULT_CANDIDATES, Busy, QueryImage, Served, decode_checked, encode_image
+from serve.service import DEFAULT_CANDIDATES, Busy, QueryImage, Served, decode_checked, encode_image
 from serve.request_guard import RequestGuard
 
 #: clip_back's de-duplication threshold: results whose normalised vectors have inner product >= this are one

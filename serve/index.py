@@ -34,16 +34,16 @@ from typing import Sequence
 
 import numpy as np
 
-from extract.cli import Parser, check_options, option, parse_options, progress, run_job, say
-from extract.cli import build_parser as build_cli
-from extract.config import fraction, nonnegative_int, positive_float, positive_int
-from extract.extract_options import DEFAULT_WORKERS
-from extract.source_args import BoxOptions, SourceOptions, open_options, source_flags
-from extract.toyworld import is_toyworld
-from serve.faiss_index import KINDS, memory_size, parse_memory
+from extract.common.cli import Parser, check_options, option, parse_options, progress, run_job, say
+from extract.common.cli import build_parser as build_cli
+from extract.common.config import fraction, nonnegative_int, positive_float, positive_int
+from extract.options import DEFAULT_WORKERS
+from extract.common.source_args import BoxOptions, SourceOptions, open_options, source_flags
+from extract.data.toyworld import is_toyworld
+from serve.faiss_index import KINDS, import_faiss, memory_size, parse_memory
 from serve.layout import write_table as layout_write_table
 from serve.layout import (FORMAT, MANIFEST, METADATA_SUFFIX, VERSION, BuildDir, IndexDirError, build_lock, check_alignment, check_model,
-                          check_replaceable, import_faiss, model_fingerprint, read_manifest, read_table,
+                          check_replaceable, model_fingerprint, read_manifest, read_table,
                           recover, remove_leftovers)
 
 
@@ -127,7 +127,7 @@ def _required(ns) -> None:
 def default_out(model: str) -> str:
     """``runs/index-<model>`` for a model alias, or for a checkpoint its run folder's name (``runs/demo/adapters/
     comalign/adapter.safetensors`` -> ``runs/index-comalign``)."""
-    from extract.run_dir import default_out as run_folder
+    from extract.common.run_dir import default_out as run_folder
 
     path = Path(model)
     if path.suffix == ".safetensors":
@@ -140,7 +140,7 @@ def with_defaults(opts: IndexOptions) -> IndexOptions:
     """``opts`` with the embedded defaults filled in: no ``data`` -> the toy world (generated on first use, the
     path said), no ``out`` -> :func:`default_out`."""
     if opts.data is None:
-        from extract import toyworld
+        from extract.data import toyworld
 
         toyworld.ensure(toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED, say=say)
         opts = dataclasses.replace(opts, data=str(toyworld.DEFAULT_PATH))
@@ -156,8 +156,8 @@ def parse_args(argv: Sequence[str] | None = None) -> IndexOptions:
 
 # --------------------------------------------------------------------------------------------- the model
 def _model_kind(opts: IndexOptions, scorer) -> str:
-    from adapters.scoring import is_adapter_path, pretrained_checkpoint
-    from extract.weights import checkpoint_sidecar
+    from adapters.load import is_adapter_path, pretrained_checkpoint
+    from extract.models.weights import checkpoint_sidecar
 
     weights = scorer.backbone.weights
     if getattr(scorer, "head", None) is not None:
@@ -171,7 +171,7 @@ def load_model(opts: IndexOptions):
     """(scorer, the manifest's ``model`` entry) for ``opts.model``; refuses a scorer without first-stage vectors."""
     import torch
 
-    from adapters.scoring import load_scorer
+    from adapters.load import load_scorer
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     annotations = opts.annotations or (opts.data if is_toyworld(opts.data) else None)
@@ -191,8 +191,8 @@ def extraction_options(opts: IndexOptions, scorer, data: str, split: str | None)
     """The ``python -m extract`` options of the collection's cache: an adapter's own extraction settings (its
     checkpoint's ``extraction.args``) for the new data, else the backbone's global embeddings plus the components
     the scorer reads (``scorer.cache_components``: none for a bare backbone, ``patches``, ``tokens`` for FILIP)."""
-    from adapters.scoring import pretrained_checkpoint
-    from extract.extract_options import ExtractOptions
+    from adapters.load import pretrained_checkpoint
+    from extract.options import ExtractOptions
 
     run = {"data": str(data), "out": str(opts.cache_dir), "split": split, "image_root": opts.image_root,
            "device": str(scorer.device), "workers": opts.workers, "batch_size": opts.batch_size, **source_flags(opts)}
@@ -369,8 +369,8 @@ class Part:
 
 def _source_items(source, cache) -> tuple[dict[str, str], dict[str, str]]:
     """(image id -> file path or location, caption id -> text) for the items of ``cache``, from its source."""
-    from extract.data import IndexedSource, WebDatasetSource, expand_shards
-    from extract.images import BadCaption, validate_caption
+    from extract.data.sources import IndexedSource, WebDatasetSource, expand_shards
+    from extract.data.images import BadCaption, validate_caption
 
     paths, texts = {}, {}
     if isinstance(source, IndexedSource):
@@ -597,7 +597,7 @@ def _extend(opts: IndexOptions, side: str, vectors, work: BuildDir, old: dict, o
 
 
 # --------------------------------------------------------------------------------------------- the job
-def _versions() -> dict:
+def library_versions() -> dict:
     import importlib.metadata
 
     out = {}
@@ -650,7 +650,12 @@ def build_index(opts: IndexOptions) -> dict:
     docstring; the directory's contract is in :mod:`serve`)."""
     check_options(opts, build_parser())
     _required(opts)
-    opts = with_defaults(opts)
+    return build_placed(with_defaults(opts))
+
+
+def build_placed(opts: IndexOptions) -> dict:
+    """:func:`build_index` of options already checked and placed (:func:`with_defaults`: ``data`` and ``out``
+    set), as the command line has them."""
     out = Path(opts.out).absolute()
     started = time.perf_counter()
     recover(out)
@@ -688,7 +693,7 @@ def _build(opts: IndexOptions, out: Path, old: dict | None, started: float) -> d
     if cache.num_images == 0:
         raise ValueError(f"{opts.data}: no image could be read (see {cache.path / 'report.json'}); nothing to index")
 
-    from extract.data import open_source
+    from extract.data.sources import open_source
 
     work = BuildDir(out)
     try:
@@ -728,7 +733,7 @@ def _build(opts: IndexOptions, out: Path, old: dict | None, started: float) -> d
             "options": {"kind": opts.kind, "max_memory": opts.max_memory, "max_latency_ms": opts.max_latency_ms,
                         "min_recall": opts.min_recall, "ondisk": opts.ondisk},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "build_seconds": round(time.perf_counter() - started, 3),
-            "versions": _versions(),
+            "versions": library_versions(),
         }
         if old is not None:
             manifest["created_first"] = old.get("created_first", old.get("created"))
@@ -777,8 +782,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.verify is not None:
             verify_index(opts.verify)
             return
-        opts = with_defaults(opts)
-        print(summary(build_index(opts), opts.out))
+        opts = with_defaults(opts)  # parse_args checked them; placed once, here, so the summary names the folder
+        print(summary(build_placed(opts), opts.out))
 
     return run_job(job, parse_args(argv))
 

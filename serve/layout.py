@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from extract.weights import file_sha256
+from extract.models.weights import file_sha256
 
 FORMAT = "plugvlm-index"
 VERSION = 2  # 2: metadata as Arrow IPC files (``.arrow``); 1: parquet, still read
@@ -99,7 +99,7 @@ def model_identity(scorer) -> dict:
     """What identifies a scorer's numbers, as JSON: the backbone's ``describe(hash_weights=True)`` without where
     its weights file lies (a moved file is the same model; its SHA-256 stays), plus for an adapter its method and
     the digest of its head's tensors (the ``tensors_sha256`` its checkpoint carries, see
-    :mod:`extract.tensorfile`)."""
+    :mod:`extract.common.tensorfile`)."""
     describe = dict(scorer.backbone.describe(hash_weights=True))
     describe.pop("weights_file", None)
     if describe.get("weights") == "file":
@@ -107,7 +107,7 @@ def model_identity(scorer) -> dict:
     out: dict[str, Any] = {"backbone": describe}
     head = getattr(scorer, "head", None)
     if head is not None:
-        from extract.tensorfile import tensors_digest
+        from extract.common.tensorfile import tensors_digest
 
         out["adapter"] = {"method": head.name,
                           "tensors_sha256": tensors_digest({f"head.{k}": v for k, v in head.state_dict().items()})}
@@ -258,6 +258,8 @@ def open_index(index_dir: str | os.PathLike, side: str, manifest: dict | None = 
 
     ``mmap``: memory-map instead of reading into RAM (``IO_FLAG_MMAP_IFC``, read-only; module docstring); default:
     for files over :data:`MMAP_ABOVE_BYTES`. On-disk IVF indices always map their ``.ivfdata``."""
+    from serve.faiss_index import import_faiss
+
     faiss = import_faiss()
     index_dir = Path(index_dir)
     manifest = manifest if manifest is not None else read_manifest(index_dir)
@@ -453,14 +455,6 @@ def _header_ntotal(path: Path) -> int:
 
 
 # --------------------------------------------------------------------------------------------- optional libraries
-def import_faiss():
-    try:
-        import faiss
-    except ImportError:
-        raise ImportError("search indices need FAISS: pip install 'plugvlm[serve]' (or pip install faiss-cpu)") from None
-    return faiss
-
-
 def import_pyarrow_parquet():
     try:
         import pyarrow.parquet as pq
@@ -493,9 +487,9 @@ def lock_path(index_dir: Path) -> Path:
 @contextmanager
 def build_lock(index_dir: str | os.PathLike) -> Iterator[None]:
     """Hold the build lock of ``index_dir`` (an exclusive flock on ``INDEX_DIR.lock``), or raise
-    :class:`IndexBusyError` at once naming the build that holds it (``extract.cache.take_flock``: the kernel
+    :class:`IndexBusyError` at once naming the build that holds it (``extract.common.files.take_flock``: the kernel
     drops the lock of a killed build)."""
-    from extract.cache import release_flock, take_flock
+    from extract.common.files import release_flock, take_flock
 
     index_dir = Path(index_dir)
     index_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -601,7 +595,7 @@ class BuildDir:
         test_hook(name)
 
     def write_json(self, name: str, data: dict) -> None:
-        from extract.cache import atomic_write_text
+        from extract.common.files import atomic_write_text
 
         atomic_write_text(self.path / name, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
         test_hook(name)
@@ -663,6 +657,6 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    from extract.cache import fsync_path
+    from extract.common.files import fsync_path
 
     fsync_path(path)

@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from extract.cli import Parser, build_parser as build_cli, check_options, option, parse_options, run_job
-from extract.config import nonnegative_int, positive_int
+from extract.common.cli import Parser, build_parser as build_cli, check_options, option, parse_options, run_job
+from extract.common.config import nonnegative_int, positive_int
 
 
 @dataclass
@@ -51,7 +51,7 @@ class QueryOptions:
     recall: bool = option(False, action="store_true",
                           help="instead of a query: R@1/5/10 of the served results on the indexed collection itself "
                                "(each caption searching the images, each image the captions), first stage and "
-                               "re-ranked with K = 10, 50, 100, next to train.evaluate's figures on the same cache")
+                               "re-ranked with K = 10, 50, 100, next to train.eval.evaluate's figures on the same cache")
     model: str | None = option(None, group="model",
                                help="the model to query with (default: the index's; one with other weights is "
                                     "refused, naming both)")
@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> QueryOptions:
 def query(opts: QueryOptions):
     """Open the index and search (see the module docstring): ``(searcher, hits)``. The query itself (empty text,
     an unreadable image) and the filters are checked before the model loads, so those fail in milliseconds."""
-    from extract.images import BadCaption, BadImage, decode_image, validate_caption
+    from extract.data.images import BadCaption, BadImage, decode_image, validate_caption
     from serve.layout import read_manifest
     from serve.search import MAX_QUERY_CHARS, QueryError, Searcher, parse_where
 

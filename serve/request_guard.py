@@ -7,7 +7,7 @@ for an app mounted with ``gr.mount_gradio_app`` (it runs only once ``launch()`` 
 like ``http(s)://`` is downloaded. Here every request body is read first, bounded, and refused before any route
 runs when it names a file that is not a regular file inside the upload folder, or any URL (:func:`file_problem`):
 nothing is opened, copied or fetched for it. The same rule guards the app's own reading of an upload
-(:func:`inside_upload_folder`, used by ``serve.app.Served.uploaded_image``).
+(:func:`inside_upload_folder`, used by ``serve.service.Served.uploaded_image``).
 
 Also refused here: a body over ``max_body`` bytes (413, whether or not it says its length up front: a chunked body
 is counted as it arrives), JSON nested deeper than :data:`MAX_DEPTH` (400: Python's parser would recurse until it

@@ -37,7 +37,7 @@ note), so every hit returned has been re-ranked.
 Bad input: an empty, blank, non-text or letter-less query is refused (``QueryError``); a query longer than the
 model's text context (77 tokens for CLIP) is truncated to it, as captions are at extraction, with a note; a query of
 more than ``MAX_QUERY_CHARS`` (2,000) characters is refused. A query image is decoded by
-``extract.images.decode_image`` (corrupt files, non-images and decompression bombs, read from the header, are
+``extract.data.images.decode_image`` (corrupt files, non-images and decompression bombs, read from the header, are
 refused). ``k`` and ``rerank`` must be >= 1, ``offset`` >= 0; a ``k`` or ``rerank`` larger than the collection is
 clamped to it with a note (as clip-retrieval's service returns what it has; ``python -m serve.query`` refuses a
 ``--k`` larger than the collection instead). A missing, half-written (no manifest) or tampered index directory, a
@@ -48,7 +48,7 @@ index directory or the cache.
 
 :func:`served_recall` measures R@k of the served results on the collection itself (every caption searching
 the images, every image the captions), with the evaluation suite's protocol (``adapters.eval.retrieval``), for
-side-by-side tables with ``train.evaluate``.
+side-by-side tables with ``train.eval.evaluate``.
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from adapters.ranking import KS, rank_safe
-from adapters.scoring import BackboneScorer, Reps, cat_reps, num_items, take_reps
+from adapters.eval.ranking import KS, rank_safe
+from adapters.scoring import Reps, cat_reps, num_items, take_reps
 from serve import layout
 from serve.layout import IndexDirError, ModelMismatchError, model_fingerprint
 
@@ -147,7 +147,7 @@ class Hits(list):
 # --------------------------------------------------------------------------------------------- scorers and caches
 def has_second_stage(scorer) -> bool:
     """False for a bare backbone, whose first stage (global cosine) is its exact score."""
-    return not isinstance(scorer, BackboneScorer)
+    return scorer.second_stage
 
 
 def cache_keys(scorer, side: str) -> tuple[str, ...]:
@@ -155,33 +155,20 @@ def cache_keys(scorer, side: str) -> tuple[str, ...]:
     Raises ValueError for a scorer that cannot be read from a cache."""
     if side not in SIDES:
         raise ValueError(f"side must be 'image' or 'text', got {side!r}")
-    if hasattr(scorer, "cache_keys"):  # adapters (the head's image_keys / text_keys), FILIP (patches / tokens)
-        return tuple(scorer.cache_keys(side))
-    if isinstance(scorer, BackboneScorer):
-        return ("image_embed",) if side == "image" else ("text_embed",)
-    raise ValueError(f"{scorer.name}: no known way to read its representations from a feature cache")
+    return tuple(scorer.cache_keys(side))
 
 
 @torch.no_grad()
 def encode_arrays(scorer, arrays: Mapping[str, np.ndarray], side: str) -> Reps:
     """Representations of items of ``side`` from their cached arrays (``cache.gather(key, rows)`` for each of
-    :func:`cache_keys`): what the scorer's live encoding gives for the same arrays. A bare backbone's are the
-    cached global embeddings as stored (fp16, unit norm before rounding: ``train.evaluate --cache`` scores the
-    same); an adapter's and FILIP's come from their own ``encode_arrays`` (FILIP: the normalised patch / token
-    embeddings with start-of-text and padding masked out, ``adapters.pretrain.filip.FILIPScorer``)."""
-    if hasattr(scorer, "encode_arrays"):
-        return scorer.encode_arrays(dict(arrays), side)
-    if isinstance(scorer, BackboneScorer):
-        key = cache_keys(scorer, side)[0]
-        return {"embed": torch.as_tensor(np.asarray(arrays[key])).float().to(scorer.device)}
-    raise ValueError(f"{scorer.name}: no known way to read its representations from a feature cache")
+    :func:`cache_keys`): what the scorer's live encoding gives for the same arrays (the scorer's own
+    ``encode_arrays``: :class:`adapters.scoring.CacheReadable`)."""
+    return scorer.encode_arrays(dict(arrays), side)
 
 
 def directed_score(scorer, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
-    """[I, T] scores for ``direction`` ("t2i" / "i2t"): ``score_directed`` for directional scorers, else ``score``."""
-    if getattr(scorer, "directional", False):
-        return scorer.score_directed(image_reps, text_reps, direction)
-    return scorer.score(image_reps, text_reps)
+    """[I, T] scores for ``direction`` ("t2i" / "i2t"): ``score_directed`` (``score`` where both directions agree)."""
+    return scorer.score_directed(image_reps, text_reps, direction)
 
 
 def first_stage_vectors(scorer, reps: Reps, side: str) -> np.ndarray:
@@ -246,7 +233,9 @@ class _Side:
 def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
     """One side, read and checked by serve.layout (columns, rows numbered 0..n-1, counts against the manifest and
     the index), plus what searching relies on beyond that: inner products, the model's first-stage width."""
-    faiss = layout.import_faiss()
+    from serve.faiss_index import import_faiss
+
+    faiss = import_faiss()
     entry = layout.index_entry(manifest, name, index_dir)
     index = layout.open_index(index_dir, name, manifest)
     # One chunk per column: taking the hits' rows from a chunked 1M-row table cost 5.6 ms per query here, 0.04 ms
@@ -414,7 +403,7 @@ class Searcher:
     def open(cls, index_dir: str | os.PathLike, model: str | None = None, *, pretrained: str | None = None,
              device: str = "cpu", annotations=None, detector: str | None = None, scorer=None) -> "Searcher":
         """Open ``index_dir`` for searching with ``model`` (None: the manifest's; ``pretrained`` as in
-        ``adapters.scoring.load_scorer``). ``annotations`` / ``detector``: boxes for image queries of adapters
+        ``adapters.load.load_scorer``). ``annotations`` / ``detector``: boxes for image queries of adapters
         trained on ground-truth boxes (default: those the index was built with, else the indexed toy world's, or
         the annotations file the cache was extracted with; without any, text queries work and image queries are
         refused, saying why).
@@ -423,7 +412,7 @@ class Searcher:
         Refused (IndexDirError / ModelMismatchError, naming what is wrong): a missing or half-written
         directory, a manifest or metadata that does not line up with its index files or the cache, a model whose
         fingerprint is not the manifest's (both named), and a feature cache other than the one indexed."""
-        from adapters.scoring import load_scorer
+        from adapters.load import load_scorer
 
         index_dir = Path(index_dir)
         manifest = layout.read_manifest(index_dir)  # every file checked before the model loads: seconds, not minutes
@@ -491,7 +480,7 @@ class Searcher:
     def check_text(self, query) -> tuple[str, list[str]]:
         """(the text searched for, notes): refuses empty, blank, non-text, binary and letter-less queries and
         queries over MAX_QUERY_CHARS characters; notes a query longer than the text context (truncated)."""
-        from extract.images import BadCaption, validate_caption
+        from extract.data.images import BadCaption, validate_caption
 
         if isinstance(query, str) and len(query) > MAX_QUERY_CHARS:
             raise QueryError(f"query of {len(query):,} characters refused (at most {MAX_QUERY_CHARS:,}; the model "
@@ -721,14 +710,14 @@ def _gather(scorer, caches: list, side: str, cache_rows: np.ndarray, parts: np.n
     if len(caches) == 1 or (len(parts) and (parts == parts[0]).all()):
         cache = caches[int(parts[0]) if len(parts) else 0]
         return {key: cache.gather(key, cache_rows) for key in keys}
-    from extract.pipeline import _concat
+    from extract.pipeline import concat_rows
 
     order, pieces = [], []
     for number in np.unique(parts):
         sel = np.nonzero(parts == number)[0]
         order.append(sel)
         pieces.append({key: caches[int(number)].gather(key, cache_rows[sel]) for key in keys})
-    joined, back = _concat(pieces), np.argsort(np.concatenate(order), kind="stable")
+    joined, back = concat_rows(pieces), np.argsort(np.concatenate(order), kind="stable")
     return {key: value[back] for key, value in joined.items()}
 
 
@@ -751,7 +740,7 @@ def _query_image(image) -> tuple[Any, str, list[str]]:
     """(RGB PIL image, its name, notes) of a query image given as a path, encoded bytes or a PIL image."""
     from PIL import Image
 
-    from extract.images import BadImage, decode_image
+    from extract.data.images import BadImage, decode_image
 
     if isinstance(image, Image.Image):
         return (image if image.mode == "RGB" else image.convert("RGB")), (getattr(image, "filename", "") or "query"), []
@@ -797,7 +786,7 @@ def _default_boxes(model: str, manifest: dict, caches: list | None) -> tuple[Any
     """(annotations for ``load_scorer``, a reason image queries cannot be served or None) for an adapter trained on
     ground-truth boxes when the caller gave neither annotations nor a detector: the indexed toy world's boxes,
     else the annotations file its cache was extracted with; else none ({}: texts still work)."""
-    from adapters.scoring import is_adapter_path, pretrained_checkpoint
+    from adapters.load import is_adapter_path, pretrained_checkpoint
 
     if not is_adapter_path(model) or pretrained_checkpoint(model):  # a pre-trained model.safetensors needs no boxes
         return None, None
@@ -834,7 +823,7 @@ def served_recall(searcher: Searcher, rerank: int | None = None, *, ks: Sequence
 
     ``queries="cache"``: the queries' representations come from the feature cache (the arrays the collection
     was indexed with), so with a flat index and ``rerank`` covering the collection the figures equal
-    ``train.evaluate --cache`` on that cache exactly; a bare backbone's first stage is its score, so there the
+    ``train.eval.evaluate --cache`` on that cache exactly; a bare backbone's first stage is its score, so there the
     first stage alone equals it. ``queries="live"``: every caption's text and image file is encoded as a user's
     query would be (``search_text`` / ``search_image``; fp32 where the cache holds fp16).
 
@@ -925,7 +914,7 @@ def recall_table(searcher: Searcher, reranks: Sequence[int] = (10, 50, 100), *, 
     if searcher.has_second_stage:
         rows += [(f"served, re-ranked K={K}", served_recall(searcher, K, ks=ks, queries=queries)) for K in reranks]
     if evaluation is not None:
-        rows.append(("train.evaluate", evaluation))
+        rows.append(("train.eval.evaluate", evaluation))
     heads = [f"{tag} R@{j}" for tag in ("T2I", "I2T") for j in ks]
     lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for label, r in rows:

@@ -6,7 +6,7 @@ relations and global component after the head's two-layer transformers; SmartCLI
 caption's embedding and mask; PowerCLIP: the regions), which depends on the candidate alone. Computing it from
 the cached backbone arrays at query time is the expensive part of re-ranking: for ComAlign at ViT-B-32 shapes
 (21 components x 512-d through 2 transformer layers per candidate) it took 329 ms per 100 candidates on one CPU
-thread here (``python -m serve.benchmark``), against the issue's budget of 30 ms. ``serve.index`` computes exactly
+thread here (``python -m train.bench.serve``), against the issue's budget of 30 ms. ``serve.index`` computes exactly
 these representations anyway while it writes the first-stage vectors (the first stage is a projection of them),
 so it can keep them: then re-ranking gathers K rows and computes only the score.
 

@@ -14,6 +14,9 @@ import pytest
 
 _ROOT = Path(__file__).resolve().parent.parent
 
+# shared fixtures live in tests/fixtures/ (never in another test file); these are fixtures any test may ask for by name
+pytest_plugins = ["fixtures.serve"]
+
 # A missing hub file must fail at once, not after ~45 s of retries (open_clip -> huggingface_hub).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -25,8 +28,16 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # MKL may round differently with differently aligned buffers; runs compared bit for bit (kill and resume,
 # one process vs two) need its alignment-independent mode, set before torch loads MKL.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-# Keep tests off the 2 CI cores' oversubscription: torch intra-op threads default to all cores.
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Keep tests off the 2 CI cores' oversubscription: torch intra-op threads default to all cores. Under pytest-xdist
+# (the default: two workers) each worker computes with one thread, so two workers fill two cores, not four threads
+# (set, not defaulted: a worker inherits the controller's environment, where this file set 2 first; two workers with
+# two OpenMP threads each, spinning at their barriers, once made the suite slower than one process). Waiting OpenMP
+# threads sleep instead of spinning, for the same reason.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+else:
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 class NetworkAccessError(RuntimeError):
@@ -82,10 +93,27 @@ def normal_verbosity():
     """A test that runs a command with --quiet / --verbose in-process, or meets a warning, must not change the
     next test's output."""
     yield
-    from extract import cli
+    from extract.common import cli
 
     cli.set_verbosity(cli.NORMAL)
     cli.forget_warnings()  # each test sees its own warnings
+
+
+@pytest.fixture(autouse=True)
+def same_torch_threads():
+    """A benchmark run in-process sets torch's thread count; the next test must compute with the count the worker
+    started with, or a run compared bit for bit with one made earlier (a resume against the session's trained
+    ComAlign) differs in float rounding."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        wanted = before if before is not None else int(os.environ["OMP_NUM_THREADS"])
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +121,7 @@ def tiny_toy_cache(tmp_path_factory):
     """Factory: ``tiny_toy_cache(components)`` -> the FeatureCache of one 60-scene toy world (train split) under
     the random tiny backbone with those components; built once per component set and session."""
     from extract.pipeline import build_cache
-    from extract.toyworld import generate
+    from extract.data.toyworld import generate
 
     root = tmp_path_factory.mktemp("tiny-toy")
     generate(root / "toy", 60, 0)

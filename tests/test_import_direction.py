@@ -45,9 +45,86 @@ def test_no_package_imports_one_after_it():
 def test_the_check_sees_imports_wherever_they_hide():
     """The cycle this replaced (serve's query importing train's evaluation inside a function, train's demo
     importing serve) is caught, as is a literal import_module."""
-    serve_source = "def recall():\n    from train.evaluate import run_retrieval_cached\n"
-    assert violations("serve", serve_source) == ["<source>:2 imports train.evaluate"]
+    serve_source = "def recall():\n    from train.eval.evaluate import run_retrieval_cached\n"
+    assert violations("serve", serve_source) == ["<source>:2 imports train.eval.evaluate"]
     assert violations("adapters", "import importlib\nimportlib.import_module('serve.search')\n") == [
         "<source>:2 imports serve.search"]
     assert violations("extract", "import adapters.scoring as s\n") == ["<source>:1 imports adapters.scoring"]
-    assert violations("train", "from serve.index import build_index\nfrom extract.cli import say\n") == []
+    assert violations("train", "from serve.index import build_index\nfrom extract.common.cli import say\n") == []
+
+
+def private_imports(source: str, module: str = "<source>") -> list[str]:
+    """``from X import _name`` where X is one of our modules other than ``module`` itself: a private name used from
+    outside the module that owns it (a child process's code string importing its own module is not read: it is
+    a string)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                and node.module.split(".")[0] in ORDER and node.module != module):
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_reaches_for_another_modules_private_names():
+    bad = []
+    for package in ORDER:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            bad += [f"{path.relative_to(ROOT)}:{x}" for x in private_imports(path.read_text(), module)]
+    assert not bad, "\n".join(bad)
+    assert private_imports("from extract.pipeline import _concat\n") == ["1: from extract.pipeline import _concat"]
+
+
+def module_cycles() -> list[list[str]]:
+    """Cycles among our modules (every import, inside functions too; a module importing the package it sits in
+    does not count: that is how a package's ``__init__`` re-exports), by Tarjan's strongly connected components."""
+    modules = {}
+    for package in ORDER:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = path
+
+    def ours(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {ours(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else ours(node.module)
+                         for a in node.names}
+        graph[name] = {d for d in deps if d and d != name and not name.startswith(d + ".")}
+    index, low, stack, cycles = {}, {}, [], []
+
+    def visit(v):  # recursive Tarjan: the module graph is a few hundred nodes deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    """Within a package too: two modules that import each other are one concept split in two, or a helper in the
+    wrong one (as scoring / adapter_scorer and the index layout / FAISS types were)."""
+    assert module_cycles() == []

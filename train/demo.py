@@ -1,11 +1,11 @@
 """``python -m train.demo``: the main job end to end on the embedded default, the toy world.
 
 It checks the backbones (absent weights fail at once, naming the file), generates the toy world (holding out of its
-train split the colour-shape combinations the bases' own pre-training held out, ``extract.backbone.trained_holdout``,
+train split the colour-shape combinations the bases' own pre-training held out, ``extract.models.backbone.trained_holdout``,
 so its held-out rows test combinations no model saw), pre-trains a base that has no weights of its own (``--base
-tiny``: CLIP's objective, ``train.pretrain.pretrain``) and trains every registered adapter on each frozen base
-(``train.adapter_compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed).
-The default bases are the two toy bases that ship with plugvlm (``extract/bases``): CLIP and CLIP + hard negatives
+tiny``: CLIP's objective, ``train.pretrain.engine.pretrain``) and trains every registered adapter on each frozen base
+(``train.adapter.compare.compare``: one shared feature cache, one ``train.adapter.engine.train`` run per method and seed).
+The default bases are the two toy bases that ship with plugvlm (``extract/models/bases``): CLIP and CLIP + hard negatives
 (NegCLIP's recipe). Each base gets its full table of the frozen base vs base + each adapter on the test split:
 retrieval R@k, multi-positive retrieval (any-true R@k and mAP, by caption kind and object count:
 ``adapters.eval.multipositive``) and accuracy per hard-negative type (held-out combinations as their own rows), each
@@ -16,17 +16,17 @@ the interval is that of the seed-averaged difference).
 
 ``--full`` is the long run (57 minutes on 2 CPU cores with ``--base tiny --seeds 3``, measured): each method where its
 paper makes its claim, on the last base. It also trains a small YOLO on the toy world's train split
-(``extract.toy_detector``) and adds ComAlign on those detected boxes and on random boxes next to its ground-truth
+(``extract.components.toy_detector``) and adds ComAlign on those detected boxes and on random boxes next to its ground-truth
 ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
 loss), and it builds a long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens:
-``extract.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
+``extract.data.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
 captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
 (``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
 
 It ends by serving the best adapter over every base (the highest held-out T2I R@1, chosen on the validation split,
 not the test split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds
 the search index of the test split with it, one example query shows the first-stage hits next to the adapter's own
-re-ranking, and the caption probe's graded swaps (``serve.app.grade_examples``) show one the served model gets right
+re-ranking, and the caption probe's graded swaps (``serve.service.grade_examples``) show one the served model gets right
 and one it gets wrong.
 
 Everything lands in ``--out``: ``toyworld/``, ``base/`` (one base to pre-train; ``bases/<base>/`` for several: the
@@ -48,12 +48,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from adapters.registry import ADAPTERS
-from extract.cli import Parser, option, parse_options, run_job, say
-from extract.cli import build_parser as build_cli
-from extract.config import nonnegative_int, positive_int, save_config
+from extract.common.cli import Parser, option, parse_options, run_job, say
+from extract.common.cli import build_parser as build_cli
+from extract.common.config import nonnegative_int, positive_int, save_config
 
 PROG = "python -m train.demo"
-#: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/bases); the first is the reference
+#: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/models/bases); the first is the reference
 DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
@@ -67,7 +67,7 @@ class DemoOptions:
     base: Any = option(",".join(DEFAULT_BASES), metavar="BASES",
                        help="backbone aliases or open_clip model names, comma list: every adapter trains on each "
                             "(default: the shipped toy CLIP and its twin pre-trained with hard negatives, NegCLIP's "
-                            "recipe; extract/bases)")
+                            "recipe; extract/models/bases)")
     pretrained: str | None = option(None, help="weights of a single --base (tag, file or 'none'); without it a base "
                                                "with no weights of its own (e.g. tiny) is pre-trained on the toy world "
                                                "first, the others use their alias's weights")
@@ -92,7 +92,7 @@ class DemoOptions:
                              "trained on short captions only); 57 min on 2 CPU cores with --seeds 3")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
-                                       "extract.toy_detector --epochs)")
+                                       "extract.components.toy_detector --epochs)")
 
 
 def build_parser() -> Parser:
@@ -106,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoOptions:
 def _pretrain_base(opts: DemoOptions, world: Path, out: Path) -> str:
     """CLIP pre-training of the tiny base on the toy world's train split; reused when ``out`` already holds one
     trained with these settings (its model.json says how it was trained)."""
-    from train.pretrain import PretrainOptions, pretrain
+    from train.pretrain.engine import PretrainOptions, pretrain
 
     popts = PretrainOptions(method="clip", model=opts.base, data=str(world), epochs=opts.pretrain_epochs,
                             batch_size=opts.pretrain_batch_size, seed=opts.seed, out=str(out), workers=opts.workers,
@@ -150,9 +150,9 @@ class Steps:
 
 
 def toy_detector(opts: DemoOptions, world: Path, out: Path) -> dict:
-    """A YOLO trained on the toy world's train split (``extract.toy_detector``; reused when trained before with the
+    """A YOLO trained on the toy world's train split (``extract.components.toy_detector``; reused when trained before with the
     same world and settings): what ComAlign's detected-boxes column uses."""
-    from extract.toy_detector import ToyDetectorOptions, summary, train_toy_detector
+    from extract.components.toy_detector import ToyDetectorOptions, summary, train_toy_detector
 
     result = train_toy_detector(ToyDetectorOptions(data=str(world), out=str(out), epochs=opts.detector_epochs,
                                                    seed=opts.seed, device=opts.device, workers=opts.workers))
@@ -165,7 +165,7 @@ def full_variants(methods: list[str], detector: str | None) -> list:
     """The long run's extra columns. ComAlign on boxes a user can have, next to its ground-truth column: a
     detector's, and random ones (the control: components that know nothing of the objects). The PowerCLIP head
     with its CLIP term alone (``lam`` 0, the control: what the powerset loss adds is the difference)."""
-    from train.adapter_compare import Variant
+    from train.adapter.compare import Variant
 
     out = []
     if "comalign" in methods and detector:
@@ -184,8 +184,8 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
     """SmartCLIP where its claim lives: a long-caption toy world (same size and seed) and the comparison on its test
     split of the frozen base, the frozen mask head, the mask head fine-tuning the backbone with a 248-token context
     (``--unfreeze``) and the mask head trained on the short-caption ``world`` only."""
-    from extract import toyworld
-    from train.adapter_compare import CompareOptions, Variant, columns, compare
+    from extract.data import toyworld
+    from train.adapter.compare import CompareOptions, Variant, columns, compare
 
     long_world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line),
                                  replace=True, long_captions=True)
@@ -205,7 +205,7 @@ def serve_best(opts: DemoOptions, results: dict[str, dict], world: Path, out: Pa
     """Index the toy world's test split with the best adapter over every base (``serve.index``) and run
     :data:`EXAMPLE_QUERY` with re-ranking; returns what it did, with the hits, for the report, and the caption
     probe's examples there: a swap the served model gets right and one it gets wrong (``serve.app``)."""
-    from serve.app import Served
+    from serve.service import Served
     from serve.index import IndexOptions, build_index
     from serve.query import table
     from serve.search import Searcher
@@ -245,7 +245,7 @@ def bases_of(opts: DemoOptions) -> list[str]:
     return bases
 
 
-#: the binding table's columns: (heading, train.evaluate metric); a column no row has is left out
+#: the binding table's columns: (heading, train.eval.evaluate metric); a column no row has is left out
 BINDING_COLUMNS = (("T2I R@1", "retrieval T2I R@1"), ("I2T R@1", "retrieval I2T R@1"),
                    ("replace-obj", "toyworld replace-obj"), ("swap-att", "toyworld swap-att"),
                    ("swap-obj", "toyworld swap-obj"), ("replace-rel", "toyworld replace-rel"),
@@ -266,7 +266,7 @@ def _cell(m: dict | None, reference: bool) -> str:
 
 
 def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
-    """One row per base and per base + adapter (``tables``: base -> the ``table`` of its train.evaluate
+    """One row per base and per base + adapter (``tables``: base -> the ``table`` of its train.eval.evaluate
     results.json) over :data:`BINDING_COLUMNS`; ``versus`` (the bases' own comparison) adds a row per base after
     the first: its difference from the first with the paired interval."""
     keys = [(h, k) for h, k in BINDING_COLUMNS if any(k in col for t in tables.values() for col in
@@ -293,9 +293,9 @@ def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
 
 def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | None], world: Path,
                   out: Path) -> dict:
-    """The frozen bases side by side on the test split (``train.evaluate``, the first base the reference): what
-    pre-training with hard negatives changed, with paired intervals. Returns train.evaluate's results.json."""
-    from train.evaluate import EvaluateOptions, evaluate
+    """The frozen bases side by side on the test split (``train.eval.evaluate``, the first base the reference): what
+    pre-training with hard negatives changed, with paired intervals. Returns train.eval.evaluate's results.json."""
+    from train.eval.evaluate import EvaluateOptions, evaluate
 
     given = [weights[b] for b in bases]
     models = [b if w is None else w for b, w in zip(bases, given)]
@@ -307,9 +307,9 @@ def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | 
 def demo(opts: DemoOptions) -> dict:
     """Run the demo (module docstring); returns its report (also written to ``OUT/demo_report.json``) with the
     binding table as ``markdown`` and each base's full table under ``adapters``."""
-    from extract import toyworld
-    from extract.backbone import load_backbone, resolve_spec, trained_holdout
-    from train.adapter_compare import CompareOptions, columns, compare
+    from extract.data import toyworld
+    from extract.models.backbone import load_backbone, resolve_spec, trained_holdout
+    from train.adapter.compare import CompareOptions, columns, compare
 
     out = Path(opts.out)
     started = time.perf_counter()

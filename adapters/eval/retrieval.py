@@ -4,7 +4,7 @@ Text -> image: each caption has exactly one correct image. Image -> text: an ima
 at rank r when its best-scoring own caption is at rank r (any of its captions counts, as in CLIP and
 CLIP_benchmark). Ties count against the model: an incorrect item scoring *equal* to the correct one ranks
 ahead of it, so a constant scorer gets R@1 = 0, not 100. Non-finite scores are the worst score (they rank
-last; an all-NaN model gets R@1 = 0) and are counted: both rules are ``adapters.ranking``'s, shared by every
+last; an all-NaN model gets R@1 = 0) and are counted: both rules are ``adapters.eval.ranking``'s, shared by every
 metric and the serving engine.
 
 rank(t)  = 1 + #{images j != img(t) : S[j, t] >= S[img(t), t]}
@@ -26,11 +26,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from adapters.ranking import KS, best_own_caption, positive_ranks, rank_safe, small_split_warning
+from adapters.eval.ranking import KS, best_own_caption, positive_ranks, rank_safe, small_split_warning
 from adapters.eval.bootstrap import PerQuery
 from adapters.eval.multipositive import MultiPositive, MultiPositivePasses
 from adapters.scoring import cat_reps, num_items, take_reps
-from extract.cli import warn_once
+from extract.common.cli import warn_once
 
 
 def _summary(ranks: torch.Tensor, ks: Sequence[int]) -> dict:
@@ -115,7 +115,7 @@ def ranks_from_scores(score_fn: Callable[[slice], torch.Tensor], n_images: int, 
     """(text->image ranks [T], image->text ranks [I]; images without captions get rank 0 and are dropped
     by :func:`retrieval_metrics`). caption_image [T] long: the image row of every caption.
 
-    Non-finite scores rank last (``adapters.ranking.rank_safe``); when ``counts`` is given,
+    Non-finite scores rank last (``adapters.eval.ranking.rank_safe``); when ``counts`` is given,
     ``counts["nonfinite_scores"]`` receives how many of the I x T scores were non-finite."""
     q = retrieval_queries(score_fn, n_images, caption_image, chunk, max_bytes)
     if counts is not None:
@@ -141,7 +141,7 @@ def retrieval_metrics(score_fn: Callable[[slice], torch.Tensor], n_images: int, 
     Returns {"text_to_image": {...}, "image_to_text": {...}, "images_without_captions": n,
     "nonfinite_scores": how many of the I x T scores were NaN / inf (ranked last), "n_scores": I x T}, and
     "warning" (a one-line message) when the split has too few images for R@k to mean anything
-    (``adapters.ranking.small_split_warning``).
+    (``adapters.eval.ranking.small_split_warning``).
     """
     return summarise(retrieval_queries(score_fn, n_images, caption_image, chunk, max_bytes), n_images, ks)
 
@@ -173,7 +173,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
     A scorer that reads itself from a cache without being an adapter (``cache_keys`` / ``encode_arrays``: FILIP's
     late interaction on the cached patch and token embeddings) needs the backbone check of a bare backbone and a
     cache holding its arrays (``scorer.cache_components``). Other scorers are refused. The refusals name the two
-    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in ``train.evaluate.run_retrieval``."""
+    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in ``train.eval.evaluate.run_retrieval``."""
     from adapters.adapter_scorer import AdapterScorer
     from adapters.scoring import BackboneScorer
     from extract.cache import settings_diff
@@ -187,7 +187,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
                              + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
                              "(python -m extract with its --components and extraction flags), or drop --cache")
         return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
-    own_arrays = hasattr(scorer, "encode_arrays") and hasattr(scorer, "cache_keys")  # FILIP
+    own_arrays = not isinstance(scorer, BackboneScorer) and hasattr(scorer, "encode_arrays")  # FILIP
     if not (isinstance(scorer, BackboneScorer) or own_arrays):
         raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
                          "method: evaluate it without --cache")
@@ -293,7 +293,7 @@ def multi_positive_report(q: RetrievalQueries, truth) -> dict:
     return {"text_to_image": t2i(), "image_to_text": i2t(),
             "text_to_image_by": {name: t2i(torch.from_numpy(mask)) for name, mask in truth.caption_groups().items()},
             "image_to_text_by": {name: i2t(torch.from_numpy(mask)) for name, mask in truth.image_groups().items()},
-            "rule": "a caption is true of an image when extract.toyworld.satisfies(scene, struct) holds"}
+            "rule": "a caption is true of an image when extract.data.toyworld.satisfies(scene, struct) holds"}
 
 
 def hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np.ndarray:
@@ -303,7 +303,7 @@ def hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np
 
 def retrieval_per_query(per_query: PerQuery, q: RetrievalQueries, caption_image: torch.Tensor, truth,
                         image_keys: list) -> None:
-    """Every retrieval row of ``train.evaluate.headline`` as per-query values (family "retrieval captions": one value per
+    """Every retrieval row of ``train.eval.evaluate.headline`` as per-query values (family "retrieval captions": one value per
     caption, unit = its image; "retrieval images": one per image), for ``adapters.eval.bootstrap``."""
     per_query.add_family("retrieval captions", [image_keys[int(i)] for i in caption_image])
     per_query.add_family("retrieval images", image_keys)

@@ -1,1 +1,0 @@
-"""Adapter heads, one file each; every module here registers itself in ``adapters.registry.ADAPTERS``."""

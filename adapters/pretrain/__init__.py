@@ -1,1 +1,0 @@
-"""Pre-training objectives, one file each; every module here registers itself in ``adapters.registry.PRETRAIN``."""

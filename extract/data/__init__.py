@@ -1,0 +1,2 @@
+"""Image-caption data: sources behind one interface (sources), decoding one image or caption (images), the report of what
+was refused (report), ``python -m extract.data.check`` (check), the toy world (toyworld)."""

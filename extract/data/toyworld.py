@@ -1,0 +1,878 @@
+"""Toy world: procedurally drawn scenes of coloured shapes, the project's embedded default dataset.
+
+``python -m extract.data.toyworld --out DIR --n N --seed S [--size 64] [--holdout "red circle,blue square"]
+[--splits 0.8,0.1,0.1] [--workers W] [--long-captions] [--config file.yaml]`` or :func:`generate` writes N
+scenes with boxes, relations, captions and SugarCrepe/ARO-style hard negatives.
+
+Scenes
+    A ``size`` x ``size`` RGB image on a black background holding 1-4 objects. Each object has a
+    shape (:data:`SHAPES`), a colour (:data:`COLOURS`) and a size: ``small`` / ``large`` objects fill
+    a square box whose side is 20% / 35% of the image side (13 / 22 px at 64 px). Within a scene each
+    (colour, shape) pair is unique, so "red circle" names one object. Positions are uniform, by
+    rejection: boxes are placed largest first, each redrawn (up to PLACEMENT_TRIES) until it keeps
+    at least ``GAP`` x size (3 px at 64 px) of background from every box already placed; a failed
+    layout is restarted (up to LAYOUT_TRIES) and only then are the boxes that found no room dropped
+    (about 1 scene in 7,000 at 64 px). ``objects`` keep their random draw order, not placement order.
+
+Coordinates
+    Pixels, origin top left, x right, y down. ``box = [x0, y0, x1, y1]`` is half-open: the object
+    covers columns x0 <= x < x1 and rows y0 <= y < y1 and touches all four sides of the box
+    (circle: inscribed disc; triangle: apex up; diamond; 5-point star; hexagon with flat top and
+    bottom). Drawing is not anti-aliased, so every pixel in a box is the object's colour or black.
+
+Relations (``scene["relations"]``: every ordered pair (i, j) with each predicate that holds)
+    With centres c = ((x0 + x1) / 2, (y0 + y1) / 2) and side = image side in px:
+    ``i left of j``  iff c_j.x - c_i.x > DIRECTION_MARGIN * side (9.6 px at 64 px);
+    ``i right of j`` iff c_i.x - c_j.x > that margin; ``above`` / ``below`` likewise on y (y down,
+    so "above" means a smaller y). ``i next to j`` iff the Euclidean gap between the two boxes (0
+    when they touch) is <= NEAR * side. Centres differing by less than the margin are in neither
+    direction, so a positive relation is never a judgement call.
+    :func:`satisfies` with ``lenient=True`` relaxes the thresholds (direction margin
+    LENIENT_DIRECTION_MARGIN, next-to gap LENIENT_NEAR). Hard negatives must fail even the lenient
+    test, which keeps a perceptual gap between every positive and its negatives.
+
+Captions (``struct`` is the truth, ``text`` is rendered from it by :func:`render`)
+    struct = ``{"objects": [{"colour", "shape"[, "size"]}], "relations": [[i, predicate, j]],
+    ["count": int]}``. It is true for a scene iff the caption objects map injectively onto scene
+    objects with matching attributes (those present), every relation holds between the mapped
+    objects, and the scene has exactly ``count`` objects when ``count`` is given.
+    - ``one-object``, one per object: "a small red circle".
+    - ``relation``, one when a scene has >= 2 objects: a random ordered pair and one of its
+      predicates, without sizes: "a red circle to the left of a blue square".
+    - ``long``, always: "three objects: a small red circle, a large blue square and a small green
+      star; the red circle is to the left of the blue square, the blue square is above the green
+      star" (objects in scene order; one clause per consecutive pair, using the dominant-axis
+      direction if it holds, else "next to").
+    Caption ids are ``image_id * CAPTION_SLOTS + k`` (k = position in the scene's caption list), so
+    they are unique and do not depend on chunking.
+
+Long-caption mode (``--long-captions``; off by default, and then nothing above changes)
+    For SmartCLIP's and Long-CLIP's claim (long, multi-concept captions; SmartCLIP paper §6.1 fine-tunes on
+    ShareGPT4V captions of up to 248 tokens): each scene holds LONG_OBJECTS = 4-8 objects, smaller so that 8
+    fit (LONG_SIZES: 16% / 22% of the side, 10 / 14 px at 64 px; same gap, thresholds and relation rules),
+    and its ``long`` caption is a dense description: "six objects: a small red circle, ... and a large gray
+    star. the small red circle is to the left of the large blue square and above the small green star. the
+    large blue square is ..." -- every object with its attributes, then for each object (scene order) its
+    nearest others (centre distance; 3 of them in scenes of <= 5 objects, 2 above) with the clearest
+    predicate that holds, every mention naming size, colour and shape (struct: ``"dense": true``, one
+    sentence per run of relations with the same subject). That is 122-226 tokens of CLIP's tokenizer
+    (median 169; 4 objects: 122-152, 8 objects: 196-226; every one past 77, so a 77-token text encoder sees
+    the object list and the first relation sentences only). One-object and relation captions are as above.
+    Caption ids are ``image_id * LONG_CAPTION_SLOTS + k`` (16 slots), ``meta`` records
+    ``"long_captions": true`` and ``objects_per_scene``; negatives and ``satisfies`` work unchanged (every
+    dense caption is true of its scene, every negative false under the lenient rules, both tested).
+
+Hard negatives (at most one per type per caption, each a mutated struct)
+    ``replace-att`` change one object's colour (or size where sizes are named); ``replace-obj``
+    change one shape; ``replace-rel`` change one predicate; ``swap-att`` exchange the colours (or
+    sizes) of two objects; ``swap-obj`` exchange subject and object of one relation; ``add-obj`` add
+    an object that the scene lacks (not for long captions: they claim to name every object). A
+    candidate is kept only if it fails ``satisfies(scene, struct, lenient=True)``, names no
+    (colour, shape) twice and, in the train split, mentions no held-out combination.
+
+Splits and hold-out
+    Scene i goes to a split by the golden-ratio sequence frac(i * 0.618...) against the cumulative
+    split fractions: a fixed function of i that is close to the requested proportions at every n.
+    Train scenes never contain a held-out (colour, shape); val/test scenes are sampled freely.
+
+Determinism
+    Scene i draws everything from ``numpy.random.default_rng(SeedSequence([seed, i]))``, so the
+    output is independent of worker count and chunking; JSON is written with sorted keys and
+    compact, pixels are ints, PNGs are re-encoded identically.
+
+Output layout in DIR
+    ``images/{i:06d}.png``; ``{split}.csv`` (header ``filepath,title``, paths relative to DIR, one
+    row per caption, an image's rows consecutive); ``{split}_coco.json`` (COCO captions, image id =
+    scene index); ``annotations.json`` ({"meta", "scenes"}); ``negatives.json`` ({"items": [{
+    "image_id", "caption_id", "split", "positive", "negatives": [{"type", "text", "struct"}]}]});
+    ``meta.json`` (resolved settings + counts). Existing files are overwritten; other files in DIR
+    are left alone.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from extract.common.cli import Parser, from_namespace, option, run_job
+from extract.common.cli import build_parser as build_cli
+from extract.common.config import nonnegative_int, parse_with_config, positive_int
+
+VERSION = 1
+SHAPES = ("circle", "square", "triangle", "diamond", "star", "hexagon")
+COLOURS = {
+    "red": (230, 25, 25),
+    "green": (30, 190, 50),
+    "blue": (40, 90, 255),
+    "yellow": (250, 225, 30),
+    "purple": (150, 50, 220),
+    "orange": (255, 135, 0),
+    "white": (245, 245, 245),
+    "gray": (128, 128, 128),
+}
+SIZES = {"small": 0.20, "large": 0.35}  # box side as a fraction of the image side
+PREDICATES = ("left of", "right of", "above", "below", "next to")
+NEGATIVE_TYPES = ("replace-att", "replace-obj", "replace-rel", "swap-att", "swap-obj", "add-obj")
+SPLITS = ("train", "val", "test")
+BACKGROUND = (0, 0, 0)
+MAX_OBJECTS = 4
+CAPTION_SLOTS = 8  # >= MAX_OBJECTS one-object captions + 1 relation + 1 long
+# Long-caption mode (--long-captions): more, smaller objects and a dense description of each scene.
+LONG_OBJECTS = (4, 8)  # objects per scene, inclusive
+LONG_SIZES = {"small": 0.16, "large": 0.22}  # box sides: 10 / 14 px at 64 px; 8 objects fit (0 of 3,000 failed)
+LONG_CAPTION_SLOTS = 16  # >= 8 one-object captions + 1 relation + 1 long
+LONG_PARTNERS = {5: 3, 8: 2}  # relations per object in the dense caption, by scene size (up to the key)
+MIN_IMAGE_SIZE = 32
+PLACEMENT_TRIES = 50
+LAYOUT_TRIES = 10
+# Thresholds below are fractions of the image side.
+GAP = 0.05
+DIRECTION_MARGIN = 0.15
+NEAR = 0.15
+LENIENT_DIRECTION_MARGIN = 0.05
+LENIENT_NEAR = 0.30
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+_PHRASES = {"left of": "to the left of", "right of": "to the right of",
+            "above": "above", "below": "below", "next to": "next to"}
+_UNIT_POLYGONS = {  # vertices in the unit box, each touching all four sides
+    "triangle": ((0.5, 0.0), (1.0, 1.0), (0.0, 1.0)),
+    "diamond": ((0.5, 0.0), (1.0, 0.5), (0.5, 1.0), (0.0, 0.5)),
+    "hexagon": ((0.25, 0.0), (0.75, 0.0), (1.0, 0.5), (0.75, 1.0), (0.25, 1.0), (0.0, 0.5)),
+}
+
+
+def _unit_star(points: int = 5, inner: float = 0.45) -> tuple[tuple[float, float], ...]:
+    raw = []
+    for k in range(2 * points):
+        radius = inner if k % 2 else 1.0
+        angle = -math.pi / 2 + k * math.pi / points
+        raw.append((radius * math.cos(angle), radius * math.sin(angle)))
+    xs, ys = [p[0] for p in raw], [p[1] for p in raw]
+    # Stretch to the unit box so the star touches its box like every other shape.
+    return tuple(((x - min(xs)) / (max(xs) - min(xs)), (y - min(ys)) / (max(ys) - min(ys)))
+                 for x, y in raw)
+
+
+_UNIT_POLYGONS["star"] = _unit_star()
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What defines the dataset (worker count excluded: it never changes the output)."""
+
+    n: int
+    seed: int
+    size: int
+    holdout: frozenset  # of (colour, shape)
+    splits: tuple[float, float, float]
+    long_captions: bool = False
+
+    @property
+    def sizes(self) -> dict[str, float]:
+        return LONG_SIZES if self.long_captions else SIZES
+
+    @property
+    def caption_slots(self) -> int:
+        return LONG_CAPTION_SLOTS if self.long_captions else CAPTION_SLOTS
+
+
+# --------------------------------------------------------------------------- option parsing
+
+
+def parse_holdout(spec: str | Iterable) -> frozenset:
+    """Parse ``"red circle,blue square"`` (or an iterable of such strings / (colour, shape) pairs).
+
+    Returns a frozenset of (colour, shape). Raises ValueError naming the vocabulary on a bad entry.
+    """
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    combos = set()
+    for item in items:
+        words = item.split() if isinstance(item, str) else list(item)
+        if not words:
+            continue
+        if len(words) != 2 or words[0].lower() not in COLOURS or words[1].lower() not in SHAPES:
+            raise ValueError(
+                f"invalid holdout combination {item!r}: expected '<colour> <shape>' with colour in "
+                f"{', '.join(COLOURS)} and shape in {', '.join(SHAPES)}")
+        combos.add((words[0].lower(), words[1].lower()))
+    if len(combos) == len(COLOURS) * len(SHAPES):
+        raise ValueError("holdout names every (colour, shape) combination: nothing left for train")
+    return frozenset(combos)
+
+
+def is_toyworld(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a generated toy world (a folder with ``meta.json`` and ``annotations.json``): the one test
+    every command uses to decide that a ``--data`` is one."""
+    folder = Path(str(path)) if path else None
+    return folder is not None and (folder / "meta.json").is_file() and (folder / "annotations.json").is_file()
+
+
+def heldout_of(world: str | os.PathLike) -> frozenset:
+    """The (colour, shape) combinations a generated toy world held out of its train split (``meta.json``)."""
+    meta = json.loads((Path(world) / "meta.json").read_text())
+    return parse_holdout(meta.get("holdout", []))
+
+
+def parse_splits(spec: str | Sequence[float]) -> tuple[float, float, float]:
+    """Parse ``"0.8,0.1,0.1"`` (or three numbers): train/val/test fractions, >= 0, summing to 1."""
+    try:
+        values = tuple(float(v) for v in (spec.split(",") if isinstance(spec, str) else spec))
+    except ValueError as err:
+        raise ValueError(f"invalid splits {spec!r}: expected three numbers like 0.8,0.1,0.1") from err
+    if len(values) != 3 or min(values) < 0 or abs(sum(values) - 1.0) > 1e-6:
+        raise ValueError(f"invalid splits {spec!r}: need three fractions >= 0 that sum to 1")
+    return values
+
+
+def split_of(index: int, splits: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
+    """The split of scene ``index``: a fixed function of the index (see the module docstring)."""
+    u = (index * _GOLDEN) % 1.0
+    cumulative = 0.0
+    for name, fraction in zip(SPLITS, splits):
+        cumulative += fraction
+        if u < cumulative:
+            return name
+    # u sits within rounding of 1 with a zero-width last split: take the last non-empty one.
+    return [name for name, fraction in zip(SPLITS, splits) if fraction > 0][-1]
+
+
+# --------------------------------------------------------------------------- geometry and truth
+
+
+def _centre(box: Sequence[int]) -> tuple[float, float]:
+    return (box[0] + box[2]) / 2.0, (box[1] + box[3]) / 2.0
+
+
+def _gap(a: Sequence[int], b: Sequence[int]) -> float:
+    """Euclidean distance in px between two half-open boxes (0 when they touch or overlap)."""
+    gx = max(0, b[0] - a[2], a[0] - b[2])
+    gy = max(0, b[1] - a[3], a[1] - b[3])
+    return math.hypot(gx, gy)
+
+
+def relation_holds(a: Sequence[int], predicate: str, b: Sequence[int], side: int,
+                   lenient: bool = False) -> bool:
+    """Whether ``box a <predicate> box b`` holds in a ``side``-px image (rules: module docstring)."""
+    margin = (LENIENT_DIRECTION_MARGIN if lenient else DIRECTION_MARGIN) * side
+    (ax, ay), (bx, by) = _centre(a), _centre(b)
+    if predicate == "left of":
+        return bx - ax > margin
+    if predicate == "right of":
+        return ax - bx > margin
+    if predicate == "above":
+        return by - ay > margin
+    if predicate == "below":
+        return ay - by > margin
+    if predicate == "next to":
+        return _gap(a, b) <= (LENIENT_NEAR if lenient else NEAR) * side
+    raise ValueError(f"unknown predicate {predicate!r}; expected one of {PREDICATES}")
+
+
+def _matches(obj: dict, wanted: dict) -> bool:
+    return all(obj[key] == value for key, value in wanted.items())
+
+
+def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
+    """Whether caption ``struct`` is true of ``scene`` (an entry of ``annotations["scenes"]``).
+
+    True iff the struct's objects map injectively onto scene objects whose attributes match the
+    ones the struct names, every ``[i, predicate, j]`` holds between the mapped boxes
+    (:func:`relation_holds`, with ``lenient`` thresholds if asked) and, when ``count`` is present,
+    the scene has exactly that many objects.
+    """
+    objects = scene["objects"]
+    if "count" in struct and struct["count"] != len(objects):
+        return False
+    wanted = struct["objects"]
+    options = [[k for k, obj in enumerate(objects) if _matches(obj, w)] for w in wanted]
+    for assignment in itertools.product(*options):
+        if len(set(assignment)) < len(assignment):
+            continue
+        if all(relation_holds(objects[assignment[i]]["box"], predicate, objects[assignment[j]]["box"],
+                              scene["width"], lenient)
+               for i, predicate, j in struct["relations"]):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------- captions
+
+
+def _article(phrase: str) -> str:
+    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
+
+
+def _noun(obj: dict, with_size: bool = True) -> str:
+    words = [obj["size"]] if with_size and "size" in obj else []
+    return " ".join(words + [obj["colour"], obj["shape"]])
+
+
+def _join(phrases: list[str]) -> str:
+    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def render(struct: dict) -> str:
+    """The caption text of ``struct`` (grammar: module docstring). Non-long structs hold <= 1 relation."""
+    objects = struct["objects"]
+    if struct.get("dense"):
+        return _render_dense(struct)
+    if "count" in struct:
+        count = struct["count"]
+        text = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
+                + _join([_article(_noun(o)) for o in objects]))
+        clauses = [f"the {_noun(objects[i], False)} is {_PHRASES[p]} the {_noun(objects[j], False)}"
+                   for i, p, j in struct["relations"]]
+        return text + ("; " + ", ".join(clauses) if clauses else "")
+    if not struct["relations"]:
+        return " and ".join(_article(_noun(o)) for o in objects)
+    (i, predicate, j), = struct["relations"]
+    text = f"{_article(_noun(objects[i]))} {_PHRASES[predicate]} {_article(_noun(objects[j]))}"
+    extras = [_article(_noun(o)) for k, o in enumerate(objects) if k not in (i, j)]
+    return ", and ".join([text] + extras)
+
+
+def _render_dense(struct: dict) -> str:
+    """"five objects: a small red circle, ... and a large gray star. the small red circle is to the left of the
+    large blue square, above ... and next to .... the large blue square is ...": every mention names size, colour
+    and shape; one sentence per run of consecutive relations with the same subject."""
+    objects = struct["objects"]
+    sentences, run = [], []
+    for k, (i, predicate, j) in enumerate(struct["relations"]):
+        run.append(f"{_PHRASES[predicate]} the {_noun(objects[j])}")
+        if k + 1 == len(struct["relations"]) or struct["relations"][k + 1][0] != i:
+            sentences.append(f"the {_noun(objects[i])} is {_join(run)}.")
+            run = []
+    count = struct["count"]
+    head = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
+            + _join([_article(_noun(o)) for o in objects]) + ".")
+    return " ".join([head] + sentences)
+
+
+def _describe(obj: dict, with_size: bool) -> dict:
+    keys = ("size", "colour", "shape") if with_size else ("colour", "shape")
+    return {key: obj[key] for key in keys}
+
+
+def _relation_struct(scene: dict, rng: np.random.Generator) -> dict | None:
+    by_pair: dict[tuple[int, int], list[str]] = {}
+    for i, predicate, j in scene["relations"]:
+        by_pair.setdefault((i, j), []).append(predicate)
+    if not by_pair:
+        return None
+    pairs = sorted(by_pair)
+    i, j = pairs[rng.integers(len(pairs))]
+    predicate = by_pair[(i, j)][rng.integers(len(by_pair[(i, j)]))]
+    objects = scene["objects"]
+    return {"objects": [_describe(objects[i], False), _describe(objects[j], False)],
+            "relations": [[0, predicate, 1]]}
+
+
+def _primary_predicate(a: Sequence[int], b: Sequence[int], side: int) -> str | None:
+    """The clearest predicate for ``a ? b``: the dominant-axis direction, else next to, else None."""
+    (ax, ay), (bx, by) = _centre(a), _centre(b)
+    if abs(bx - ax) >= abs(by - ay):
+        direction = "left of" if bx > ax else "right of"
+    else:
+        direction = "above" if by > ay else "below"
+    for predicate in (direction, "next to"):
+        if relation_holds(a, predicate, b, side):
+            return predicate
+    return None
+
+
+def _long_struct(scene: dict) -> dict:
+    objects = scene["objects"]
+    relations = []
+    for i in range(len(objects) - 1):
+        predicate = _primary_predicate(objects[i]["box"], objects[i + 1]["box"], scene["width"])
+        if predicate is not None:
+            relations.append([i, predicate, i + 1])
+    return {"objects": [_describe(o, True) for o in objects], "relations": relations,
+            "count": len(objects)}
+
+
+def _dense_struct(scene: dict) -> dict:
+    """The long-caption mode's ``long`` struct: every object with its attributes, and for each object (in scene
+    order) its nearest others (centre distance, then index), as many as LONG_PARTNERS allows, each with the
+    clearest predicate that holds (:func:`_primary_predicate`; a pair with none is passed over)."""
+    objects = scene["objects"]
+    partners = next(k for limit, k in sorted(LONG_PARTNERS.items()) if len(objects) <= limit)
+    relations = []
+    for i, a in enumerate(objects):
+        centre = _centre(a["box"])
+        others = sorted((j for j in range(len(objects)) if j != i),
+                        key=lambda j: (math.dist(centre, _centre(objects[j]["box"])), j))
+        picked = [[i, p, j] for j in others
+                  if (p := _primary_predicate(a["box"], objects[j]["box"], scene["width"])) is not None]
+        relations += picked[:partners]
+    return {"objects": [_describe(o, True) for o in objects], "relations": relations,
+            "count": len(objects), "dense": True}
+
+
+def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False) -> list[dict]:
+    structs = [("one-object", {"objects": [_describe(o, True)], "relations": []})
+               for o in scene["objects"]]
+    relation = _relation_struct(scene, rng)
+    if relation is not None:
+        structs.append(("relation", relation))
+    structs.append(("long", _dense_struct(scene) if long_captions else _long_struct(scene)))
+    slots = LONG_CAPTION_SLOTS if long_captions else CAPTION_SLOTS
+    return [{"id": scene["image_id"] * slots + k, "kind": kind, "text": render(struct),
+             "struct": struct}
+            for k, (kind, struct) in enumerate(structs)]
+
+
+# --------------------------------------------------------------------------- hard negatives
+
+
+def _with(struct: dict, obj_index: int | None = None, relation_index: int | None = None,
+          relation: list | None = None, **attributes) -> dict:
+    """A copy of ``struct`` with one object's attributes and/or one relation replaced."""
+    objects = [dict(o) for o in struct["objects"]]
+    relations = [list(r) for r in struct["relations"]]
+    if obj_index is not None:
+        objects[obj_index].update(attributes)
+    if relation_index is not None:
+        relations[relation_index] = relation
+    return {**struct, "objects": objects, "relations": relations}
+
+
+def _replace_att(struct: dict) -> list[dict]:
+    out = []
+    for i, obj in enumerate(struct["objects"]):
+        out += [_with(struct, i, colour=c) for c in COLOURS if c != obj["colour"]]
+        out += [_with(struct, i, size=s) for s in SIZES if "size" in obj and s != obj["size"]]
+    return out
+
+
+def _replace_obj(struct: dict) -> list[dict]:
+    return [_with(struct, i, shape=s)
+            for i, obj in enumerate(struct["objects"]) for s in SHAPES if s != obj["shape"]]
+
+
+def _replace_rel(struct: dict) -> list[dict]:
+    return [_with(struct, relation_index=r, relation=[i, q, j])
+            for r, (i, p, j) in enumerate(struct["relations"]) for q in PREDICATES if q != p]
+
+
+def _swap_att(struct: dict) -> list[dict]:
+    out = []
+    objects = struct["objects"]
+    for i, j in itertools.combinations(range(len(objects)), 2):
+        for key in ("colour", "size"):
+            if key in objects[i] and objects[i][key] != objects[j][key]:
+                swapped = _with(struct, i, **{key: objects[j][key]})
+                swapped["objects"][j][key] = objects[i][key]
+                out.append(swapped)
+    return out
+
+
+def _swap_obj(struct: dict) -> list[dict]:
+    return [_with(struct, relation_index=r, relation=[j, p, i])
+            for r, (i, p, j) in enumerate(struct["relations"])]
+
+
+def _add_obj(struct: dict) -> list[dict]:
+    if "count" in struct:
+        return []
+    sizes = list(SIZES) if "size" in struct["objects"][0] else [None]
+    return [{**struct, "objects": struct["objects"] + [
+                {"colour": c, "shape": s} if z is None else {"size": z, "colour": c, "shape": s}]}
+            for c in COLOURS for s in SHAPES for z in sizes]
+
+
+_MUTATORS = {"replace-att": _replace_att, "replace-obj": _replace_obj, "replace-rel": _replace_rel,
+             "swap-att": _swap_att, "swap-obj": _swap_obj, "add-obj": _add_obj}
+
+
+def _combos(struct: dict) -> list[tuple[str, str]]:
+    return [(o["colour"], o["shape"]) for o in struct["objects"]]
+
+
+def _acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
+    combos = _combos(struct)
+    if len(set(combos)) < len(combos):
+        return False  # "the red circle" would be ambiguous within the caption itself
+    if scene["split"] == "train" and holdout.intersection(combos):
+        return False
+    return not satisfies(scene, struct, lenient=True)
+
+
+def negative_candidates(scene: dict, struct: dict, neg_type: str,
+                        holdout: frozenset = frozenset()) -> list[tuple[dict, bool]]:
+    """Every candidate of ``neg_type`` for caption ``struct`` of ``scene``, each with whether it is acceptable
+    (false of the scene even under the lenient rules, no (colour, shape) named twice, no held-out combination in
+    the train split): what :func:`generate` draws one from. Text-only generators are checked against it."""
+    return [(c, _acceptable(scene, c, holdout)) for c in _MUTATORS[neg_type](struct)]
+
+
+def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset) -> list[dict]:
+    out = []
+    for neg_type in NEGATIVE_TYPES:
+        candidates = _MUTATORS[neg_type](caption["struct"])
+        # Random order, first acceptable: one uniform pick without testing every candidate.
+        for k in rng.permutation(len(candidates)):
+            if _acceptable(scene, candidates[k], holdout):
+                out.append({"type": neg_type, "text": render(candidates[k]), "struct": candidates[k]})
+                break
+    return out
+
+
+# --------------------------------------------------------------------------- scenes and drawing
+
+
+def _box_side(size_name: str, image_size: int, sizes: dict[str, float] = SIZES) -> int:
+    return round(sizes[size_name] * image_size)
+
+
+def _place(side: int, boxes: list[list[int]], image_size: int, rng: np.random.Generator) -> list[int] | None:
+    clearance = max(1, round(GAP * image_size))
+    for _ in range(PLACEMENT_TRIES):
+        x0, y0 = (int(v) for v in rng.integers(0, image_size - side + 1, size=2))
+        box = [x0, y0, x0 + side, y0 + side]
+        if all(_gap(box, other) >= clearance for other in boxes):
+            return box
+    return None
+
+
+def _pack(sides: list[int], image_size: int, rng: np.random.Generator) -> list[list[int] | None]:
+    """Boxes for objects of the given sides, placed in order; None where one found no room."""
+    boxes: list[list[int] | None] = []
+    for side in sides:
+        boxes.append(_place(side, [b for b in boxes if b is not None], image_size, rng))
+    return boxes
+
+
+def _layout(rng: np.random.Generator, settings: _Settings, split: str) -> list[dict]:
+    combos = [(c, s) for c in COLOURS for s in SHAPES
+              if split != "train" or (c, s) not in settings.holdout]
+    low, high = LONG_OBJECTS if settings.long_captions else (1, MAX_OBJECTS)
+    count = int(rng.integers(low, high + 1))
+    picks = [(*combos[k], tuple(SIZES)[rng.integers(len(SIZES))])
+             for k in rng.choice(len(combos), size=min(count, len(combos)), replace=False)]
+    sides = [_box_side(size_name, settings.size, settings.sizes) for _, _, size_name in picks]
+    # Large boxes first, and fresh layouts on failure: a late large box is what fails to fit.
+    order = sorted(range(len(picks)), key=lambda k: -sides[k])
+    for _ in range(LAYOUT_TRIES):
+        packed = _pack([sides[k] for k in order], settings.size, rng)
+        if None not in packed:
+            break
+    boxes = dict(zip(order, packed))
+    return [{"shape": shape, "colour": colour, "size": size_name, "box": boxes[k]}
+            for k, (colour, shape, size_name) in enumerate(picks) if boxes[k] is not None]
+
+
+def _relations(objects: list[dict], side: int) -> list[list]:
+    return [[i, predicate, j]
+            for i, a in enumerate(objects) for j, b in enumerate(objects) if i != j
+            for predicate in PREDICATES if relation_holds(a["box"], predicate, b["box"], side)]
+
+
+def draw(scene: dict) -> Image.Image:
+    """Render ``scene`` as a ``width`` x ``height`` RGB image (black background, no anti-aliasing)."""
+    image = Image.new("RGB", (scene["width"], scene["height"]), BACKGROUND)
+    pen = ImageDraw.Draw(image)
+    for obj in scene["objects"]:
+        x0, y0, x1, y1 = obj["box"]
+        fill = COLOURS[obj["colour"]]
+        # PIL's coordinates are inclusive: the last covered pixel is x1 - 1.
+        if obj["shape"] == "circle":
+            pen.ellipse([x0, y0, x1 - 1, y1 - 1], fill=fill)
+        elif obj["shape"] == "square":
+            pen.rectangle([x0, y0, x1 - 1, y1 - 1], fill=fill)
+        else:
+            w, h = x1 - 1 - x0, y1 - 1 - y0
+            pen.polygon([(x0 + u * w, y0 + v * h) for u, v in _UNIT_POLYGONS[obj["shape"]]], fill=fill)
+    return image
+
+
+def _build_scene(index: int, settings: _Settings, out_dir: str) -> tuple[dict, list[dict]]:
+    """Generate, draw and save scene ``index``; returns (scene annotation, negatives items)."""
+    rng = np.random.default_rng(np.random.SeedSequence([settings.seed, index]))
+    split = split_of(index, settings.splits)
+    objects = _layout(rng, settings, split)
+    scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split,
+             "width": settings.size, "height": settings.size, "objects": objects,
+             "relations": _relations(objects, settings.size)}
+    scene["captions"] = _captions(scene, rng, settings.long_captions)
+    items = []
+    for caption in scene["captions"]:
+        negatives = _negatives(scene, caption, rng, settings.holdout)
+        if negatives:
+            items.append({"image_id": index, "caption_id": caption["id"], "split": split,
+                          "positive": caption["text"], "negatives": negatives})
+    draw(scene).save(os.path.join(out_dir, scene["file_name"]))
+    return scene, items
+
+
+def _build_chunk(job: tuple[int, int, _Settings, str]) -> list[tuple[dict, list[dict]]]:
+    start, stop, settings, out_dir = job
+    return [_build_scene(i, settings, out_dir) for i in range(start, stop)]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _dump_json(path: Path, obj) -> None:
+    # compact: indent makes json fall back to its pure-Python encoder (3x slower, 40% larger on disk)
+    path.write_text(json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def _write_split(out: Path, split: str, scenes: list[dict], settings: _Settings) -> None:
+    with open(out / f"{split}.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["filepath", "title"])
+        writer.writerows([s["file_name"], c["text"]] for s in scenes for c in s["captions"])
+    coco = {"info": {"description": "plugvlm toy world", "version": VERSION, "split": split,
+                     "seed": settings.seed},
+            "images": [{"id": s["image_id"], "file_name": s["file_name"], "width": s["width"],
+                        "height": s["height"]} for s in scenes],
+            "annotations": [{"id": c["id"], "image_id": s["image_id"], "caption": c["text"]}
+                            for s in scenes for c in s["captions"]]}
+    _dump_json(out / f"{split}_coco.json", coco)
+
+
+def _settings_dict(settings: _Settings) -> dict:
+    out = {"version": VERSION, "n": settings.n, "seed": settings.seed, "size": settings.size,
+           "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
+           "splits": list(settings.splits)}
+    if settings.long_captions:  # absent when off: a default world's files stay byte-identical
+        out["long_captions"] = True
+    return out
+
+
+def _vocabulary(settings: _Settings) -> dict:
+    size = settings.size
+    extra = {"objects_per_scene": list(LONG_OBJECTS)} if settings.long_captions else {}
+    return {**extra, "shapes": list(SHAPES), "colours": {k: list(v) for k, v in COLOURS.items()},
+            "sizes_px": {k: _box_side(k, size, settings.sizes) for k in SIZES}, "predicates": list(PREDICATES),
+            "negative_types": list(NEGATIVE_TYPES), "background": list(BACKGROUND),
+            "thresholds": {"gap": GAP, "direction_margin": DIRECTION_MARGIN, "near": NEAR,
+                           "lenient_direction_margin": LENIENT_DIRECTION_MARGIN,
+                           "lenient_near": LENIENT_NEAR, "unit": "fraction of image side"},
+            "caption_id": f"image_id * {settings.caption_slots} + k"}
+
+
+def _counts(scenes: list[dict], items: list[dict], holdout: frozenset) -> dict:
+    per_split = {name: {"images": 0, "captions": 0, "negatives": 0, "heldout_objects": 0}
+                 for name in SPLITS}
+    for scene in scenes:
+        entry = per_split[scene["split"]]
+        entry["images"] += 1
+        entry["captions"] += len(scene["captions"])
+        entry["heldout_objects"] += sum((o["colour"], o["shape"]) in holdout for o in scene["objects"])
+    by_type = dict.fromkeys(NEGATIVE_TYPES, 0)
+    for item in items:
+        per_split[item["split"]]["negatives"] += len(item["negatives"])
+        for negative in item["negatives"]:
+            by_type[negative["type"]] += 1
+    return {"splits": per_split, "negatives_by_type": by_type,
+            "objects": sum(len(s["objects"]) for s in scenes)}
+
+
+def _run(settings: _Settings, out: Path, workers: int) -> list[tuple[dict, list[dict]]]:
+    chunk = max(1, min(250, math.ceil(settings.n / (4 * workers))))
+    jobs = [(start, min(start + chunk, settings.n), settings, str(out))
+            for start in range(0, settings.n, chunk)]
+    if workers == 1 or len(jobs) == 1:
+        return [r for job in jobs for r in _build_chunk(job)]
+    with Pool(min(workers, len(jobs))) as pool:
+        return [r for results in pool.imap(_build_chunk, jobs) for r in results]
+
+
+def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
+             holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
+             workers: int | None = None, long_captions: bool = False) -> dict:
+    """Write ``n`` toy-world scenes to ``out_dir`` (layout: module docstring) and return a summary.
+
+    ``size`` is the image side in px (>= 32); ``holdout`` holds (colour, shape) combinations out of
+    the train split (``"red circle,blue square"`` or an iterable); ``splits`` are train/val/test
+    fractions; ``workers`` processes (default ``os.cpu_count()``) never change the output;
+    ``long_captions``: the long-caption mode (module docstring), 4-8 objects and a dense description
+    of 100-250 CLIP tokens per scene (off: the default world, unchanged).
+    The summary holds the settings, ``counts`` (per split: images, captions, negatives,
+    heldout_objects; negatives_by_type; objects), ``workers`` and ``seconds``.
+    Raises ValueError on invalid settings.
+    """
+    started = time.perf_counter()
+    if n < 1 or seed < 0 or size < MIN_IMAGE_SIZE:
+        raise ValueError(f"need n >= 1, seed >= 0 and size >= {MIN_IMAGE_SIZE}; "
+                         f"got n={n}, seed={seed}, size={size}")
+    settings = _Settings(n=int(n), seed=int(seed), size=int(size), holdout=parse_holdout(holdout),
+                         splits=parse_splits(splits), long_captions=bool(long_captions))
+    workers = max(1, int(workers or os.cpu_count() or 1))
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+
+    results = _run(settings, out, workers)
+    scenes = [scene for scene, _ in results]
+    items = [item for _, scene_items in results for item in scene_items]
+    core = _settings_dict(settings)
+    _dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)},
+                                          "scenes": scenes})
+    _dump_json(out / "negatives.json", {"items": items})
+    for split in SPLITS:
+        _write_split(out, split, [s for s in scenes if s["split"] == split], settings)
+    counts = _counts(scenes, items, settings.holdout)
+    _dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
+    return {**core, "out": str(out), "workers": workers, "counts": counts,
+            "seconds": time.perf_counter() - started}
+
+
+def load(out_dir: str | os.PathLike) -> dict:
+    """The ``annotations.json`` of a generated toy world: ``{"meta": {...}, "scenes": [...]}``."""
+    return json.loads((Path(out_dir) / "annotations.json").read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------- command line
+
+
+# The embedded default: what a command that reads data uses when none is named (train.adapter.engine, train.pretrain.engine,
+# python -m serve), generated on first use and shared by them.
+DEFAULT_PATH = Path("runs") / "toy"
+DEFAULT_SEED = 0
+
+
+def _default_scenes() -> int:
+    """2,000 scenes, or ``PLUGVLM_TOY_N`` (a whole number >= 20): a smaller embedded world for a quick check of the
+    commands (the README's own blocks run on 400 in the tests; the README's figures are the 2,000's)."""
+    text = os.environ.get("PLUGVLM_TOY_N", "2000")
+    if not text.isdigit() or int(text) < 20:
+        raise SystemExit(f"error: PLUGVLM_TOY_N={text!r}: the embedded toy world's scenes, a whole number >= 20 "
+                         "(unset it for the default 2000)")
+    return int(text)
+
+
+DEFAULT_N = _default_scenes()
+
+
+def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: int = DEFAULT_SEED,
+           say=print, replace: bool = False, long_captions: bool = False, holdout: str | Iterable = ()) -> Path:
+    """The toy world at ``out_dir`` with ``n`` scenes and ``seed`` (``long_captions``: the long-caption mode;
+    ``holdout``: combinations kept out of its train split, as ``generate``): reused when it is already there (same
+    n, seed, mode, holdout and generator version; regenerating would give the same bytes but new mtimes, which a
+    feature cache's fingerprint sees), generated when the folder is absent. A toy world with other settings there
+    is replaced only with ``replace`` (else ValueError: someone made it on purpose). ``say`` gets one line saying
+    which."""
+    out = Path(out_dir)
+    meta = {}
+    if (out / "meta.json").is_file():
+        try:
+            meta = json.loads((out / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+    held = parse_holdout(holdout)
+    mode = (", long captions" if long_captions else "") + (
+        f", holding out {', '.join(sorted(f'{c} {s}' for c, s in held))}" if held else "")
+    try:
+        had = parse_holdout(meta.get("holdout", []))
+    except ValueError:
+        had = None
+    if (meta.get("n"), meta.get("seed"), meta.get("version"), bool(meta.get("long_captions")), had) == (
+            n, seed, VERSION, bool(long_captions), held):
+        say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; reused)")
+        return out
+    if out.exists() and any(out.iterdir()) and not replace:
+        there = (f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}"
+                 f"{', long captions' if meta.get('long_captions') else ''}"
+                 f"{', holding out ' + ', '.join(meta['holdout']) if meta.get('holdout') else ''}") if meta \
+            else "other files"
+        raise ValueError(f"{out} holds {there}, not the toy world asked for ({n} scenes, seed {seed}{mode}): pass "
+                         f"--data {out} to use it, or move it away to have the asked one generated there")
+    t0 = time.perf_counter()
+    generate(out, n, seed, long_captions=long_captions, holdout=held)
+    say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; generated in {time.perf_counter() - t0:.0f} s)")
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    """A short human-readable report of a :func:`generate` summary."""
+    counts = summary["counts"]
+    mode = ", long captions" if summary.get("long_captions") else ""
+    lines = [f"toyworld: {summary['n']} scenes ({summary['size']}x{summary['size']} px, seed "
+             f"{summary['seed']}{mode}, {counts['objects']} objects) -> {summary['out']} in "
+             f"{summary['seconds']:.1f} s with {summary['workers']} worker(s)",
+             f"  {'split':<6}{'images':>8}{'captions':>10}{'negatives':>11}{'held-out objs':>15}"]
+    for name, c in counts["splits"].items():
+        lines.append(f"  {name:<6}{c['images']:>8}{c['captions']:>10}{c['negatives']:>11}"
+                     f"{c['heldout_objects']:>15}")
+    lines.append("  negatives by type: "
+                 + ", ".join(f"{k}={v}" for k, v in counts["negatives_by_type"].items()))
+    if summary["holdout"]:
+        lines.append(f"  held out of train: {', '.join(summary['holdout'])}")
+    return "\n".join(lines)
+
+
+@dataclass
+class ToyWorldOptions:
+    """The command line of ``python -m extract.data.toyworld`` as data; :func:`generate` is the job
+    (``generate(o.out, o.n, o.seed, size=o.size, holdout=o.holdout, splits=o.splits, workers=o.workers,
+    long_captions=o.long_captions)``).
+    ``holdout`` and ``splits`` may be given as strings or parsed values; they are kept parsed (a frozenset of
+    (colour, shape) and three floats), and a bad one raises ValueError naming the vocabulary."""
+
+    out: str | None = option(None, metavar="DIR", help="output folder (created; files there are overwritten)")
+    n: int = option(1000, type=positive_int, help="number of scenes")
+    seed: int = option(0, type=nonnegative_int, help="random seed: the same seed gives byte-identical files")
+    size: int = option(64, type=positive_int, help=f"image side in px (>= {MIN_IMAGE_SIZE})")
+    holdout: Any = option("", metavar="COMBOS", help='(colour, shape) combinations held out of the train split, '
+                                                     'e.g. "red circle,blue square" (default: none)')
+    splits: Any = option("0.8,0.1,0.1", metavar="TRAIN,VAL,TEST", help="split fractions, summing to 1")
+    workers: int | None = option(None, type=positive_int,
+                                 help="processes (default: every CPU core; the output never depends on it)")
+    long_captions: bool = option(False, action="store_true",
+                                 help=f"long-caption mode: {LONG_OBJECTS[0]}-{LONG_OBJECTS[1]} smaller objects per "
+                                      "scene and a dense description of each (100-250 CLIP tokens: a 77-token text "
+                                      "encoder truncates it; Long-CLIP's 248 tokens read it whole)")
+
+    def __post_init__(self):
+        self.holdout = parse_holdout(self.holdout)
+        self.splits = parse_splits(self.splits)
+
+
+def build_parser() -> Parser:
+    return build_cli(ToyWorldOptions, "python -m extract.data.toyworld",
+                     "Generate the toy world: procedurally drawn scenes of coloured shapes with boxes, relations, "
+                     "captions and hard negatives (the project's embedded default dataset).")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
+    """Parse the CLI; ``--config file.yaml`` sets defaults for the other options, flags override.
+
+    Returns a :class:`ToyWorldOptions` (holdout a frozenset of (colour, shape), splits a tuple of three
+    floats). Exits with a one-line usage error (status 2) when invalid.
+    """
+    parser = build_parser()
+    ns = parse_with_config(parser, argv)
+    if not ns.out:
+        parser.error("--out is required (on the command line or as 'out' in --config), e.g. --out runs/toy")
+    try:
+        return from_namespace(ToyWorldOptions, ns)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
+    def job(opts: ToyWorldOptions) -> None:
+        print(format_summary(generate(opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
+                                      splits=opts.splits, workers=opts.workers, long_captions=opts.long_captions)))
+
+    return run_job(job, parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

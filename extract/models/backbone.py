@@ -1,0 +1,724 @@
+"""Frozen open_clip backbones that return global embeddings *and* per-patch / per-token embeddings.
+
+Compositional heads need more than the pooled vectors open_clip returns: they pool patch tokens inside
+regions and token embeddings inside phrases, in the joint (contrastive) space. We obtain those without
+re-implementing any tower: a forward hook captures the residual stream at the output of each tower's
+transformer, and we apply the tower's own final norm and projection to every token.
+
+- CLIP ViT (OpenAI / LAION): patch_i = ln_post(x_i) @ proj; the global embedding is the same map applied to
+  the class token, so patches live in exactly the space the global embedding lives in.
+- CoCa: the contrastive embedding comes from an attentional pooler over patches, and no per-patch
+  projection exists. We use the pooler's value path, out_proj(W_v ln_k(x_i)) — exactly what the pooler
+  returns when it attends to patch i alone (the MaskCLIP reading of attention pooling, Zhou et al. 2022) —
+  followed by ln_post and proj.
+- Text: token_t = ln_final(x_t) @ text_projection; the global embedding is that map at the end-of-text token
+  (CLIP) or at CoCa's appended class token.
+
+``load_backbone`` resolves the weights before it builds anything, so an absent checkpoint fails in
+well under a second with a message naming the file (see ``extract.models.weights``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import pickle
+import re
+import threading
+import time
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from extract.common.cli import Parser, run_job
+from extract.models.tokens import TokenizedText, tokenize_with_spans
+from extract.models.weights import (ResolvedWeights, WeightsNotFoundError, checkpoint_sidecar, file_sha256,
+                             resolve_weights)
+
+log = logging.getLogger(__name__)
+
+
+class _NoRandomInitWarning(logging.Filter):
+    """open_clip warns "No pretrained weights loaded for model ..." on the root logger every time a model is built
+    with pretrained=None, which is how plugvlm always builds one: it loads the weights itself afterwards, so the
+    warning is wrong for every file or tag and was printed 9 times by the demo. What is loaded is said once, by
+    the job (``FrozenBackbone.describe``); this filter drops that one message and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No pretrained weights loaded for model")
+
+
+def quiet_open_clip() -> None:
+    """Install :class:`_NoRandomInitWarning` on the root logger (idempotent)."""
+    root = logging.getLogger()
+    if not any(isinstance(f, _NoRandomInitWarning) for f in root.filters):
+        root.addFilter(_NoRandomInitWarning())
+
+
+quiet_open_clip()
+
+_HERE = Path(__file__).resolve().parent
+MODEL_CONFIG_DIR = _HERE / "model_configs"
+ALIASES_FILE = _HERE / "backbones.json"
+
+
+# --------------------------------------------------------------------------------------------- registry
+@lru_cache(maxsize=1)
+def register_configs() -> None:
+    """Make the tiny configs (plugvlm-tiny, plugvlm-tiny-coca, plugvlm-tiny-rn, ...) visible to open_clip, once."""
+    import open_clip
+
+    open_clip.add_model_config(MODEL_CONFIG_DIR)
+
+
+@lru_cache(maxsize=1)
+def backbone_aliases() -> dict[str, dict]:
+    """The ``--base`` aliases (data, in backbones.json): alias -> {model, pretrained, quick_gelu, ...}."""
+    table = json.loads(ALIASES_FILE.read_text())
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """What to build: a ``--base`` alias or open_clip model name, resolved to an architecture and weights.
+
+    base: what the user typed; model: open_clip architecture; pretrained: tag, path, or None (random).
+    """
+
+    base: str
+    model: str
+    pretrained: str | None
+    quick_gelu: bool = False
+    requires_file: bool = False
+    hint: str | None = None
+
+
+def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
+    """Resolve ``base`` (alias or any open_clip model name) and ``pretrained`` (None: the alias's default;
+    "none": random weights; else a tag or a path)."""
+    import open_clip
+
+    register_configs()
+    alias = backbone_aliases().get(base)
+    if alias is None:
+        if base not in open_clip.list_models():
+            raise ValueError(
+                f"unknown backbone '{base}'. Aliases: {', '.join(backbone_aliases())}; "
+                f"or any open_clip model name (open_clip.list_models(), e.g. ViT-B-32, ViT-SO400M-14-SigLIP).")
+        alias = {"model": base, "pretrained": None}
+    shipped = alias.get("file") and str(_HERE / alias["file"])  # weights that come with plugvlm (extract/models/bases/)
+    tag = (shipped or alias.get("pretrained")) if pretrained is None else pretrained
+    return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
+                        quick_gelu=bool(alias.get("quick_gelu", False)),
+                        requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
+
+
+def trained_holdout(base: str, pretrained: str | None = None) -> list[str]:
+    """The toy-world combinations ("yellow circle", ...) held out of the data the weights of ``base`` were
+    pre-trained on, as their ``python -m train.pretrain`` description (``model.json``: ``data.holdout``) records
+    them; [] for weights without one (a tag, random weights, another checkpoint)."""
+    spec = resolve_spec(base, pretrained)
+    if not spec.pretrained or spec.pretrained == "none" or not Path(spec.pretrained).is_file():
+        return []
+    sidecar = checkpoint_sidecar(spec.pretrained) or {}
+    return sorted((sidecar.get("data") or {}).get("holdout") or [])
+
+
+# --------------------------------------------------------------------------------------------- outputs
+@dataclass
+class ImageFeatures:
+    """Backbone outputs for a batch of B images.
+
+    embedding: [B, D] L2-normalised global embedding (identical to open_clip's encode_image(normalize=True)).
+    patches: [B, N, D] patch tokens in the joint space, N = grid[0] * grid[1] in row-major order; NOT
+        normalised (region pooling averages first, then normalises).
+    grid: (rows, cols) of the patch grid.
+    """
+
+    embedding: torch.Tensor
+    patches: torch.Tensor
+    grid: tuple[int, int]
+
+
+@dataclass
+class TextFeatures:
+    """Backbone outputs for a batch of B captions, L = context length.
+
+    embedding: [B, D] L2-normalised global embedding (identical to open_clip's encode_text(normalize=True)).
+    tokens: [B, L, D] token embeddings in the joint space, NOT normalised; padding positions hold
+        whatever the tower computed there and must be ignored through ``attention_mask``.
+    attention_mask: [B, L] bool, True for start/end-of-text and caption tokens.
+    spans: [B, L, 2] long, [start, end) character offsets of each token in its caption (-1 for specials/pad).
+    truncated: [B] bool, True where the caption was longer than the context and was cut.
+    """
+
+    embedding: torch.Tensor
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    spans: torch.Tensor
+    truncated: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------- towers
+def _project(x: torch.Tensor, proj) -> torch.Tensor:
+    if proj is None:
+        return x
+    return proj(x) if isinstance(proj, nn.Module) else x @ proj
+
+
+def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """AttentionalPooler output when each query attends to a single token: out_proj(W_v ln_k(x) + b_v)."""
+    mha: nn.MultiheadAttention = pooler.attn
+    e = mha.embed_dim
+    w_v = mha.in_proj_weight[2 * e:] if mha._qkv_same_embed_dim else mha.v_proj_weight
+    b_v = mha.in_proj_bias[2 * e:] if mha.in_proj_bias is not None else None
+    return mha.out_proj(F.linear(pooler.ln_k(x), w_v, b_v))
+
+
+def _resnet_value_path(attnpool: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Per-position tokens of a ModifiedResNet's attention pool [B, h*w, D] from its input map [B, C, h, w]:
+    the pool's output when a query attends to a single position, ``c_proj(v_proj(x_n + pos_n))`` (MaskCLIP, Zhou
+    et al. 2022, Sec. 3.2: CLIP's dense features are the value-embedding path of its attention pool)."""
+    x = x.flatten(2).transpose(1, 2) + attnpool.positional_embedding[1:].to(x.dtype)
+    return attnpool.c_proj(attnpool.v_proj(x))
+
+
+def is_vit(visual: nn.Module) -> bool:
+    """An open_clip ``VisionTransformer`` (patch embedding, class token, positions, a transformer)."""
+    return all(hasattr(visual, a) for a in ("conv1", "transformer", "positional_embedding", "class_embedding",
+                                            "ln_post", "grid_size"))
+
+
+def is_resnet(visual: nn.Module) -> bool:
+    """An open_clip ``ModifiedResNet`` (CLIP's RN50-style tower: conv stem, four stages, attention pooling)."""
+    return all(hasattr(visual, a) for a in ("layer4", "attnpool"))
+
+
+def image_grid(visual: nn.Module) -> tuple[int, int]:
+    """(rows, cols) of an open_clip image tower's patch tokens: a ViT's patch grid, or the final feature map of a
+    ModifiedResNet (image side / 32), whose positions :func:`_resnet_value_path` turns into tokens."""
+    if is_resnet(visual):
+        side = math.isqrt(visual.attnpool.positional_embedding.shape[0] - 1)
+        return side, side
+    return tuple(visual.grid_size)
+
+
+class _Capture:
+    """Forward hook that keeps the last output of a module (the tower's transformer), per thread: a hook runs in the
+    thread that called forward, so concurrent encodings (a server's parallel requests) each read their own."""
+
+    def __init__(self, module: nn.Module):
+        self._local = threading.local()
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, _module, _inputs, output):
+        self._local.value = output[0] if isinstance(output, tuple) else output
+
+    def pop(self) -> torch.Tensor:
+        value, self._local.value = getattr(self._local, "value", None), None
+        if value is None:
+            raise RuntimeError("the tower's transformer did not run; cannot read its tokens")
+        return value
+
+
+class FrozenBackbone(nn.Module):
+    """An open_clip model in eval mode with no gradients, plus its tokenizer and eval preprocessing.
+
+    ``encode_images`` / ``encode_texts`` return :class:`ImageFeatures` / :class:`TextFeatures`. The module
+    stays in eval mode even when a parent calls ``.train()`` (dropout or patch dropout would change
+    cached features).
+
+    Fine-tuning (``python -m train.adapter --unfreeze``) calls :meth:`unfreeze`: the weights then require
+    gradients and ``.train()`` reaches the model; :meth:`image_features` / :meth:`token_features` are the
+    same computations as ``encode_images`` / ``encode_token_ids`` without ``torch.no_grad``.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, preprocess, spec: BackboneSpec, weights: ResolvedWeights,
+                 precision: str = "fp32", init_seed: int | None = None):
+        super().__init__()
+        self.init_seed = init_seed
+        self.trainable = False
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.preprocess = preprocess
+        self.spec = spec
+        self.weights = weights
+        self.precision = precision
+        self._check_supported()
+        visual = model.visual
+        self.grid: tuple[int, int] = image_grid(visual)
+        self.image_size: tuple[int, int] = tuple(visual.image_size) if isinstance(visual.image_size, (tuple, list)) \
+            else (visual.image_size, visual.image_size)
+        self.context_length: int = tokenizer.context_length
+        self._vision_capture = _Capture(visual.layer4 if is_resnet(visual) else visual.transformer)
+        self._text_capture = _Capture(self._text_parts()[0])
+        self.embed_dim: int = visual.output_dim
+
+    # -- structure ---------------------------------------------------------------------------------
+    def _check_supported(self) -> None:
+        visual = self.model.visual
+        if not (is_vit(visual) or is_resnet(visual)):
+            raise NotImplementedError(
+                f"{self.spec.model}: patch tokens are available for open_clip VisionTransformer and ModifiedResNet "
+                f"towers only; this model's image tower is {type(visual).__name__} (timm towers are not supported "
+                "yet).")
+        text = getattr(self.model, "text", None)
+        if text is not None and not hasattr(text, "ln_final"):
+            raise NotImplementedError(
+                f"{self.spec.model}: token embeddings are available for open_clip text transformers only; "
+                f"this model's text tower is {type(text).__name__} (Hugging Face text towers are not supported yet).")
+
+    def _text_parts(self):
+        """(transformer, ln_final, projection, has_appended_cls) for CLIP and CustomTextCLIP/CoCa alike."""
+        text = getattr(self.model, "text", None)
+        if text is None:  # open_clip.CLIP keeps the text tower's parts on the model itself
+            m = self.model
+            return m.transformer, m.ln_final, m.text_projection, False
+        return text.transformer, text.ln_final, text.text_projection, getattr(text, "cls_emb", None) is not None
+
+    def train(self, mode: bool = True):  # noqa: D401 - frozen on purpose (unless unfrozen)
+        return super().train(mode and self.trainable)
+
+    def unfreeze(self) -> "FrozenBackbone":
+        """Make every weight trainable (full fine-tuning): gradients on, and ``.train()`` now switches the
+        model to train mode (dropout, patch dropout as configured). ``encode_*`` stay gradient-free."""
+        self.trainable = True
+        self.model.requires_grad_(True)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.visual.parameters()).dtype
+
+    # -- images ------------------------------------------------------------------------------------
+    def _patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        visual = self.model.visual
+        if is_resnet(visual):
+            return _resnet_value_path(visual.attnpool, x)
+        patches = x[:, 1:]  # drop the class token; eval mode has no patch dropout, so all N patches remain
+        if visual.attn_pool is None:
+            return _project(visual.ln_post(patches), visual.proj)
+        if visual.attn_pool_contrastive is None:  # open_clip's CoCa: attn_pool -> ln_post -> proj
+            return _project(visual.ln_post(_value_path(visual.attn_pool, patches)), visual.proj)
+        patches = visual.ln_post(patches)  # 'parallel' / 'cascade' poolers normalise first
+        if visual.attn_pool_type == "cascade":
+            patches = _value_path(visual.attn_pool, patches)
+        return _project(_value_path(visual.attn_pool_contrastive, patches), visual.proj)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> ImageFeatures:
+        """images: [B, 3, H, W] already preprocessed (``self.preprocess``); returns :class:`ImageFeatures`."""
+        return self.image_features(images)
+
+    def image_features(self, images: torch.Tensor) -> ImageFeatures:
+        """:meth:`encode_images` with autograd as the caller has it (gradients reach unfrozen weights)."""
+        images = images.to(device=self.device, dtype=self.dtype)
+        embedding = self.model.encode_image(images, normalize=True)
+        patches = self._patch_tokens(self._vision_capture.pop())
+        return ImageFeatures(embedding=embedding.float(), patches=patches.float(), grid=self.grid)
+
+    # -- texts -------------------------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str]) -> TokenizedText:
+        """Token ids exactly as the backbone's tokenizer gives them, with masks, spans and truncation flags."""
+        return tokenize_with_spans(self.tokenizer, list(texts), self.context_length)
+
+    @torch.no_grad()
+    def encode_token_ids(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids / attention_mask: [B, L]. Returns (normalised global [B, D], joint-space tokens [B, L, D])."""
+        return self.token_features(ids, attention_mask)
+
+    def token_features(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`encode_token_ids` with autograd as the caller has it (gradients reach unfrozen weights)."""
+        _, ln_final, projection, has_cls = self._text_parts()
+        embedding = self.model.encode_text(ids.to(self.device), normalize=True)
+        x = self._text_capture.pop()
+        if has_cls:  # CoCa appends a class token after the sequence; it is the global embedding's source
+            x = x[:, :-1]
+        tokens = _project(ln_final(x), projection)
+        return embedding.float(), tokens.float()
+
+    def encode_texts(self, texts: Sequence[str]) -> TextFeatures:
+        """Tokenise and encode captions; returns :class:`TextFeatures`."""
+        tok = self.tokenize(texts)
+        embedding, tokens = self.encode_token_ids(tok.ids, tok.attention_mask)
+        return TextFeatures(embedding=embedding, tokens=tokens, attention_mask=tok.attention_mask.to(tokens.device),
+                            spans=tok.spans, truncated=tok.truncated)
+
+    # -- identity ----------------------------------------------------------------------------------
+    def describe(self, hash_weights: bool = False) -> dict:
+        """Everything that determines this backbone's numbers (for cache fingerprints and checkpoints)."""
+        import open_clip
+
+        pp = getattr(self.model.visual, "preprocess_cfg", {}) or {}
+        # A weights file is named by its resolved path, so `ckpt.pt`, `./ckpt.pt` and `/abs/ckpt.pt` describe (and
+        # fingerprint) one backbone; a tag stays a tag.
+        weights_file = str(Path(self.weights.path).resolve()) if self.weights.path else None
+        pretrained = weights_file if self.weights.kind == "file" else self.spec.pretrained
+        info = {
+            "base": self.spec.base, "model": self.spec.model, "pretrained": pretrained,
+            "weights": self.weights.kind, "weights_file": weights_file,
+            "quick_gelu": self.spec.quick_gelu, "precision": self.precision, "embed_dim": self.embed_dim,
+            "image_size": list(self.image_size), "grid": list(self.grid), "context_length": self.context_length,
+            "preprocess": {k: (list(v) if isinstance(v, tuple) else v) for k, v in pp.items()},
+            "tokenizer": type(self.tokenizer).__name__, "open_clip": open_clip.__version__,
+        }
+        if self.weights.kind == "random":
+            info["init_seed"] = self.init_seed
+        if hash_weights:
+            info["weights_sha256"] = file_sha256(self.weights.path) if self.weights.path else self._parameters_sha256()
+        return info
+
+    def _parameters_sha256(self) -> str:
+        """Hash of the weights in memory (random init has no file to hash)."""
+        h = hashlib.sha256()
+        for name, t in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- loading
+def _is_torchscript(path: Path) -> bool:
+    """OpenAI's original CLIP .pt files are TorchScript archives (a zip with code/ and constants.pkl)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):  # an end record but a damaged directory: torch.load says so
+        return False
+
+
+class WeightsFileError(ValueError):
+    """A weights file (``--pretrained``) plugvlm cannot use; the message names the file and what to do."""
+
+
+class PickledObjectsError(WeightsFileError):
+    """A weights file that is a pickle holding Python objects besides tensors: plugvlm will not unpickle it.
+    The message names what torch refused and how to convert the file to safetensors."""
+
+
+class UnreadableWeightsError(WeightsFileError):
+    """A weights file torch cannot read at all: cut short (an interrupted download or copy), damaged, or not a
+    checkpoint (another kind of file under a .pt name)."""
+
+
+class ArchitectureMismatchError(WeightsFileError):
+    """A readable weights file whose tensors do not fit the model built for it (another architecture, or another
+    size of the same one); the message names a few missing, unexpected and differently shaped tensors."""
+
+
+def _torch_said(error: Exception) -> str:
+    """The gist of a torch.load error: the weights-only unpickler's own reason without torch's boilerplate around
+    it, else the first sentence."""
+    text = str(error)
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please use|\n\s*\n|$)", text, re.S)
+    return " ".join((found.group(1) if found else text.split(". ")[0] if text else type(error).__name__).split())
+
+
+def _pickled_objects_message(path: Path, error: Exception) -> str:
+    import zipfile
+
+    refused = _torch_said(error)
+    what = ("a PyTorch file (torch.save) that holds Python objects besides tensors" if zipfile.is_zipfile(path)
+            else "a plain pickle file, not a PyTorch tensor file")
+    out = path.with_suffix(".safetensors")
+    return (
+        f"{path} is {what} (torch's tensors-only loader refused it: {refused}). plugvlm will not unpickle it: "
+        "unpickling can run arbitrary code from the file. Convert it "
+        "once, on a machine where you trust the file, to a safetensors state dict plugvlm loads (these 3 lines of "
+        "Python, pasted as they are):\n"
+        "import torch; from safetensors.torch import save_file\n"
+        f"ckpt = torch.load({json.dumps(str(path))}, map_location=\"cpu\", weights_only=False)\n"
+        "sd = ckpt.get(\"state_dict\", ckpt); save_file({k.removeprefix(\"module.\"): v.detach().clone().contiguous() "
+        f"for k, v in sd.items() if isinstance(v, torch.Tensor)}}, {json.dumps(str(out))})\n"
+        f"then pass --pretrained {out}")
+
+
+def _unreadable(path: Path, error: Exception | str) -> UnreadableWeightsError:
+    said = error if isinstance(error, str) else f"torch.load: {type(error).__name__}: {_torch_said(error)}"
+    return UnreadableWeightsError(f"{path} is not a readable PyTorch file (cut short or not a checkpoint; {said}): "
+                                  "re-copy or re-download it")
+
+
+def _refuses_objects(path: Path, error: Exception) -> bool:
+    """Whether torch's weights-only unpickler refused ``path`` for holding objects (or for being a plain pickle of
+    protocol 4+, whose FRAME opcode it does not take) rather than because the file is cut or is not a pickle:
+    junk bytes trip the same unpickler ("Unsupported operand", a stray opcode) and must not get conversion advice."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and "weights_only" not in text and "WeightsUnpickler" not in text:
+        return False
+    if re.search(r"Unsupported (global|class)|not an allowed global|Can only build", text):
+        return True
+    with open(path, "rb") as f:  # a pickle starts with PROTO (0x80) and its protocol number
+        head = f.read(2)
+    return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 and "Unsupported operand" in text
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file (safetensors, verified when plugvlm wrote it; a torch.save file read with
+    ``weights_only=True``; a TorchScript archive), as a state dict without DDP's ``module.`` prefix.
+
+    Everything torch raises for a file it cannot parse becomes one error naming the file: a cut zip archive
+    (RuntimeError from PytorchStreamReader), a cut or foreign byte stream taken for a legacy pickle (EOFError,
+    and whatever the unpickler trips over first: KeyError, IndexError, struct.error, UnicodeDecodeError, ...).
+    Raises :class:`PickledObjectsError`, :class:`UnreadableWeightsError`, or TensorFileError (safetensors)."""
+    import warnings
+
+    if path.suffix == ".safetensors":  # open_clip's own test for the format
+        from extract.common.tensorfile import load_tensors
+
+        checkpoint = load_tensors(path)[0]  # TensorFileError (a ValueError naming the file) when unusable
+    elif _is_torchscript(path):
+        try:
+            state_dict = torch.jit.load(str(path), map_location="cpu").state_dict()
+        except Exception as e:  # a damaged archive; jit's restricted unpickler builds TorchScript types only
+            raise _unreadable(path, e) from None
+        # TorchScript archives also carry buffers that are not parameters of the eager model
+        # (input_resolution / context_length / vocab_size in OpenAI's files, the causal attn_mask).
+        return {k: v for k, v in state_dict.items() if k not in ("input_resolution", "context_length", "vocab_size")}
+    else:
+        try:
+            with warnings.catch_warnings():  # "Detected pickle protocol 4": about files we refuse anyway
+                warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+                checkpoint = torch.load(str(path), map_location="cpu", weights_only=True)
+        except (OSError, MemoryError):
+            raise
+        except Exception as e:
+            if isinstance(e, (pickle.UnpicklingError, RuntimeError)) and _refuses_objects(path, e):
+                raise PickledObjectsError(_pickled_objects_message(path, e)) from None
+            raise _unreadable(path, e) from None
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
+        checkpoint = checkpoint["state_dict"]  # a training checkpoint: {"epoch", "state_dict", ...}
+    if not isinstance(checkpoint, dict) or not any(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        what = f"a {type(checkpoint).__name__}" + (" without tensors" if isinstance(checkpoint, (dict, list)) else "")
+        raise _unreadable(path, f"it holds {what}, not a state dict of tensors")
+    return {(k[len("module."):] if isinstance(k, str) and k.startswith("module.") else k): v
+            for k, v in checkpoint.items()}
+
+
+def _fit_state_dict(model: nn.Module, state_dict: dict) -> dict:
+    """``state_dict`` in ``model``'s layout, as ``open_clip.load_checkpoint`` massages it: third-party layouts
+    converted, the old text-tower naming, a scalar or 1-d logit scale / bias, position embeddings resized."""
+    from open_clip.factory import convert_state_dict
+    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+
+    state_dict = convert_state_dict(model, state_dict)
+    if "positional_embedding" in state_dict and not hasattr(model, "positional_embedding"):
+        state_dict = convert_to_custom_text_state_dict(state_dict)
+    for key in ("logit_scale", "logit_bias"):
+        ours = getattr(model, key, None)
+        if key in state_dict and isinstance(ours, torch.Tensor) and ours.ndim != state_dict[key].ndim:
+            state_dict[key] = state_dict[key].reshape(ours.shape)
+    siglip = getattr(model, "logit_bias", None) is not None
+    if siglip and "logit_bias" not in state_dict and "logit_scale" in state_dict:  # a CLIP file for a SigLIP model
+        state_dict["logit_bias"] = torch.zeros_like(state_dict["logit_scale"])
+    state_dict.pop("text.transformer.embeddings.position_ids", None)  # gone from transformers >= 4.31 models
+    resize_pos_embed(state_dict, model)
+    resize_text_pos_embed(state_dict, model)
+    return state_dict
+
+
+def _mismatch(path: Path, expected: dict, state_dict: dict, architecture: str) -> str | None:
+    """What keeps ``state_dict`` from loading strictly where ``expected`` (a model's state dict) is wanted, naming a
+    few tensors of each kind; None when it fits."""
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    shapes = [f"{k} {tuple(v.shape)} in the file, {tuple(expected[k].shape)} in the model"
+              for k, v in state_dict.items() if k in expected and isinstance(v, torch.Tensor)
+              and tuple(v.shape) != tuple(expected[k].shape)]
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+    parts = ([f"{len(missing)} of the model's tensors missing ({few(missing)})"] if missing else []) \
+        + ([f"{len(unexpected)} unexpected ({few(unexpected)})"] if unexpected else []) \
+        + ([f"{len(shapes)} of another shape ({few(shapes)})"] if shapes else [])
+    if not parts:
+        return None
+    return (f"{path} does not fit architecture {architecture}: {'; '.join(parts)}. Are these another model's "
+            "weights? Pass the architecture they were saved from")
+
+
+def load_weights_file(model: nn.Module, path: str | Path, architecture: str | None = None) -> None:
+    """Load a weights file into an open_clip ``model`` (strict) without unpickling arbitrary objects.
+
+    safetensors, torch.load(weights_only=True), or TorchScript archives (OpenAI's .pt) read with torch.jit.load,
+    whose restricted unpickler builds only TorchScript types, never arbitrary Python objects; third-party layouts
+    are converted and position embeddings resized as open_clip does. A safetensors file plugvlm wrote is checked
+    against the digest of its tensors (:func:`extract.common.tensorfile.load_tensors`). ``architecture`` names the model
+    in messages. Every failure is a ValueError naming the file (one ``error:`` line from a job):
+    :class:`extract.common.tensorfile.TensorFileError` for a damaged safetensors file or non-finite weights,
+    :class:`PickledObjectsError` for a pickle holding other objects (with how to convert it),
+    :class:`UnreadableWeightsError` for a file torch cannot read (cut short, not a checkpoint), and
+    :class:`ArchitectureMismatchError` when the weights do not fit ``model``.
+    """
+    import open_clip
+
+    path = Path(path)
+    if path.suffix in (".npz", ".npy"):  # big_vision (SigLIP) numpy weights: open_clip's own converter
+        open_clip.load_checkpoint(model, str(path), strict=True)
+        return
+    state_dict = _read_state_dict(path)
+    try:
+        state_dict = _fit_state_dict(model, state_dict)
+    except (RuntimeError, KeyError, ValueError, IndexError) as e:  # resizing met shapes of another model
+        raise ArchitectureMismatchError(f"{path} does not fit architecture {architecture or type(model).__name__}: "
+                                        f"{type(e).__name__}: {e}") from None
+    # TorchScript archives (OpenAI's) also save the causal attn_mask, a buffer the eager model rebuilds
+    expected = model.state_dict()
+    state_dict = {k: v for k, v in state_dict.items() if k in expected or not k.endswith("attn_mask")}
+    problem = _mismatch(path, expected, state_dict, architecture or type(model).__name__)
+    if problem is not None:
+        raise ArchitectureMismatchError(problem)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def load_backbone(base: str, pretrained: str | None = None, *, device: str | torch.device = "cpu", precision: str = "fp32",
+                  cache_dir: str | None = None, offline: bool | None = None, init_seed: int = 0,
+                  context_length: int | None = None) -> FrozenBackbone:
+    """Build a frozen backbone.
+
+    base: an alias from backbones.json (ViT-B-32, ViT-B-16, ViT-L-14, coca_ViT-B-32, NegCLIP, tiny, tiny-coca)
+        or any open_clip model name.
+    pretrained: an open_clip tag, a checkpoint path (.safetensors / .pt / .bin; loaded with
+        ``weights_only=True``), "none" for random weights, or None for the alias's default.
+    init_seed: seed of the random initialisation (what "random weights" are; overwritten by loaded weights).
+    context_length: a longer text context (Long-CLIP position stretching, ``extract.models.long_context``). A
+        safetensors checkpoint already saved at that length (``train.adapter.engine --unfreeze --context-length``) is
+        loaded into the stretched model as is; any other is loaded first and then stretched.
+    Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
+    cannot be downloaded, and :func:`load_weights_file`'s ValueErrors for a file that is damaged, cut short, not a
+    checkpoint, a pickle of objects, or another architecture's.
+    """
+    import open_clip
+
+    spec = resolve_spec(base, pretrained)
+    if spec.requires_file and spec.pretrained is None:
+        raise WeightsNotFoundError(f"{base} has no public open_clip tag; its weights come as a file.\n{spec.hint}")
+    weights = resolve_weights(spec.model, spec.pretrained, cache_dir=cache_dir, offline=offline, hint=spec.hint)
+    sidecar = checkpoint_sidecar(weights.path) if weights.kind == "file" else None
+    if sidecar is not None:  # a python -m train.pretrain checkpoint says what it was trained as
+        if sidecar.get("model") != spec.model:
+            raise ValueError(f"{weights.path} was pre-trained as {sidecar.get('model')!r}, not {spec.model!r}: "
+                             f"pass --base {sidecar.get('model')}")
+        spec = replace(spec, quick_gelu=bool(sidecar.get("quick_gelu")))  # not the alias's OpenAI default
+    tag_cfg = weights.tag_cfg or {}
+    quick_gelu = spec.quick_gelu or bool(tag_cfg.get("quick_gelu", False))
+    # open_clip merges a tag's preprocessing (mean/std/interpolation/resize) only when it loads the tag
+    # itself; we load the file ourselves, so pass the tag's preprocessing explicitly.
+    pp_kwargs = {f"image_{k}": tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
+    t0 = time.perf_counter()
+    # Random weights come from a fixed seed (without touching the caller's RNG), so "tiny with random
+    # weights" names one model and caches built from it can be reused.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu,
+            **pp_kwargs)
+    tokenizer = open_clip.get_tokenizer(spec.model)
+    stretched = False
+    if context_length is not None and weights.path is not None:
+        in_file = _text_positions_in_file(weights.path)
+        if in_file is not None and in_file != _text_positions(model):
+            # saved after stretching: stretch the random init to the same shape, then load it strictly (open_clip's
+            # own loader would otherwise interpolate the file's positions back down to the config's length)
+            tokenizer = _stretch(model, tokenizer, context_length)
+            stretched = True
+    if weights.path is not None:
+        load_weights_file(model, weights.path, spec.model + (f" with a {context_length}-token context" if stretched
+                                                             else ""))
+        model.to(device)
+    if context_length is not None and not stretched:
+        tokenizer = _stretch(model, tokenizer, context_length)
+    log.info("built %s (%s weights) in %.1f s", spec.model, weights.kind, time.perf_counter() - t0)
+    return FrozenBackbone(model, tokenizer, preprocess, spec, weights, precision=precision, init_seed=init_seed)
+
+
+def _text_positions(model: nn.Module) -> int:
+    text = getattr(model, "text", None)
+    return int((text if text is not None else model).positional_embedding.shape[0])
+
+
+def _text_positions_in_file(path: Path) -> int | None:
+    """Rows of the text position embedding in a safetensors checkpoint (None for other formats)."""
+    if Path(path).suffix != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in ("positional_embedding", "text.positional_embedding"):
+                if key in f.keys():
+                    return int(f.get_slice(key).get_shape()[0])
+    except Exception as e:  # safetensors raises its own error types for a cut or foreign file
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); re-copy it") from None
+    return None
+
+
+def _stretch(model: nn.Module, tokenizer, context_length: int):
+    from extract.models.long_context import extend_text_context
+
+    # no frozen-position hook: a loaded model is for inference (train.adapter.engine stretches with freeze_kept itself)
+    return extend_text_context(model, tokenizer, context_length, freeze_kept=False)[1]
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def build_parser() -> Parser:
+    p = Parser(prog="python -m extract.models.backbone",
+               description="Check that a frozen backbone loads and show what it returns (shapes, timings).")
+    p.add_argument("--base", default="tiny", help="alias (%(default)s, ViT-B-32, coca_ViT-B-32, NegCLIP, ...; --list "
+                   "shows them) or any open_clip model name")
+    p.add_argument("--pretrained", default=None,
+                   help="open_clip tag, checkpoint path, or 'none' for random weights (default: the alias's tag)")
+    p.add_argument("--device", default="cpu", help="torch device to load it on")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16"], help="weights' precision")
+    p.add_argument("--cache-dir", default=None, help="hub / download cache directory (default: open_clip's)")
+    p.add_argument("--list", action="store_true", help="list the aliases and their default weights, then exit")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def check_backbone(args: argparse.Namespace) -> None:
+    """``python -m extract.models.backbone``'s job: list the aliases, or load ``args.base`` and print what it returns.
+    Raises WeightsNotFoundError / ValueError (one ``error:`` line from :func:`main`)."""
+    if args.list:
+        for name, a in backbone_aliases().items():
+            weights = a.get("pretrained") or (f"shipped: extract/{a['file']}" if a.get("file") else "(file / random)")
+            print(f"{name:16s} model={a['model']:20s} pretrained={weights}")
+        return
+    t0 = time.perf_counter()
+    bb = load_backbone(args.base, args.pretrained, device=args.device, precision=args.precision,
+                       cache_dir=args.cache_dir)
+    t_load = time.perf_counter() - t0
+    images = torch.zeros(2, 3, *bb.image_size)
+    img = bb.encode_images(images)
+    txt = bb.encode_texts(["a red circle left of a blue square", "a small green triangle"])
+    print(json.dumps(bb.describe(), indent=2))
+    print(f"loaded in {t_load:.1f} s; image embedding {tuple(img.embedding.shape)}, patches {tuple(img.patches.shape)} "
+          f"on a {img.grid[0]}x{img.grid[1]} grid; text embedding {tuple(txt.embedding.shape)}, tokens "
+          f"{tuple(txt.tokens.shape)}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job(check_backbone, parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

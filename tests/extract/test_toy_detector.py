@@ -1,0 +1,152 @@
+"""extract.components.toy_detector: the toy world in ultralytics' dataset format, a YOLO trained on it for a token epoch, and
+its weights through the real YoloDetector path (the weights are read back by ultralytics, detections by the
+extraction), reuse by fingerprint, and the one-line error for a missing world.
+
+One world of 24 scenes (64 px; about 19 train, 3 val, 2 test) and one training of 1 epoch are shared by the file
+(module-scoped fixtures); conftest's socket guard turns any download attempt into a failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from extract.components import toy_detector as td
+
+pytest.importorskip("ultralytics")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    from extract.data.toyworld import generate
+
+    root = tmp_path_factory.mktemp("toy-detector") / "toy"
+    generate(root, 24, 0, workers=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(world, tmp_path_factory) -> tuple[td.ToyDetectorOptions, dict]:
+    opts = td.ToyDetectorOptions(data=str(world), out=str(tmp_path_factory.mktemp("runs")), epochs=1, batch=8,
+                                 close_mosaic=0, workers=0, device="cpu")
+    return opts, td.train_toy_detector(opts)
+
+
+def _scenes(world: Path, split: str) -> list[dict]:
+    return [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == split]
+
+
+@pytest.mark.parametrize("classes", ["object", "shape"])
+def test_export_labels_round_trip_to_the_world_boxes(world, tmp_path, classes):
+    from extract.data.toyworld import SHAPES
+
+    data_yaml = td.export_dataset(world, tmp_path / "ds", classes)
+    import yaml
+
+    data = yaml.safe_load(data_yaml.read_text())
+    assert data["names"] == ({0: "object"} if classes == "object" else dict(enumerate(SHAPES)))
+    assert Path(data["path"]) == (tmp_path / "ds").resolve() and {data["train"], data["val"]} == {"images/train",
+                                                                                                "images/val"}
+    assert not (tmp_path / "ds" / "images" / "test").exists()  # adapters are compared on test: never exported
+    for split in ("train", "val"):
+        scenes = _scenes(world, split)
+        assert len(list((tmp_path / "ds" / "labels" / split).glob("*.txt"))) == len(scenes) > 0
+        for scene in scenes:
+            name = Path(scene["file_name"])
+            image = tmp_path / "ds" / "images" / split / name.name
+            assert os.path.samefile(image, world / name)  # linked (or copied: same bytes) from the world
+            rows = np.loadtxt(tmp_path / "ds" / "labels" / split / f"{name.stem}.txt", ndmin=2)
+            w, h = scene["width"], scene["height"]
+            cx, cy, bw, bh = rows[:, 1] * w, rows[:, 2] * h, rows[:, 3] * w, rows[:, 4] * h
+            back = np.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2], axis=1)
+            np.testing.assert_allclose(back, [o["box"] for o in scene["objects"]], atol=1e-3)
+            want = [0 if classes == "object" else SHAPES.index(o["shape"]) for o in scene["objects"]]
+            assert rows[:, 0].astype(int).tolist() == want
+
+
+def test_matching_against_a_hand_worked_case():
+    gt = np.array([[0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50]], float)
+    pred = np.array([[0, 0, 10, 9],      # IoU 0.9 with gt 0
+                     [1, 1, 11, 11],     # IoU 81/119 with gt 0, but the better-scored box 0 took it
+                     [20, 20, 30, 40],   # IoU 0.5 with gt 1: counts (>= 0.5)
+                     [40, 40, 44, 44]])  # IoU 0.16 with gt 2: a miss
+    scores = np.array([0.9, 0.95, 0.5, 0.8])
+    # box 1 scores highest, so it takes gt 0 and box 0 finds nothing left
+    assert td.match_detections(pred, scores, gt).tolist() == [1, 2, -1]
+    np.testing.assert_allclose(td.box_iou(pred[:1], gt[:1]), [[0.9]])
+    assert td.match_detections(pred[:0], scores[:0], gt).tolist() == [-1, -1, -1]
+
+
+def test_training_writes_weights_that_yolodetector_loads_and_runs(trained, world):
+    from PIL import Image
+
+    from extract.components.detectors import Detections, YoloDetector
+
+    opts, result = trained
+    weights = Path(result["weights"])
+    assert weights.is_file() and weights.parent == Path(opts.out) / result["fingerprint"][:16]
+    record = json.loads((weights.parent / "detector.json").read_text())
+    assert not result["reused"] and record["weights"] == str(weights) and record["val"] == result["val"]
+    v, val = result["val"], _scenes(world, "val")
+    assert v["images"] == len(val) and v["objects"] == sum(len(s["objects"]) for s in val)
+    assert all(0.0 <= v[k] <= 1.0 for k in ("map50", "map50_95", "recall", "precision"))
+    det = YoloDetector(str(weights), conf=0.0, max_det=5)
+    assert det.imgsz == 64  # the checkpoint's training size, not ultralytics' 640 (10x upscaled toy images)
+    assert det.names == {0: "object"}
+    images = [Image.open(world / s["file_name"]).convert("RGB") for s in _scenes(world, "test")]
+    threads = torch.get_num_threads()
+    found = det.detect(images)
+    assert torch.get_num_threads() == threads  # ultralytics' select_device would leave it at min(8, cores - 1)
+    assert len(found) == len(images) and any(len(d) for d in found)
+    for d in found:
+        assert isinstance(d, Detections) and d.boxes.shape == (len(d), 4) and len(d) <= 5
+        assert (d.boxes >= 0).all() and (d.boxes <= 64).all() and (np.diff(d.scores) <= 0).all()
+        assert set(d.names) <= {"object"}
+    assert "--detector " + str(weights) in td.summary(result)
+
+
+def test_the_same_world_and_settings_reuse_the_weights(trained, monkeypatch):
+    opts, first = trained
+    stamp = os.stat(first["weights"]).st_mtime_ns
+    monkeypatch.setattr(td, "_train", lambda *a, **k: pytest.fail("trained again"))
+    again = td.train_toy_detector(opts)
+    assert again["reused"] and again["weights"] == first["weights"] and again["val"] == first["val"]
+    assert os.stat(first["weights"]).st_mtime_ns == stamp
+    world = Path(opts.data)
+    base = td.settings(opts, world)
+    for change in ({"epochs": 2}, {"classes": "shape"}, {"imgsz": 128}, {"seed": 1}):
+        other = td.ToyDetectorOptions(**{**opts.__dict__, **change})
+        assert td.fingerprint(td.settings(other, world)) != first["fingerprint"], change
+    assert td.fingerprint(base) == first["fingerprint"]
+    same = td.ToyDetectorOptions(**{**opts.__dict__, "workers": 2, "device": "cpu", "threads": 1})
+    assert td.fingerprint(td.settings(same, world)) == first["fingerprint"]  # how it runs is not what it is
+
+
+def test_detector_boxes_reach_the_extraction_cache(trained, world, tmp_path):
+    """--boxes yolo --detector RUN/best.pt: the unchanged extraction path crops what the trained detector finds."""
+    from extract.pipeline import build_cache
+    from extract.models.weights import file_sha256
+
+    _, result = trained
+    cache = build_cache(world, tmp_path / "cache", base="tiny", split="val", components=["entities", "relations"],
+                        boxes="yolo", detector=result["weights"], conf=0.001, workers=0)
+    det = cache.settings["boxes"]["detector"]
+    assert cache.settings["boxes"]["source"] == "yolo" and det["imgsz"] == 64
+    assert det["weights"]["sha256"] == file_sha256(Path(result["weights"]))
+    rows = np.arange(len(cache.image_ids()))
+    valid, boxes = cache.gather("ventity_valid", rows), cache.gather("ventity_boxes", rows)
+    assert valid.any() and (boxes[valid] >= 0).all() and (boxes[valid] <= 64).all()
+
+
+def test_a_missing_world_is_one_error_line(tmp_path, capsys):
+    code = td.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "toy-world folder" in err[0]
+    assert "python -m extract.data.toyworld" in err[0] and not (tmp_path / "runs").exists()
+    with pytest.raises(SystemExit) as e:
+        td.parse_args(["--imgsz", "100"])
+    assert e.value.code == 2

@@ -1,0 +1,151 @@
+"""The demo runs the main job end to end on a small toy world, reports what it did, and reads well in a log."""
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from adapters.registry import ADAPTERS
+from extract.models.backbone import trained_holdout
+from train.demo import DEFAULT_BASES, bases_of, main, parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
+         "--batch-size", "32"]
+
+
+@pytest.fixture(scope="module")
+def logged_demo(tmp_path_factory):
+    """`python -m train.demo > demo.log 2>&1` on the small settings, run once for the tests that read its log and its
+    outputs: (out folder, the log)."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    log = subprocess.run([sys.executable, "-m", "train.demo", "--out", str(out), *SMALL], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert log.returncode == 0, log.stdout[-3000:]
+    return out, log.stdout
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(logged_demo, capsys):
+    """The default: every adapter on both shipped bases (CLIP, CLIP + hard negatives), a toy world holding out what
+    the bases never saw, the binding table, the bases compared, and the best adapter of all served."""
+    out, printed = logged_demo
+    argv = ["--out", str(out), *SMALL]
+    assert "[7/7]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
+    report = json.loads((out / "demo_report.json").read_text())
+    # nothing is pre-trained: the bases come with weights
+    assert report["pretrained"] == {"toy-clip": None, "toy-negclip": None} and not (out / "base").exists()
+    held = trained_holdout("toy-clip")
+    assert len(held) == 4 and report["holdout"] == held == trained_holdout("toy-negclip")
+    assert json.loads((out / "toyworld" / "meta.json").read_text())["holdout"] == held
+    for base in DEFAULT_BASES:  # one full table per base: the frozen base, then every registered adapter
+        results = json.loads((out / "adapters" / base / "results.json").read_text())
+        assert list(results["results"]) == [base, *(f"{base} + {m}" for m in ADAPTERS.names())]
+    lines = report["markdown"].splitlines()
+    assert "swap-att" in lines[0] and "held-out swap-att" in lines[0] and "T2I R@1" in lines[0]
+    rows = [line.split(" | ")[0][2:] for line in lines[2:]]
+    assert rows == [name for base in DEFAULT_BASES for name in [base, *(f"{base} + {m}" for m in ADAPTERS.names())]] \
+        + ["toy-negclip − toy-clip (frozen)"]
+    assert printed.count(report["markdown"]) == 1 and (out / "binding.md").read_text().strip() == report["markdown"]
+    # the bases' own comparison: the same frozen figures as each base's column in its table
+    versus = report["bases_compared"]["metrics"]
+    first = json.loads((out / "adapters" / "toy-clip" / "results.json").read_text())["table"]["metrics"]["toy-clip"]
+    assert versus["toy-clip"]["toyworld swap-att"]["mean"] == pytest.approx(first["toyworld swap-att"]["mean"])
+    # it ends serving the adapter best on the validation split over both bases: an index of the test split and
+    # one query whose hits carry both stages' ranks and scores, and the printed table is the one `serve.query` prints
+    served = report["served"]
+    val = {(b, m): r["val"]["retrieval T2I R@1"] for b, res in report["adapters"].items()
+           for m, r in res["methods"].items()}
+    assert val[(served["base"], served["method"])] == max(val.values())
+    from serve.search import Searcher
+
+    searcher = Searcher.open(out / "index")
+    assert searcher.has_second_stage and searcher.num_images == served["images"] == 8  # the test split of 80 scenes
+    again = searcher.search_text(served["query"], k=5, rerank=50)
+    assert [h["row"] for h in served["hits"]["hits"]] == [h.row for h in again]
+    assert [h.rerank_score for h in again] == sorted((h.rerank_score for h in again), reverse=True)
+    assert printed.count(served["table"]) == 1 and "stage-1 rank" in served["table"]
+    # the caption probe's graded swaps, printed: one the served model gets right, one it gets wrong
+    assert served["probes"] and all(f'"{p["positive"]}" (true) vs "{p["negative"]}"' in printed
+                                    for p in served["probes"])
+    assert {p["verdict"].rsplit(" ", 1)[1] for p in served["probes"]} <= {"right", "wrong"}
+    assert json.loads((out / "config.json").read_text())["n"] == 80
+    # a second run reuses the toy world
+    assert main(argv + ["--methods", ADAPTERS.names()[0]]) == 0
+    printed = capsys.readouterr().out
+    assert "reused" in printed.split("[2/7]")[1].split("[3/7]")[0]
+
+
+@pytest.mark.slow
+def test_a_base_without_weights_is_pre_trained_first_and_reused(tmp_path, capsys):
+    out = tmp_path / "demo"
+    argv = ["--out", str(out), *SMALL, "--base", "tiny", "--methods", "comalign"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["pretrained"] == {"tiny": str(out / "base" / "model.safetensors")} and report["holdout"] == []
+    assert json.loads((out / "base" / "model.json").read_text())["method"] == "clip"
+    # the base keeps its last checkpoint only, not one per epoch
+    assert len([p for p in (out / "base" / "checkpoints").iterdir() if p.is_dir()]) == 1
+    # one base: its table where it always was, printed in full after the binding table
+    columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
+    assert columns == [f"tiny:{out / 'base' / 'model.safetensors'}", "tiny + comalign"]
+    assert printed.count("frozen base vs base + adapter, every figure") == 1 and printed.count("| metric |") == 1
+    assert main(argv) == 0  # the same settings: the toy world and the base are reused, not redone
+    printed = capsys.readouterr().out
+    assert "reused" in printed.split("[2/5]")[1].split("[3/5]")[0]
+    assert "reusing" in printed.split("[3/5]")[1].split("[4/5]")[0]
+    with pytest.raises(ValueError, match="--pretrained names the weights of one --base"):
+        bases_of(parse_args(["--base", "toy-clip,toy-negclip", "--pretrained", "x.safetensors"]))
+
+
+@pytest.mark.slow
+def test_demo_log_reads_well(logged_demo):
+    """`python -m train.demo > demo.log 2>&1`: no line over 300 characters (tqdm frames once made a 26 KB line),
+    no warning repeated, the table printed once."""
+    _, log = logged_demo
+    lines = log.splitlines()
+    assert max(len(line) for line in lines) <= 300, max(lines, key=len)
+    assert "\r" not in log
+    warnings = Counter(line for line in lines if "warning" in line.lower() or "No pretrained weights" in line)
+    assert not [w for w, n in warnings.items() if n > 1], warnings
+    assert "No pretrained weights loaded" not in log
+    assert sum(line.startswith("| model |") for line in lines) == 1
+
+
+def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--n", "20", "--base", "ViT-B-32"]) == 2
+    err = capsys.readouterr().err
+    assert "--pretrained /path/to/" in err and err.startswith("error: ")
+    assert not (tmp_path / "toyworld").exists()  # nothing was generated before the weights check failed
+
+
+@pytest.mark.slow
+def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_captions(tmp_path, capsys):
+    """--full: a YOLO trained on the toy world gives ComAlign's detected-boxes column, random boxes its control, and a
+    long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
+    captions); both tables printed once."""
+    out = tmp_path / "demo"
+    assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
+                 "comalign,smartclip"]) == 0
+    # (the PowerCLIP head's control column, "CLIP loss only", is added only when powerclip is among --methods)
+    printed = capsys.readouterr().out
+    assert "[7/7]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
+    report = json.loads((out / "demo_report.json").read_text())
+    assert Path(report["detector"]["weights"]).is_file()
+    columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
+    assert columns[1:] == ["tiny + comalign", "tiny + smartclip", "tiny + comalign (detector boxes)",
+                           "tiny + comalign (random boxes)"]
+    from extract.cache import FeatureCache
+
+    boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")
+             for p in (out / "adapters" / "cache").glob("*/manifest.json")}
+    assert {"gt", "yolo", "random"} <= boxes
+    long_run = json.loads((out / "long-captions" / "results.json").read_text())
+    assert list(long_run["results"])[1:] == ["tiny + smartclip", "tiny fine-tuned + smartclip (248 tokens)",
+                                             "tiny + smartclip (trained on short captions)"]
+    assert json.loads((out / "long-captions" / "toyworld" / "meta.json").read_text())["long_captions"] is True
+    assert printed.count("SmartCLIP on long captions (") == 1 and printed.count("| metric |") == 2

@@ -1,0 +1,3 @@
+from train.adapter.engine import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from train.eval.evaluate import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from train.pretrain.engine import main
+
+raise SystemExit(main())

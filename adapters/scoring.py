@@ -97,7 +97,7 @@ class BackboneScorer(CacheReadable):
 
     Zero-shot prompt ensembles follow CLIP: mean of the normalised template embeddings, normalised again. Its first
     stage is its exact score (no second stage); from a feature cache it reads the global embeddings as stored (fp16,
-    unit norm before rounding: ``train.eval.evaluate --cache`` scores the same).
+    unit norm before rounding: ``train.eval --cache`` scores the same).
     """
 
     second_stage = False

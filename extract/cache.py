@@ -390,7 +390,7 @@ class FeatureCache:
             img += meta["images"]
             cap += meta["captions"]
         if damaged:
-            advice = (f"rerun the same `python -m extract` command (or train.adapter.engine) that built this cache to rebuild "
+            advice = (f"rerun the same `python -m extract` command (or python -m train.adapter) that built this cache to rebuild "
                       f"{'that shard' if len(damaged) == 1 else 'those shards'} (nothing else is recomputed), or "
                       f"delete {self.path}")
             raise CacheError(f"{damaged[0]}: the shard is damaged; {advice}" if len(damaged) == 1 else

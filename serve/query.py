@@ -51,7 +51,7 @@ class QueryOptions:
     recall: bool = option(False, action="store_true",
                           help="instead of a query: R@1/5/10 of the served results on the indexed collection itself "
                                "(each caption searching the images, each image the captions), first stage and "
-                               "re-ranked with K = 10, 50, 100, next to train.eval.evaluate's figures on the same cache")
+                               "re-ranked with K = 10, 50, 100, next to train.eval's figures on the same cache")
     model: str | None = option(None, group="model",
                                help="the model to query with (default: the index's; one with other weights is "
                                     "refused, naming both)")

@@ -48,7 +48,7 @@ index directory or the cache.
 
 :func:`served_recall` measures R@k of the served results on the collection itself (every caption searching
 the images, every image the captions), with the evaluation suite's protocol (``adapters.eval.retrieval``), for
-side-by-side tables with ``train.eval.evaluate``.
+side-by-side tables with ``train.eval``.
 """
 from __future__ import annotations
 
@@ -823,7 +823,7 @@ def served_recall(searcher: Searcher, rerank: int | None = None, *, ks: Sequence
 
     ``queries="cache"``: the queries' representations come from the feature cache (the arrays the collection
     was indexed with), so with a flat index and ``rerank`` covering the collection the figures equal
-    ``train.eval.evaluate --cache`` on that cache exactly; a bare backbone's first stage is its score, so there the
+    ``train.eval --cache`` on that cache exactly; a bare backbone's first stage is its score, so there the
     first stage alone equals it. ``queries="live"``: every caption's text and image file is encoded as a user's
     query would be (``search_text`` / ``search_image``; fp32 where the cache holds fp16).
 
@@ -914,7 +914,7 @@ def recall_table(searcher: Searcher, reranks: Sequence[int] = (10, 50, 100), *, 
     if searcher.has_second_stage:
         rows += [(f"served, re-ranked K={K}", served_recall(searcher, K, ks=ks, queries=queries)) for K in reranks]
     if evaluation is not None:
-        rows.append(("train.eval.evaluate", evaluation))
+        rows.append(("train.eval", evaluation))
     heads = [f"{tag} R@{j}" for tag in ("T2I", "I2T") for j in ks]
     lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for label, r in rows:

@@ -4,7 +4,7 @@ It checks the backbones (absent weights fail at once, naming the file), generate
 train split the colour-shape combinations the bases' own pre-training held out, ``extract.models.backbone.trained_holdout``,
 so its held-out rows test combinations no model saw), pre-trains a base that has no weights of its own (``--base
 tiny``: CLIP's objective, ``train.pretrain.engine.pretrain``) and trains every registered adapter on each frozen base
-(``train.adapter.compare.compare``: one shared feature cache, one ``train.adapter.engine.train`` run per method and seed).
+(``train.adapter.compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed).
 The default bases are the two toy bases that ship with plugvlm (``extract/models/bases``): CLIP and CLIP + hard negatives
 (NegCLIP's recipe). Each base gets its full table of the frozen base vs base + each adapter on the test split:
 retrieval R@k, multi-positive retrieval (any-true R@k and mAP, by caption kind and object count:
@@ -293,8 +293,8 @@ def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
 
 def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | None], world: Path,
                   out: Path) -> dict:
-    """The frozen bases side by side on the test split (``train.eval.evaluate``, the first base the reference): what
-    pre-training with hard negatives changed, with paired intervals. Returns train.eval.evaluate's results.json."""
+    """The frozen bases side by side on the test split (``train.eval``, the first base the reference): what
+    pre-training with hard negatives changed, with paired intervals. Returns train.eval's results.json."""
     from train.eval.evaluate import EvaluateOptions, evaluate
 
     given = [weights[b] for b in bases]

@@ -10,7 +10,7 @@ torch tensors with a leading batch dimension:
   ``entity_embed [B, E, D]`` + ``entity_valid``, ``leaf_tokens [B, P, L]``, ``node_leaves [B, K, P]`` ...
 
 The same arrays come from the cache during training and from the live backbone + extractors at evaluation
-and serving time, so a head scores exactly the same way in both. The training loop (``train.adapter.engine``)
+and serving time, so a head scores exactly the same way in both. The training loop (``train.adapter``)
 knows nothing about a method beyond this class: it reads ``components`` / ``extract_options`` to build the
 cache, feeds ``image_keys`` / ``text_keys`` batches to ``encode_image`` / ``encode_text``, calls ``loss``, and
 saves ``config`` + ``state_dict`` in the checkpoint. Every ``Config`` field also becomes a command-line flag of
@@ -55,7 +55,7 @@ class AdapterHead(nn.Module):
     #: True when ``score_directed`` differs between "t2i" and "i2t" (evaluation then ranks each direction with
     #: its own matrix); False: one matrix serves both
     directional: ClassVar[bool] = False
-    #: True when the head can also train with the backbone unfrozen (``train.adapter.engine --unfreeze``): its inputs
+    #: True when the head can also train with the backbone unfrozen (``train.adapter --unfreeze``): its inputs
     #: must all be arrays a backbone forward produces (see ``train/adapter/live.py``)
     supports_unfreeze: ClassVar[bool] = False
     #: True when every text array the head reads is made from the caption's tokens after truncation alone (no

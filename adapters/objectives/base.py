@@ -1,7 +1,7 @@
 """The contract every pre-training objective fulfils (CLIP, FLIP, FILIP, CLIP-PGS, PowerCLIP, and any new one).
 
 An objective is one file in ``adapters/objectives/`` with a class registered as ``@PRETRAIN.register(name)``.
-The engine (``train.pretrain.engine``) knows nothing about a method beyond this class:
+The engine (``train.pretrain``) knows nothing about a method beyond this class:
 
 1. ``add_args(parser)`` / ``from_args(args)``: the method's own flags (an argument group each) and the object
    built from them; ``config()`` is what the checkpoint's JSON records.

@@ -19,7 +19,7 @@ its images against every text and every image against its texts (the ``local_los
 
 Evaluation scores with the same late interaction (:class:`FILIPScorer`, as the FILIP paper does for retrieval
 and zero-shot); ``adapters.load.load_scorer`` picks it from the checkpoint's JSON. It reads its representations
-from a feature cache too (``--components patches,tokens``), so ``train.eval.evaluate --cache`` scores a cached collection
+from a feature cache too (``--components patches,tokens``), so ``train.eval --cache`` scores a cached collection
 and ``serve.index`` indexes one: the first stage searches the mean of each item's unit token vectors, an
 approximation, and re-ranking scores the candidates with the late interaction itself.
 """

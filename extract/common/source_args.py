@@ -97,7 +97,7 @@ class SourceOptions:
 @dataclass
 class BoxOptions:
     """Where an adapter trained on boxes gets the boxes of images it has not seen (jobs that score new data with an
-    adapter inherit these two fields: ``train.eval.evaluate``, ``serve.index``)."""
+    adapter inherit these two fields: ``train.eval``, ``serve.index``)."""
 
     annotations: str | None = option(None, group="adapters",
                                      help="boxes for adapters trained on ground-truth boxes: objects.json or a "

@@ -94,7 +94,7 @@ GENERIC_NOUNS = frozenset({"object", "objects", "thing", "things", "item", "item
 
 @dataclass
 class HardNegativeOptions:
-    """The two options every trainer takes, as dataclass fields (``train.pretrain.engine``, ``train.adapter.engine`` inherit
+    """The two options every trainer takes, as dataclass fields (``train.pretrain``, ``train.adapter`` inherit
     them, as they do ``extract.common.source_args.SourceOptions``); :func:`parse_types` reads the first."""
 
     hard_negatives: object = option("none", group="hard negatives",

@@ -598,7 +598,7 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
         ``weights_only=True``), "none" for random weights, or None for the alias's default.
     init_seed: seed of the random initialisation (what "random weights" are; overwritten by loaded weights).
     context_length: a longer text context (Long-CLIP position stretching, ``extract.models.long_context``). A
-        safetensors checkpoint already saved at that length (``train.adapter.engine --unfreeze --context-length``) is
+        safetensors checkpoint already saved at that length (``train.adapter --unfreeze --context-length``) is
         loaded into the stretched model as is; any other is loaded first and then stretched.
     Raises WeightsNotFoundError (before building the model) when the weights are not on this machine and
     cannot be downloaded, and :func:`load_weights_file`'s ValueErrors for a file that is damaged, cut short, not a

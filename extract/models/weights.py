@@ -178,7 +178,7 @@ SIDECAR_FORMAT = "plugvlm-pretrain"
 
 
 def checkpoint_sidecar(path: str | os.PathLike) -> dict | None:
-    """The description ``train.pretrain.engine`` wrote next to checkpoint ``path`` (same name, ``.json``), or None
+    """The description ``train.pretrain`` wrote next to checkpoint ``path`` (same name, ``.json``), or None
     when there is none (any other checkpoint)."""
     import json
 

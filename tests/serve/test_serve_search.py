@@ -242,8 +242,8 @@ SERVED_MODELS = _served_models()  # besides the setup's ComAlign and bare backbo
 
 
 def served_model(setup, method: str) -> tuple[str, Path]:
-    """Session-wide: ``method`` trained one epoch on the setup's world (an adapter: ``train.adapter.engine``; "filip": the
-    tiny backbone pre-trained with ``train.pretrain.engine``) and the flat index of the world's test split built for it by
+    """Session-wide: ``method`` trained one epoch on the setup's world (an adapter: ``train.adapter``; "filip": the
+    tiny backbone pre-trained with ``train.pretrain``) and the flat index of the world's test split built for it by
     ``serve.index``: (the model as ``--model`` takes it, the index directory). Seconds each on the tiny backbone."""
     from serve.index import IndexOptions, build_index
 
@@ -377,8 +377,8 @@ def test_served_recall_with_live_queries_and_the_table(adapter, backbone):
     lines = table.splitlines()
     assert lines[0] == "| | T2I R@1 | T2I R@5 | T2I R@10 | I2T R@1 | I2T R@5 | I2T R@10 |"
     assert [line.split(" |")[0] for line in lines[2:]] == ["| served, first stage", "| served, re-ranked K=5",
-                                                           "| served, re-ranked K=100", "| train.eval.evaluate"]
-    assert lines[-1] == "| train.eval.evaluate | 1.00 | 2.00 | 3.00 | 4.00 | 5.00 | 6.00 |"
+                                                           "| served, re-ranked K=100", "| train.eval"]
+    assert lines[-1] == "| train.eval | 1.00 | 2.00 | 3.00 | 4.00 | 5.00 | 6.00 |"
     assert len(recall_table(backbone).splitlines()) == 3  # no second stage: the first stage alone
 
 

@@ -76,7 +76,7 @@ def test_caches_are_reused_by_fingerprint_and_checked_against_backbone_and_metho
 
 
 def test_extraction_and_table_options_carry_the_runs_own_settings(tmp_path):
-    """What an adapter run hands to python -m extract's and train.eval.evaluate's jobs: its pass-through extraction
+    """What an adapter run hands to python -m extract's and train.eval's jobs: its pass-through extraction
     options, --image-root and the --csv-* options (so the cache and the table read the data as the run does)."""
     opts = resolve(AdapterOptions(method="comalign", data="pairs.csv", val_data="val.csv", image_root="imgs",
                                   csv_img_key="image", csv_separator=";", extract_options={"detector": "y.pt"},

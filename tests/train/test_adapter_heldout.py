@@ -1,4 +1,4 @@
-"""Held-out evaluation from cached features equals train.eval.evaluate's live evaluation of the saved checkpoint, and the
+"""Held-out evaluation from cached features equals train.eval's live evaluation of the saved checkpoint, and the
 cached frozen base follows the retrieval protocol (checked against a brute-force ranking)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CLIP_benchmark evaluates a plugvlm model through our loader and agrees with train.eval.evaluate's retrieval."""
+"""CLIP_benchmark evaluates a plugvlm model through our loader and agrees with train.eval's retrieval."""
 from __future__ import annotations
 
 import json

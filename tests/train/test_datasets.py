@@ -306,7 +306,7 @@ def test_toyworld_matches_negatives_json(world):
 
 def test_toyworld_items_naming_a_heldout_combination_get_their_own_rows(tmp_path):
     """Composition, not memory: a caption naming a combination held out of training counts in "held-out <type>"
-    rows too (and in train.eval.evaluate's table), never in the train split's."""
+    rows too (and in train.eval's table), never in the train split's."""
     from adapters.load import load_scorer
     from train.eval.evaluate import run_compositional
 

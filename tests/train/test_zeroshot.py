@@ -100,7 +100,7 @@ def test_readers(tmp_path):
 
 
 def test_the_labels_flag_names_the_classes_of_a_zero_shot_folder(tmp_path):
-    """`train.eval.evaluate --zeroshot-data DIR --labels FILE` reads the class names from FILE (a comparison field of
+    """`train.eval --zeroshot-data DIR --labels FILE` reads the class names from FILE (a comparison field of
     the same name once replaced the flag, and the README's command failed)."""
     from train.eval.evaluate import load_tasks, parse_args
 

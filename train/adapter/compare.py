@@ -1,17 +1,17 @@
 """``python -m train.adapter.compare``: train every registered adapter method on the same data and backbone, then
 write one side-by-side table: the frozen base vs base + each adapter (retrieval and per-type compositional
-accuracy on the test split), through ``train.eval.evaluate``.
+accuracy on the test split), through ``train.eval``.
 
     python -m extract.data.toyworld --out toy --n 2000 --seed 0
     python -m train.adapter.compare --data toy --out runs/compare --epochs 10
     python -m train.adapter.compare --data toy --out runs/compare --methods comalign,powerclip -- --lr 1e-4
     python -m train.adapter.compare --data toy --out runs/compare --seeds 3   # mean ± sd over 3 training seeds
 
-Every method is trained by ``train.adapter.engine``'s job (``train.adapter.engine.train``) in ``OUT/<method>`` (its own logs,
+Every method is trained by ``train.adapter``'s job (``train.adapter.train``) in ``OUT/<method>`` (its own logs,
 checkpoint and history); the components of all methods are extracted into one shared cache (``--components`` =
 their union), so the backbone runs over the data once for methods whose extraction options agree. Arguments after
-``--`` are ``train.adapter.engine`` flags for every run, parsed once (``train.adapter.engine.parse_overrides``); every run's
-settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.eval.evaluate's report,
+``--`` are ``train.adapter`` flags for every run, parsed once (``train.adapter.engine.parse_overrides``); every run's
+settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.eval's report,
 one column per model) and ``OUT/compare.json`` (per method: steps, training time, held-out metrics, fitted
 inference parameters). Every adapter cell shows its difference from the frozen base with a 95% paired bootstrap
 interval over the test images, ``*`` where the interval excludes 0 (``adapters.eval.bootstrap``). ``--seeds N`` trains each
@@ -20,7 +20,7 @@ stay the same): each cell is then mean ± sd over the seeds and the interval is 
 
 **Variants**: one more column for a method trained with other settings, e.g. ComAlign on detected or random boxes
 next to its ground-truth ones: ``--variant "detector boxes=comalign --boxes yolo --detector best.pt"`` (repeatable;
-``LABEL=METHOD`` then ``train.adapter.engine`` flags, parsed as the flags after ``--`` are, and applied after them). The
+``LABEL=METHOD`` then ``train.adapter`` flags, parsed as the flags after ``--`` are, and applied after them). The
 column is ``<base> + <method> (<label>)`` and its runs go to ``OUT/<method>-<label as a slug>``.
 
 From Python: ``compare(CompareOptions(data="toy", methods=["comalign"], overrides={"extract_batch_size": 64},
@@ -64,7 +64,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``--variant "LABEL=METHOD [train.adapter.engine flags]"`` as a :class:`Variant` (the flags through
+    """``--variant "LABEL=METHOD [train.adapter flags]"`` as a :class:`Variant` (the flags through
     ``train.adapter.engine.parse_overrides``, which exits with status 2 on a bad one)."""
     import shlex
 
@@ -111,7 +111,7 @@ class CompareOptions(SourceOptions):
                              help="compositional benchmark of the table (repeatable)")
     image_root: str | None = option(None, help="folder relative image paths start from (CSV/COCO/benchmarks)")
     cache_dir: str | None = option(None, help="shared feature caches (default: OUT/cache)")
-    eval_tasks: str = option("retrieval,compositional", help="train.eval.evaluate tasks of the table")
+    eval_tasks: str = option("retrieval,compositional", help="train.eval tasks of the table")
     device: str | None = option(None, help="torch device (default: cuda when present, else cpu)")
     workers: int | None = option(None, type=nonnegative_int,
                                  help="extraction: image decoding processes (default: python -m extract's)")
@@ -123,7 +123,7 @@ class CompareOptions(SourceOptions):
     bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
                             help="bootstrap resamples of the test images for every interval (0: none)")
     variant: list = option(default_factory=list, action="append", metavar="LABEL=METHOD FLAGS",
-                           help="one more column: METHOD trained with these train.adapter.engine flags, shown as METHOD "
+                           help="one more column: METHOD trained with these train.adapter flags, shown as METHOD "
                                 "(LABEL), e.g. \"random boxes=comalign --boxes random\" (repeatable)")
     overrides: dict = field(default_factory=dict)
     variants: list = field(default_factory=list)
@@ -217,12 +217,12 @@ def adapter_runs(opts: CompareOptions) -> list:
 
 
 def compare(opts: CompareOptions) -> dict:
-    """Train every method of ``opts`` (``train.adapter.engine.train``, ``--seeds`` times each) and evaluate the frozen base
+    """Train every method of ``opts`` (``train.adapter.train``, ``--seeds`` times each) and evaluate the frozen base
     next to each adapter (``train.eval.evaluate.evaluate``: one column per method, the base first; every adapter cell
     shows its difference from the base with a paired bootstrap interval over the test images, ``*`` where it
     excludes 0). Returns ``{"methods": {name: steps, seconds, val, inference, checkpoint}, "table": OUT/results.md
     or None, "markdown": the table or None}`` (the table is not printed here); writes ``OUT/compare.json``,
-    ``OUT/config.json`` and train.eval.evaluate's reports.
+    ``OUT/config.json`` and train.eval's reports.
 
     With ``seeds`` > 1 each method's entry also holds ``runs`` (one entry per seed, as above, with its ``seed``);
     its ``val`` is the mean over seeds of each held-out figure, ``steps`` / ``inference`` / ``checkpoint`` are those

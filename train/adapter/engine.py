@@ -139,7 +139,7 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
     test_data: str | None = option(None, group="data", help="data for the final table (default: the toy world's test "
                                                             "split, else --val-data)")
     benchmark: list = option(default_factory=list, action="append", metavar="NAME=PATH", group="data",
-                             help="compositional benchmark for the final table (train.eval.evaluate's --benchmark; "
+                             help="compositional benchmark for the final table (train.eval's --benchmark; "
                                   "repeatable)")
     image_root: str | None = option(None, group="data",
                                     help="folder relative image paths start from (CSV/COCO/benchmarks)")
@@ -211,7 +211,7 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
                                   help="held-out evaluation: rows encoded at once")
     final_eval: bool = option(True, action=argparse.BooleanOptionalAction, group="run",
                               help="write the frozen base vs base + adapter table on the test split (default: on)")
-    eval_tasks: str = option("retrieval,compositional", group="run", help="train.eval.evaluate tasks of the final table")
+    eval_tasks: str = option("retrieval,compositional", group="run", help="train.eval tasks of the final table")
     # the generated groups (the method's head flags, python -m extract's flags)
     head_config: dict = field(default_factory=dict)
     extract_options: dict = field(default_factory=dict)
@@ -313,7 +313,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AdapterOptions:
 
 
 def parse_overrides(argv: Sequence[str], methods: Sequence[str], prog: str = PROG) -> dict:
-    """``train.adapter.engine`` flags given once for several runs (``train.adapter.compare``'s arguments after ``--``) as
+    """``train.adapter`` flags given once for several runs (``train.adapter.compare``'s arguments after ``--``) as
     :class:`AdapterOptions` field values: only the flags given, head flags of any of ``methods`` into
     ``head_config``, extraction flags into ``extract_options``. Exits with status 2 on a bad flag."""
     p = build_parser()
@@ -1147,7 +1147,7 @@ def train(opts: AdapterOptions) -> dict:
 
     Returns a summary: ``out``, ``data``, ``steps``, ``skipped_steps``, ``stopped``, ``seconds``, ``history``, and
     after a finished run ``adapter`` (the checkpoint), ``val`` (held-out figures after fitting), ``inference``
-    (fitted values), with the final table ``eval`` (train.eval.evaluate's results), ``markdown`` (the table, not
+    (fitted values), with the final table ``eval`` (train.eval's results), ``markdown`` (the table, not
     printed here) and ``reports``. Raises ValueError / OSError for what the user can fix, TrainingDiverged
     (exit status 3) after ``--max-bad-steps`` non-finite steps in a row."""
     opts = resolve(opts)
@@ -1254,7 +1254,7 @@ def load_rng_for_rank(state_path: Path, rank: int) -> torch.Tensor:
 def final_table(opts: AdapterOptions, adapter_path: Path, test: dict, device) -> dict:
     """Frozen base vs base + adapter on the test data (``test``: EvaluateOptions data fields), through
     train.eval.evaluate (the checkpoint is rebuilt from the file alone, components extracted live). Returns
-    train.eval.evaluate's report, the table in ``markdown`` (not printed)."""
+    train.eval's report, the table in ``markdown`` (not printed)."""
     from train.eval.evaluate import EvaluateOptions, evaluate
 
     return evaluate(EvaluateOptions(

@@ -3,12 +3,12 @@
 Each epoch the loop scores the validation split through the head without touching the backbone: image and
 caption arrays come from the cache, the retrieval protocol is ``adapters.eval.retrieval.retrieval_metrics`` (via
 ``adapters.eval.retrieval.retrieval_from_reps``, which ranks each direction with its own matrix for directional heads),
-and the toy world's hard negatives (``train.eval.datasets.read_toyworld``) are scored as in ``train.eval.evaluate``
+and the toy world's hard negatives (``train.eval.datasets.read_toyworld``) are scored as in ``train.eval``
 (image -> text choice, a tie is wrong). The negatives' texts are not captions, so they are not in the cache:
 their arrays are computed once, before training, by the live pipeline with the cache's own settings
 (:class:`adapters.adapter_scorer.LiveExtractor`), exactly as evaluation and serving will compute them.
 
-Results have ``train.eval.evaluate``'s layout (``{"retrieval": ..., "compositional": {"toyworld": ...}}``, and the
+Results have ``train.eval``'s layout (``{"retrieval": ..., "compositional": {"toyworld": ...}}``, and the
 retrieval's ``multi_positive`` section when the toy world's truth is attached), so ``train.eval.evaluate.headline``
 flattens them the same way for logs and tables.
 """
@@ -69,7 +69,7 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
     the texts' arrays are computed with ``extractor`` (a LiveExtractor). Returns the number of items.
 
     Also attaches the toy world's truth (which caption is true of which image: ``heldout.truth``), so the
-    held-out figures include multi-positive retrieval as ``train.eval.evaluate``'s do; a held-out set whose ids are not
+    held-out figures include multi-positive retrieval as ``train.eval``'s do; a held-out set whose ids are not
     the toy world's (or that keeps no caption ids) goes without."""
     from train.eval.datasets import read_toyworld
 
@@ -155,10 +155,10 @@ def encode_heldout(head, heldout: HeldOut, device, batch_size: int = 1024):
 
 @torch.no_grad()
 def evaluate_heldout(head, heldout: HeldOut, device, batch_size: int = 1024, reps=None) -> dict:
-    """Retrieval (+ hard negatives when attached) of ``head`` on ``heldout``, in train.eval.evaluate's layout.
+    """Retrieval (+ hard negatives when attached) of ``head`` on ``heldout``, in train.eval's layout.
     ``reps``: already computed (image reps, caption reps).
 
-    Prints train.eval.evaluate's warning lines (non-finite scores naming the head, a split too small for its
+    Prints train.eval's warning lines (non-finite scores naming the head, a split too small for its
     metrics) once per process (``extract.common.cli.warn_once``): the training loop evaluates the same split every
     epoch, a comparison in every run, and each warning is one line."""
     from adapters.eval.ranking import rank_safe

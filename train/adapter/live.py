@@ -1,6 +1,6 @@
 """``python -m train.adapter --unfreeze``: the adapter head trained *with* its backbone, from raw images and captions.
 
-The cached path (``train.adapter.engine`` without ``--unfreeze``) trains a head on features the frozen backbone computed
+The cached path (``train.adapter`` without ``--unfreeze``) trains a head on features the frozen backbone computed
 once. SmartCLIP's official recipe instead fine-tunes the whole CLIP (smartclip.txt §6.1 "Implementation
 details": backbone lr 1e-6, mask network 1e-3, batch 1024, 248-token captions through Long-CLIP's position
 stretching). This module is that mode's data path and model, for any head whose class allows it:

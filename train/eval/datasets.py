@@ -1,6 +1,6 @@
 """Readers for compositional image-text benchmarks, each from its published file format, into one structure.
 
-Every reader returns a :class:`Benchmark` of :class:`Item` objects; the scorer (``train.eval.evaluate``) turns an
+Every reader returns a :class:`Benchmark` of :class:`Item` objects; the scorer (``train.eval``) turns an
 item into a score matrix ``s [len(images), len(texts)]`` and decides correctness from ``Benchmark.kind``:
 
 - ``"text"``  -- one image; ``texts[0]`` is the true caption, ``texts[1:]`` false ones. Correct iff the true

@@ -6,7 +6,7 @@ A checkpoint is a folder ``OUT/checkpoints/<name>/`` (``step_00001000`` every ``
 - ``model.safetensors``: the model's ``state_dict`` exactly as open_clip names it, so
   ``open_clip.create_model_and_transforms(name, pretrained=".../model.safetensors")`` loads it (open_clip reads
   safetensors files itself) and so does ``extract.models.backbone.load_backbone(name, path)`` -- hence ``python -m
-  extract``, ``train.adapter.engine --base`` and ``train.eval.evaluate --model``.
+  extract``, ``train.adapter --base`` and ``train.eval --model``.
 - ``model.json``: what the weights are (format ``plugvlm-pretrain``; the open_clip model name *and* its config
   dict, QuickGELU or not, the method and its settings, step / epoch / samples seen, the data, all arguments,
   library versions, evaluation results). ``extract.models.weights.checkpoint_sidecar`` reads it back.
@@ -249,7 +249,7 @@ def export_half(run: Path, out: Path, command: str | None = None) -> Path:
     tensors, _ = load_tensors(run / "model.safetensors")
     description = json.loads((run / "model.json").read_text())
     if description.get("format") != SIDECAR_FORMAT:
-        raise ValueError(f"{run / 'model.json'} is not a train.pretrain.engine model description")
+        raise ValueError(f"{run / 'model.json'} is not a python -m train.pretrain model description")
     half = {k: v.half() if v.is_floating_point() else v for k, v in tensors.items()}
     description.update(dtype="float16", command=command)
     out.mkdir(parents=True, exist_ok=True)

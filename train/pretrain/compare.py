@@ -6,7 +6,7 @@
 For each method: a short calibration run measures its step time on this machine; the method then trains for
 as many steps as fit in ``--minutes-per-method`` (the cosine schedule ends at that step), so a cheaper step (FLIP,
 CLIP-PGS) buys more steps, as in the papers' equal-time comparisons. Every final model is evaluated by the
-evaluation suite (``train.eval.evaluate``: retrieval R@1/5/10 on the toy world's test split, zero-shot on its
+evaluation suite (``train.eval``: retrieval R@1/5/10 on the toy world's test split, zero-shot on its
 single-object scenes, the toy world's hard negatives per type). Output in ``--out``: one run folder per method,
 ``compare.md`` (the table, one column per method), ``compare.json`` and the evaluation's own reports in
 ``eval/``. Steps are timed on a possibly busy machine: the table states the steps and seconds each method had.
@@ -48,7 +48,7 @@ class CompareOptions:
     batch_size: int = option(64, type=positive_int, help="batch of every run")
     workers: int = option(1, type=nonnegative_int, help="data-loader processes")
     calibration_steps: int = option(12, type=positive_int, help="steps of each method's timing run")
-    extra: str = option("", help="more train.pretrain.engine flags for every run, e.g. '--lr 5e-4 --num-masks 5'")
+    extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --num-masks 5'")
     # Not a command-line option: the train.pretrain.engine options every run starts from (each run then sets its method,
     # folder, steps and the fields above). The command line's --extra is parsed into it; Python callers pass
     # PretrainOptions(lr=5e-4, ...) here instead of a string of flags.

@@ -549,7 +549,7 @@ def eval_tasks(opts: PretrainOptions) -> dict:
 
 def evaluate_checkpoint(weights: Path, arch: str, opts: PretrainOptions, device, tasks: dict | None = None
                         ) -> dict[str, float]:
-    """Evaluate saved weights with the evaluation suite (``train.eval.evaluate``'s functions) on the toy world's
+    """Evaluate saved weights with the evaluation suite (``train.eval``'s functions) on the toy world's
     ``val_split``: retrieval R@k, zero-shot, compositional per type. ``tasks``: from :func:`eval_tasks` (read
     here when None). Returns the flat headline numbers."""
     from adapters.load import load_scorer

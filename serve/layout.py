@@ -36,7 +36,7 @@ Testing aid: ``PLUGVLM_INDEX_TEST_HOOK=POINT:ACTION`` makes a build kill itself 
 or pause (``sleep=SECONDS``) at ``POINT``: ``locked`` (the lock just taken), the name of any file just written
 into the new folder (``image.index``, ``image.arrow``, ``text.index``, ``text.arrow``, ``manifest.json``),
 ``aside`` (two-rename swap only: the old folder moved aside, the new one not yet in) or ``swapped``. Used by
-tests/test_serve_index.py; never set it otherwise.
+tests/serve/test_serve_index.py; never set it otherwise.
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ Computation (:class:`MultiPositivePasses`), inside the two chunked passes of ``a
 per chunk of captions (whole columns) by one sort per column (:func:`ranked_truth`); image -> text needs whole
 rows, so pass 1 collects each image's true-caption scores and pass 2 counts, chunk by chunk, the captions scoring
 at least each of them (``torch.searchsorted`` on the sorted chunk), never holding more than one chunk of scores.
-Both are tested against a per-query reference and a hand-computed example (``tests/test_multipositive.py``).
+Both are tested against a per-query reference (``tests/fixtures/references.py``) and a hand-computed example
+(``tests/adapters/test_multipositive.py``).
 """
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
                              + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
                              "(python -m extract with its --components and extraction flags), or drop --cache")
         return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
-    own_arrays = not isinstance(scorer, BackboneScorer) and hasattr(scorer, "encode_arrays")  # FILIP
+    own_arrays = getattr(scorer, "second_stage", False)  # FILIP: reads its own arrays (adapters.scoring.CacheReadable)
     if not (isinstance(scorer, BackboneScorer) or own_arrays):
         raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
                          "method: evaluate it without --cache")

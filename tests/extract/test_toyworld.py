@@ -521,3 +521,27 @@ def test_long_mode_is_deterministic_and_ensure_tells_the_modes_apart(long_world,
         tw.ensure(world, 6, 0, say=lines.append)
     assert tw.parse_args(["--out", "x", "--long-captions"]).long_captions
     assert not tw.parse_args(["--out", "x"]).long_captions
+
+
+def test_the_embedded_worlds_size_comes_from_plugvlm_toy_n_or_is_refused_in_one_line():
+    """PLUGVLM_TOY_N sizes the embedded default (the README's blocks run on 400 in the tests); a value that is not a
+    whole number >= 20 stops at import with one line saying what to set, never a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    code = "import extract.data.toyworld as t; print(t.DEFAULT_N)"
+
+    def run(value):
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        env.pop("PLUGVLM_TOY_N", None)
+        if value is not None:
+            env["PLUGVLM_TOY_N"] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root)
+
+    assert run(None).stdout.strip() == "2000" and run("400").stdout.strip() == "400"
+    for bad in ("ten", "5", "-400"):
+        done = run(bad)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert done.stderr.startswith(f"error: PLUGVLM_TOY_N='{bad}'") and "whole number >= 20" in done.stderr

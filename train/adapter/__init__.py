@@ -1,5 +1,14 @@
 """Adapter training (``python -m train.adapter``): the engine (engine), its data (data), held-out evaluation in the loop
 (heldout), training with the backbone (live), hard negatives (negatives), every method side by side (compare)."""
-from train.adapter.engine import AdapterOptions, build_parser, main, train
 
 __all__ = ["AdapterOptions", "build_parser", "main", "train"]
+
+
+def __getattr__(name: str):
+    """The engine's public names, imported on first use (PEP 562): a module of this package that needs only its
+    data or checkpoints does not load the engine."""
+    if name in __all__:
+        from train.adapter import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -283,8 +283,8 @@ def _method_and_config(argv: Sequence[str] | None) -> tuple[str | None, dict | N
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     values = None
-    if known.config:
-        values = config_file(Path(known.config), build_parser().error)
+    if known.config:  # the parser that reports a bad file is built only when there is one to report
+        values = config_file(Path(known.config), lambda message: build_parser().error(message))
     method = known.method if known.method is not None else (values or {}).get("method")
     return (method if isinstance(method, str) or method is None else str(method)), values
 

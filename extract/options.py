@@ -45,7 +45,8 @@ class ExtractOptions(SourceOptions):
     region_seed: int = option(0, type=nonnegative_int, group="components",
                               help="seed of the random region boxes (and of --boxes random)")
     segmenter: str | None = option(None, group="components", help="SAM2 config (name shipped with sam2 or a YAML "
-                                                                  "path)")
+                                                                  "path), or 'toy': the toy world's exact object "
+                                                                  "masks (extract/components/toy_segmenter.py)")
     segmenter_weights: str | None = option(None, group="components",
                                            help="SAM2 checkpoint, or 'none' for random init")
     segmenter_image_size: int | None = option(None, type=positive_int, group="components",

@@ -175,13 +175,19 @@ class ExtractionComponents:
         self.segmenter = None
         if "regions" in want and args.regions == "sam2":
             if not args.segmenter:
-                raise ValueError("--regions sam2 needs --segmenter CONFIG (and --segmenter-weights PATH)")
-            from extract.components.detectors import load_segmenter
+                raise ValueError("--regions sam2 needs --segmenter CONFIG (and --segmenter-weights PATH), or "
+                                 "--segmenter toy on a toy world (its exact object masks)")
+            from extract.components import toy_segmenter
 
-            self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(device),
-                                            image_size=args.segmenter_image_size, points_per_side=args.sam_points,
-                                            pred_iou_thresh=args.sam_iou_thresh,
-                                            stability_score_thresh=args.sam_stability_thresh)
+            if args.segmenter == toy_segmenter.NAME:  # the toy world's oracle masks, in SAM2's place
+                self.segmenter = toy_segmenter.ToySegmenter()
+            else:
+                from extract.components.detectors import load_segmenter
+
+                self.segmenter = load_segmenter(args.segmenter, args.segmenter_weights, device=str(device),
+                                                image_size=args.segmenter_image_size,
+                                                points_per_side=args.sam_points, pred_iou_thresh=args.sam_iou_thresh,
+                                                stability_score_thresh=args.sam_stability_thresh)
         if "regions" in want and args.regions == "gt" and not has_gt:
             raise ValueError("--regions gt needs box annotations (the toy world, or --annotations objects.json)")
 

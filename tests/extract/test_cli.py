@@ -161,7 +161,7 @@ def test_progress_is_silent_when_quiet_and_plain_when_not_a_terminal(monkeypatch
 # --------------------------------------------------------------------------------------------- --help is cheap
 ENTRY_POINTS = ["extract", "extract.data.check", "extract.data.toyworld", "extract.models.backbone", "train.bench.extract",
                 "train.adapter", "train.adapter.compare", "train.bench.adapter", "train.pretrain",
-                "train.pretrain.compare", "train.bench.pretrain", "train.eval", "train.demo",
+                "train.pretrain.compare", "train.pretrain.diagnose", "train.bench.pretrain", "train.eval", "train.demo",
                 "train.eval.linear_probe", "train.eval.nla_report", "train.bench.nla", "train.bench.retrieval",
                 "extract.components.text", "train.eval.clip_benchmark", "serve.query", "serve.index",
                 "train.bench.serve", "extract.components.toy_detector", "train.eval.heatmaps", "serve", "train.bench.serve_load"]

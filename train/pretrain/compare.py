@@ -1,22 +1,45 @@
-"""``python -m train.pretrain.compare``: the pre-training methods side by side at equal wall-clock on the toy world.
+"""``python -m train.pretrain.compare``: the pre-training methods side by side on one toy world, at equal steps
+and / or equal wall-clock, over seeds, with and without hard negatives, each final model evaluated with intervals.
 
-    python -m train.pretrain.compare --out runs/compare --minutes-per-method 3
-    python -m train.pretrain.compare --out runs/compare --minutes-per-method 10 --methods clip,powerclip --n 10000
+    python -m train.pretrain.compare --out runs/compare                       # 5 columns, equal steps, 1 seed
+    python -m train.pretrain.compare --out runs/compare --seeds 3 --hard-negatives none,all --budget steps,time
+    python -m train.pretrain.compare --out runs/compare --methods clip,powerclip-S,"powerclip-S M4" \\
+        --column "powerclip-S M4=powerclip --masks sam2 --regions-cache {toy_masks} --num-masks 4"
 
-For each method: a short calibration run measures its step time on this machine; the method then trains for
-as many steps as fit in ``--minutes-per-method`` (the cosine schedule ends at that step), so a cheaper step (FLIP,
-CLIP-PGS) buys more steps, as in the papers' equal-time comparisons. Every final model is evaluated by the
-evaluation suite (``train.eval``: retrieval R@1/5/10 on the toy world's test split, zero-shot on its
-single-object scenes, the toy world's hard negatives per type). Output in ``--out``: one run folder per method,
-``compare.md`` (the table, one column per method), ``compare.json`` and the evaluation's own reports in
-``eval/``. Steps are timed on a possibly busy machine: the table states the steps and seconds each method had.
+**Columns.** A column is a registered method with its own flags (``LABEL=METHOD flags``). The defaults
+(:data:`DEFAULT_COLUMNS`) are the papers' comparisons: ``clip``; ``flip`` and ``clip-pgs`` at the same masking ratio
+(0.5: CLIP-PGS_0.5 against FLIP_0.5, CLIP-PGS §4); ``powerclip-R`` (random boxes) and ``powerclip-S`` (masks from
+``{toy_masks}``: the toy world's exact object masks, cached once in ``OUT/toy-masks`` by ``python -m extract
+--regions sam2 --segmenter toy``, the oracle SAM2 would approach); ``filip`` on request. Any registered method name is
+a column too. ``--hard-negatives none,all`` runs every column once per setting (NegCLIP's negatives, ``train.pretrain
+--hard-negatives``); ``--seeds N`` runs each N times (seeds ``--seed`` .. ``--seed+N-1``; the world stays the same).
+
+**Budgets.** ``steps``: every run makes ``--steps`` optimizer steps (the cosine schedule ends there). ``time``: a
+short calibration run measures each column's step time on this machine, then the column trains for the steps that
+fit in ``--minutes-per-method``, so a cheaper step (FLIP, CLIP-PGS) buys more of them, as in the papers' equal-time
+comparisons. Steps are timed on a possibly busy machine: the table states the steps and seconds each column had.
+
+**Evaluation.** Every run evaluates itself on the world's val split after each ``--eval-every-n-epochs`` epochs
+(the curves: ``curves.png``, mean over seeds, the band min..max). The final models are evaluated by ``train.eval``
+on the test split: retrieval R@k, zero-shot on its single-object scenes, every hard-negative type, and the
+combinations the world holds out of training (``--holdout``; the ``held-out`` rows). A cell is mean ± sd over seeds;
+every column after the first shows its difference from the first (CLIP) with a 95% paired bootstrap interval over
+the test images (``adapters.eval.bootstrap``), ``*`` where the interval excludes 0.
+
+Output, per budget ``B``: ``OUT/B/<column>/seed-<s>/`` (run folders), ``OUT/B/eval/results.{json,md,png}``,
+``OUT/B/curves.png``; then ``OUT/compare.md`` (every budget's table) and ``OUT/compare.json``. The same command
+again (same ``OUT``, same settings) keeps the runs an earlier call finished (``compare_run.json`` in each run
+folder) and trains only the rest: an interrupted comparison resumes after its last finished run. Under ``time``
+the calibration runs again, so a run is kept only when its step count comes out the same.
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import dataclasses
 import json
 import math
-import csv
+import re
 import shlex
 import shutil
 import statistics
@@ -25,39 +48,145 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from adapters.eval.bootstrap import DEFAULT_RESAMPLES
 from extract.common.cli import Parser, check_options, option, parse_options, run_job, say, set_verbosity, verbosity
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_float, positive_int, save_config
 from extract.common.run_dir import claim
 
-DEFAULT_METHODS = ("clip", "flip", "clip-pgs", "filip", "powerclip")
+TOY_MASKS = "{toy_masks}"  # in a column's flags: the toy world's oracle-masks cache, built once in OUT/toy-masks
+BUDGETS = ("steps", "time")
+RUN_RECORD = "compare_run.json"  # in each run folder, written once the run has finished
+# The world's held-out colour-shape combinations: never in a training caption, in the test split's held-out rows.
+HOLDOUT = "yellow circle,purple square,orange triangle,white star"
+SUMMARY_METRICS = ("retrieval T2I R@1", "retrieval I2T R@1", "zero-shot top-1", "toyworld replace-att",
+                   "toyworld replace-obj", "toyworld replace-rel", "toyworld swap-att", "toyworld swap-obj",
+                   "toyworld held-out all", "toyworld all")
+CURVE_METRICS = ("retrieval T2I R@1", "zero-shot top-1", "toyworld swap-att", "toyworld replace-rel")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the table: ``method`` (a ``PRETRAIN`` name) with its own options (``method_options`` of
+    ``train.pretrain.engine.PretrainOptions``; the string ``{toy_masks}`` stands for the oracle-masks cache)."""
+
+    label: str
+    method: str
+    method_options: dict = field(default_factory=dict)
+
+    def options(self, toy_masks: str | None) -> dict:
+        return {k: (toy_masks if v == TOY_MASKS else v) for k, v in self.method_options.items()}
+
+    @property
+    def needs_toy_masks(self) -> bool:
+        return TOY_MASKS in self.method_options.values()
+
+
+DEFAULT_COLUMNS = {c.label: c for c in (
+    Column("clip", "clip"),
+    Column("flip", "flip", {"mask_ratio": 0.5}),
+    Column("clip-pgs", "clip-pgs", {"pgs_min_ratio": 0.5, "pgs_max_ratio": 0.5}),  # PGS_0.5: FLIP's ratio
+    Column("powerclip-R", "powerclip", {"masks": "random"}),
+    Column("powerclip-S", "powerclip", {"masks": "sam2", "regions_cache": TOY_MASKS}),
+    Column("filip", "filip"),
+)}
+DEFAULT_METHODS = ("clip", "flip", "clip-pgs", "powerclip-R", "powerclip-S")
+
+
+def parse_column(text: str) -> Column:
+    """``"LABEL=METHOD --flag value ..."`` -> :class:`Column`; the flags are METHOD's own (``train.pretrain``'s
+    groups), checked as the command line checks them."""
+    from adapters.registry import PRETRAIN
+    from train.pretrain.engine import method_flags
+
+    label, sep, spec = text.partition("=")
+    words = shlex.split(spec)
+    if not sep or not label.strip() or not words:
+        raise ValueError(f"--column {text!r}: expected LABEL=METHOD [flags], e.g. 'powerclip-S M4=powerclip --masks "
+                         f"sam2 --regions-cache {TOY_MASKS} --num-masks 4'")
+    method, flags = words[0], words[1:]
+    if method not in PRETRAIN:
+        raise ValueError(f"--column {text!r}: unknown method {method!r}; choose from {', '.join(PRETRAIN.names())}")
+    parser, actions = method_flags()[method]
+    parser.exit_on_error = False
+    try:
+        ns, unknown = parser.parse_known_args(flags)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--column {text!r}: {e}") from None
+    if unknown:
+        raise ValueError(f"--column {text!r}: {' '.join(unknown)} not a flag of {method} (its flags: "
+                         f"{', '.join(sorted(a.option_strings[0] for a in actions.values()))})")
+    given = {d: v for d, v in vars(ns).items() if v != actions[d].default}
+    return Column(label.strip(), method, given)
 
 
 @dataclass
 class CompareOptions:
-    """What ``python -m train.pretrain.compare`` does, as data: ``compare(CompareOptions(data="toy"))``.
-    ``methods`` may be a comma string or a list."""
+    """What ``python -m train.pretrain.compare`` does, as data: ``compare(CompareOptions(seeds=3))``. ``methods``,
+    ``hard_negatives`` and ``budget`` may be comma strings or lists; ``columns`` holds :class:`Column` s (or
+    ``LABEL=METHOD flags`` strings) that add to or replace :data:`DEFAULT_COLUMNS`."""
 
-    out: str = option("runs/compare", help="output folder: a run folder per method, compare.{md,json}, eval/")
+    out: str = option("runs/compare", help="output folder: a folder per budget (runs, eval/, curves.png), "
+                                           "compare.{md,json}")
     data: str | None = option(None, help="a toy-world folder (default: generate one in OUT/toyworld)")
-    n: int = option(2000, type=positive_int, help="toy-world scenes to generate when --data is not given")
-    seed: int = option(0, type=nonnegative_int, help="seeds the toy world and every run")
-    methods: Any = option(",".join(DEFAULT_METHODS), help="comma list of registered pre-training methods")
-    minutes_per_method: float = option(3.0, type=positive_float, help="training wall-clock per method")
+    n: int = option(10000, type=positive_int, help="toy-world scenes to generate when --data is not given")
+    holdout: str = option(HOLDOUT, help="colour-shape combinations the generated world holds out of training "
+                                        "('' for none)")
+    seed: int = option(0, type=nonnegative_int, help="seeds the toy world, the first run and the bootstrap")
+    seeds: int = option(1, type=positive_int, help="runs per column and setting (seeds --seed .. --seed+N-1)")
+    methods: Any = option(",".join(DEFAULT_METHODS),
+                          help=f"comma list of columns: {', '.join(DEFAULT_COLUMNS)}, any registered method, or a "
+                               "--column label; the first is every other's reference")
+    column: list = option(default_factory=list, action="append", metavar="LABEL=METHOD FLAGS",
+                          help="define a column: a method and its own flags, e.g. 'pgs-0.3=clip-pgs --pgs-min-ratio "
+                               f"0.3' ({TOY_MASKS}: the toy world's exact object masks) (repeatable)")
+    hard_negatives: Any = option("none", help="comma list of hard-negative settings, each column runs with each: "
+                                              "none, all, or one type (e.g. none,all)")
+    budget: Any = option("steps", help="comma list from steps (every run --steps steps), time (every column "
+                                       "--minutes-per-method of training)")
+    steps: int = option(600, type=positive_int, help="optimizer steps of every run, budget steps")
+    minutes_per_method: float = option(3.0, type=positive_float, help="training wall-clock per run, budget time")
     model: str = option("tiny", help="open_clip architecture or plugvlm alias of every run")
     batch_size: int = option(64, type=positive_int, help="batch of every run")
     workers: int = option(1, type=nonnegative_int, help="data-loader processes")
-    calibration_steps: int = option(12, type=positive_int, help="steps of each method's timing run")
-    extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --num-masks 5'")
+    calibration_steps: int = option(12, type=positive_int, help="steps of each column's timing run, budget time")
+    eval_every_n_epochs: int = option(1, type=nonnegative_int,
+                                      help="evaluate every run on the val split every N epochs: the curves (0: none)")
+    bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
+                            help="bootstrap resamples of the test images for every interval (0: none)")
+    extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --warmup 100'")
     # Not a command-line option: the train.pretrain.engine options every run starts from (each run then sets its method,
     # folder, steps and the fields above). The command line's --extra is parsed into it; Python callers pass
     # PretrainOptions(lr=5e-4, ...) here instead of a string of flags.
     pretrain: Any = field(default=None)
 
     def __post_init__(self):
-        if isinstance(self.methods, str):
-            self.methods = [m.strip() for m in self.methods.split(",") if m.strip()]
-        self.methods = list(self.methods)
+        from extract.components.hard_negatives import parse_types
+
+        def listed(value) -> list[str]:
+            return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+
+        self.methods, self.budget = listed(self.methods), listed(self.budget)
+        self.hard_negatives = listed(self.hard_negatives)
+        for h in self.hard_negatives:
+            parse_types(h)  # a typo fails here, naming the types
+        self.column = [parse_column(c) if isinstance(c, str) else c for c in self.column or []]
+        if not self.methods or not self.hard_negatives or not self.budget:
+            raise ValueError("methods, hard_negatives and budget each need at least one entry")
+        wrong = [b for b in self.budget if b not in BUDGETS]
+        if wrong:
+            raise ValueError(f"budget: unknown {', '.join(wrong)}; choose from {', '.join(BUDGETS)}")
+        known = {**DEFAULT_COLUMNS, **{c.label: c for c in self.column}}
+        from adapters.registry import PRETRAIN
+
+        unknown = [m for m in self.methods if m not in known and m not in PRETRAIN]
+        if unknown:
+            raise ValueError(f"methods: unknown {', '.join(unknown)}; choose from {', '.join(known)}, a registered "
+                             f"method ({', '.join(PRETRAIN.names())}) or define one with --column LABEL=METHOD flags")
+
+    def columns(self) -> list[Column]:
+        known = {**DEFAULT_COLUMNS, **{c.label: c for c in self.column}}
+        return [known.get(m) or Column(m, m) for m in self.methods]
 
 
 def build_parser() -> Parser:
@@ -76,6 +205,7 @@ def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     return opts
 
 
+# --------------------------------------------------------------------------------------------- helpers
 def _step_seconds(log_csv: Path) -> float:
     """Median step time of a calibration run (its first steps warm up, so they are left out)."""
     with open(log_csv, newline="") as f:
@@ -91,18 +221,54 @@ def _fresh(run_dir: Path) -> Path:
     return run_dir
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-") or "column"
+
+
+def column_name(column: Column, hard_negatives: str) -> str:
+    return column.label + ("" if hard_negatives == "none" else f" +hn {hard_negatives}")
+
+
+def finished(run_dir: Path, steps: int) -> dict | None:
+    """The record of a run an earlier call of this comparison finished (same settings: ``OUT`` was claimed with them)
+    with ``steps`` steps, its weights still there; None when it has to be (re)trained. An interrupted comparison
+    picks up after its last finished run instead of training every run again."""
+    try:
+        record = json.loads((run_dir / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = record.get("steps") == steps and Path(record.get("weights", "")).is_file()
+    return record if ok else None
+
+
+def train_images(world: Path) -> int:
+    """Images in the toy world's train split (an epoch of train.pretrain on it)."""
+    scenes = json.loads((world / "annotations.json").read_text())["scenes"]
+    return sum(s.get("split") == "train" for s in scenes)
+
+
+def toy_masks(world: Path, out: Path, model: str) -> str:
+    """The world's exact object masks on ``model``'s patch grid, cached once (``extract.components.toy_segmenter``)."""
+    from extract.pipeline import build_cache
+
+    say(f"toy-world object masks (the oracle SAM2 would approach) -> {out}")
+    build_cache(world, out, base=model, pretrained="none", components=["regions"], regions="sam2", segmenter="toy",
+                num_regions=10, workers=0)
+    return str(out)
+
+
+# --------------------------------------------------------------------------------------------- the job
 def compare(opts: CompareOptions) -> dict:
-    """Calibrate, train and evaluate every method of ``opts.methods`` (module docstring); returns ``{"runs",
-    "results", "markdown"}`` and writes ``compare.{md,json}`` and ``eval/`` under ``opts.out``."""
+    """Train every column x hard-negative setting x seed under every budget and evaluate the final models (module
+    docstring). Returns ``{"budgets": {B: {"runs", "table", "markdown"}}, "markdown"}`` and writes ``OUT/``."""
     from adapters.registry import PRETRAIN
     from extract.data import toyworld
-    from train.eval import evaluate as ev
     from train.pretrain import engine as pt
 
     check_options(opts, build_parser())
-    unknown = [m for m in opts.methods if m not in PRETRAIN]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(PRETRAIN.names())}")
+    for c in opts.columns():
+        if c.method not in PRETRAIN:
+            raise ValueError(f"column {c.label}: unknown method {c.method!r}; choose from {', '.join(PRETRAIN.names())}")
     if opts.extra.strip() and opts.pretrain is None:
         raise ValueError("extra: a string of command-line flags; from Python pass pretrain=PretrainOptions(...) "
                          "(python -m train.pretrain.compare parses --extra into it)")
@@ -110,65 +276,189 @@ def compare(opts: CompareOptions) -> dict:
     if not isinstance(base, pt.PretrainOptions):
         raise ValueError(f"pretrain: expected train.pretrain.engine.PretrainOptions, got {type(base).__name__}")
     check_options(base, pt.build_parser())
+    for c in opts.columns():  # every column's options checked before the first step
+        pt.resolve_method_options(c.method, c.options("x"))
+    if opts.data and not toyworld.is_toyworld(opts.data):
+        raise ValueError(f"--data {opts.data}: not a toy-world folder (python -m extract.data.toyworld makes one); the "
+                         "comparison evaluates on a toy world's test split and its hard negatives")
     out = Path(opts.out)
-    claim(out, dataclasses.asdict(opts))
+    # every setting, the runs' common PretrainOptions included: a finished run is kept only under the same ones
+    config = json.loads(json.dumps(dataclasses.asdict(opts), default=str))
+    claim(out, config)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(dataclasses.asdict(opts), out / "config.json")
-    data = Path(opts.data) if opts.data else out / "toyworld"
-    if not opts.data and not (data / "annotations.json").is_file():
-        toyworld.generate(data, opts.n, opts.seed)
-    common = dict(data=str(data), model=opts.model, batch_size=opts.batch_size, workers=opts.workers, seed=opts.seed,
-                  tensorboard=False, save_every_n_steps=0, save_frequency=0, eval_every_n_epochs=0)
-    # Calibrate every method first, back to back, so a machine that gets busier or quieter later shifts them alike.
-    per_step, images = {}, 0
-    for method in opts.methods:
-        calib = _fresh(out / "calibration" / method)
-        pt.pretrain(dataclasses.replace(base, method=method, out=str(calib), epochs=base.epochs or pt.EPOCHS,
-                                        max_steps=opts.calibration_steps, log_every_n_steps=1, **common))
-        per_step[method] = _step_seconds(calib / "log.csv")
-        images = json.loads((calib / "model.json").read_text())["data"]["images"]
-    steps_per_epoch = max(1, images // opts.batch_size)
-    runs = {}
-    for method in opts.methods:
-        steps = max(1, int(opts.minutes_per_method * 60 / per_step[method]))
-        epochs = math.ceil(steps / steps_per_epoch)  # schedules by epoch (CLIP-PGS's alpha) see the real count
-        run_dir = _fresh(out / method)
-        t0 = time.perf_counter()
-        summary = pt.pretrain(dataclasses.replace(base, method=method, out=str(run_dir), max_steps=steps,
-                                                  epochs=epochs, **common))
-        desc = json.loads((run_dir / "model.json").read_text())
-        runs[method] = {"calibrated_seconds_per_step": per_step[method], "steps": desc["step"], "epochs": desc["epoch"],
-                        "train_seconds": time.perf_counter() - t0, "weights": summary["weights"]}
-        say(f"{method}: {per_step[method]:.3f} s/step -> {desc['step']} steps ({desc['epoch']:.1f} epochs) in "
-            f"{runs[method]['train_seconds']:.0f} s")
-    report = ev.evaluate(ev.EvaluateOptions(data=str(data), out=str(out / "eval"),
-                                            tasks=["retrieval", "zeroshot", "compositional"],
-                                            model=[opts.model] * len(opts.methods),
-                                            pretrained=[runs[m]["weights"] for m in opts.methods]))
-    results = dict(zip(opts.methods, report["results"].values()))
-    table = _table(runs, results)
-    (out / "compare.md").write_text(table)
-    (out / "compare.json").write_text(json.dumps({"runs": runs, "results": results}, indent=2, default=str) + "\n")
-    return {"runs": runs, "results": results, "markdown": table}
+    save_config(config, out / "config.json")
+    world = Path(opts.data) if opts.data else out / "toyworld"
+    if not opts.data and not (world / "meta.json").is_file():
+        toyworld.generate(world, opts.n, opts.seed, holdout=opts.holdout)
+    masks = toy_masks(world, out / "toy-masks", opts.model) if any(c.needs_toy_masks for c in opts.columns()) \
+        else None
+    # an epoch checkpoint where the curves want an evaluation (only the newest is kept)
+    common = dict(data=str(world), model=opts.model, batch_size=opts.batch_size, workers=opts.workers,
+                  tensorboard=False, save_every_n_steps=0, save_frequency=opts.eval_every_n_epochs, keep_checkpoints=1)
+    settings = [(c, h) for c in opts.columns() for h in opts.hard_negatives]
+    per_epoch = max(1, train_images(world) // opts.batch_size)
+
+    def options(c: Column, h: str, seed: int, run_dir: Path, max_steps: int, **more) -> Any:
+        # epochs: the count the steps span, so schedules by epoch (CLIP-PGS's alpha) see the real one
+        return dataclasses.replace(base, method=c.method, method_options=c.options(masks), hard_negatives=h,
+                                   seed=seed, out=str(run_dir), max_steps=max_steps,
+                                   epochs=math.ceil(max_steps / per_epoch), **common, **more)
+
+    budgets = {}
+    for budget in opts.budget:
+        say(f"== budget: {'equal steps' if budget == 'steps' else 'equal wall-clock'} ==")
+        steps, per_step = _budget_steps(opts, budget, settings, out, options)
+        runs: dict[str, list[dict]] = {}
+        for (c, h) in settings:
+            name = column_name(c, h)
+            for seed in range(opts.seed, opts.seed + opts.seeds):
+                run_dir = out / budget / _slug(name) / f"seed-{seed}"
+                done = finished(run_dir, steps[name])
+                if done is None:
+                    t0 = time.perf_counter()
+                    summary = pt.pretrain(options(c, h, seed, _fresh(run_dir), steps[name],
+                                                  eval_every_n_epochs=opts.eval_every_n_epochs))
+                    desc = json.loads((run_dir / "model.json").read_text())
+                    done = {"seed": seed, "steps": desc["step"], "epochs": desc["epoch"], "weights": summary["weights"],
+                            "train_seconds": time.perf_counter() - t0,
+                            "calibrated_seconds_per_step": per_step.get(name), "curve": _curve(run_dir, per_epoch)}
+                    (run_dir / RUN_RECORD).write_text(json.dumps(done, indent=2) + "\n")
+                    say(f"{name} seed {seed}: {done['steps']} steps ({done['epochs']:.1f} epochs) in "
+                        f"{done['train_seconds']:.0f} s")
+                else:
+                    say(f"{name} seed {seed}: finished in an earlier call of this comparison, kept ({run_dir})")
+                runs.setdefault(name, []).append(done)
+        budgets[budget] = _evaluate(opts, budget, world, runs, out / budget)
+    text = "\n".join(f"## {'Equal steps' if b == 'steps' else 'Equal wall-clock'}\n\n{r['markdown']}"
+                     for b, r in budgets.items())
+    (out / "compare.md").write_text(text)
+    (out / "compare.json").write_text(json.dumps({"config": config, "budgets": {
+        b: {"runs": r["runs"], "table": r["table"]} for b, r in budgets.items()}}, indent=2, default=str) + "\n")
+    return {"budgets": budgets, "markdown": text}
 
 
 run = compare  # the name this job had before it took options
 
 
-def _table(runs: dict, results: dict) -> str:
-    from train.eval.evaluate import headline
+def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, options) -> tuple[dict, dict]:
+    """Steps of every column under ``budget``: ``--steps`` each, or what fits in ``--minutes-per-method`` at the step
+    time a calibration run measures (every column first, back to back, so a machine that gets busier or quieter
+    later shifts them alike). Returns ``({name: steps}, {name: calibrated s/step})``."""
+    from train.pretrain import engine as pt
 
-    methods = list(runs)
-    lines = ["| | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    names = [column_name(c, h) for c, h in settings]
+    if budget == "steps":
+        return {n: opts.steps for n in names}, {}
+    per_step = {}
+    for (c, h), name in zip(settings, names):
+        calib = _fresh(out / "calibration" / _slug(name))
+        pt.pretrain(options(c, h, opts.seed, calib, opts.calibration_steps, log_every_n_steps=1,
+                            eval_every_n_epochs=0))
+        per_step[name] = _step_seconds(calib / "log.csv")
+    return {n: max(1, int(opts.minutes_per_method * 60 / per_step[n])) for n in names}, per_step
+
+
+def _curve(run_dir: Path, per_epoch: int) -> list[dict]:
+    """The run's per-epoch evaluation on the val split: ``[{"step", "epoch", metrics...}]`` in epoch order."""
+    steps = json.loads((run_dir / "model.json").read_text())["step"]
+    points = []
+    for path in sorted((run_dir / "eval").glob("epoch_*.json")):
+        epoch = int(path.stem.split("_")[1])
+        points.append({"epoch": epoch, "step": min(steps, epoch * per_epoch), **json.loads(path.read_text())})
+    return points
+
+
+def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: Path) -> dict:
+    """train.eval on the test split, one column per setting (its seeds' runs averaged), the first the reference."""
+    from train.eval import evaluate as ev
+
+    names = list(runs)
+    flat = [(name, r) for name in names for r in runs[name]]
+    report = ev.evaluate(ev.EvaluateOptions(
+        data=str(world), split="test", out=str(out / "eval"), tasks=["retrieval", "zeroshot", "compositional"],
+        model=[opts.model] * len(flat), pretrained=[r["weights"] for _, r in flat],
+        columns=[name for name, _ in flat], result_labels=[f"{name} seed {r['seed']}" for name, r in flat],
+        bootstrap=opts.bootstrap, seed=opts.seed))
+    plot = curves_plot(runs, out / "curves.png")
+    markdown = (_budget_table(runs) + "\n" + summary_table(report["table"]) + "\nEvery figure (train.eval's report, "
+                f"{out / 'eval' / 'results.md'}):\n\n" + report["markdown"] + (f"\nCurves: {plot}\n" if plot else ""))
+    return {"runs": runs, "table": report["table"], "markdown": markdown, "reports": report["reports"]}
+
+
+def summary_table(table: dict, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
+    """The headline figures, a row per column: mean ± sd over seeds, and after the reference the difference from
+    it with its 95% paired bootstrap interval, ``*`` where the interval excludes 0."""
+    cols = [m for m in metrics if any(m in v for v in table["metrics"].values())]
+    lines = ["| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, entries in table["metrics"].items():
+        cells = []
+        for m in cols:
+            e = entries.get(m)
+            if e is None:
+                cells.append("–")
+                continue
+            text = f"{e['mean']:.1f}" + (f" ± {e['sd']:.1f}" if e.get("sd") is not None else "")
+            ci = e.get("delta_ci")
+            if "delta" in e and ci and all(math.isfinite(v) for v in ci):
+                text += f" ({e['delta']:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]{'*' if e.get('significant') else ''})"
+            cells.append(text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    ref = table.get("reference")
+    legend = (f"mean ± sd over seeds; ({'difference from ' + ref if ref else ''} [95% paired bootstrap interval over "
+              "test images], * excludes 0)") if ref else "mean ± sd over seeds"
+    return "\n".join(lines) + "\n\n" + legend + "\n"
+
+
+def _budget_table(runs: dict) -> str:
+    lines = ["| | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
     lines.append("| training steps (epochs) | " + " | ".join(
-        f"{runs[m]['steps']} ({runs[m]['epochs']:.1f})" for m in methods) + " |")
-    lines.append("| s / step (calibrated) | " + " | ".join(
-        f"{runs[m]['calibrated_seconds_per_step']:.3f}" for m in methods) + " |")
-    flat = {m: headline(results[m]) for m in methods}
-    metrics = list(dict.fromkeys(k for m in methods for k in flat[m]))
-    for k in metrics:
-        lines.append(f"| {k} | " + " | ".join(f"{flat[m][k]:.2f}" if k in flat[m] else "–" for m in methods) + " |")
+        f"{statistics.mean(r['steps'] for r in rs):.0f} ({statistics.mean(r['epochs'] for r in rs):.1f})"
+        for rs in runs.values()) + " |")
+    lines.append("| training seconds per run | " + " | ".join(
+        f"{statistics.mean(r['train_seconds'] for r in rs):.0f}" for rs in runs.values()) + " |")
+    if all(rs[0]["calibrated_seconds_per_step"] for rs in runs.values()):
+        lines.append("| s / step (calibrated) | " + " | ".join(
+            f"{rs[0]['calibrated_seconds_per_step']:.3f}" for rs in runs.values()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def curves_plot(runs: dict, path: Path, metrics: Sequence[str] = CURVE_METRICS) -> Path | None:
+    """Val-split curves of :data:`CURVE_METRICS` against steps: per column the mean over seeds, the band min..max.
+    None (and a note) without matplotlib or without per-epoch evaluations."""
+    if not any(r["curve"] for rs in runs.values() for r in rs):
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'plugvlm[train]'); no curves.png written")
+        return None
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for name, rs in runs.items():
+            by_step: dict[int, list[float]] = {}
+            for r in rs:
+                for p in r["curve"]:
+                    if metric in p:
+                        by_step.setdefault(p["step"], []).append(p[metric])
+            if not by_step:
+                continue
+            xs = sorted(by_step)
+            line, = ax.plot(xs, [statistics.mean(by_step[x]) for x in xs], marker="o", ms=3, label=name)
+            if len(rs) > 1:
+                ax.fill_between(xs, [min(by_step[x]) for x in xs], [max(by_step[x]) for x in xs],
+                                color=line.get_color(), alpha=0.15, lw=0)
+        ax.set_title(metric + " (val)", fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("percent")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,94 @@
+"""extract/components/toy_segmenter.py: the toy world's oracle masks, exact from the pixels, cached by python -m extract
+--regions sam2 --segmenter toy in SAM2's format and read by PowerCLIP-S's data path."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from extract.components.regions import masks_to_grid, preprocess_geometry
+from extract.components.toy_segmenter import ToySegmenter, connected_components
+from extract.data import toyworld
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toyseg") / "world"
+    toyworld.generate(root, 40, seed=3, workers=1)
+    return root
+
+
+def object_pixels(scene: dict, rgb: np.ndarray) -> list[np.ndarray]:
+    """Each object's pixels: its box's non-background pixels (boxes never overlap; drawing is not anti-aliased)."""
+    out = []
+    for obj in scene["objects"]:
+        x0, y0, x1, y1 = obj["box"]
+        inside = np.zeros(rgb.shape[:2], bool)
+        inside[y0:y1, x0:x1] = True
+        out.append(inside & (rgb != 0).any(-1))
+    return out
+
+
+def test_connected_components_8_neighbours_in_raster_order():
+    fg = np.array([[1, 0, 0, 1],
+                   [0, 1, 0, 1],
+                   [0, 0, 0, 0],
+                   [1, 1, 0, 1]], bool)
+    labels, n = connected_components(fg)
+    assert n == 4  # the diagonal pair joins; the right column is one; two more below
+    assert labels.tolist() == [[1, 0, 0, 2], [0, 1, 0, 2], [0, 0, 0, 0], [3, 3, 0, 4]]
+    assert connected_components(np.zeros((3, 3), bool))[1] == 0
+
+
+def test_one_mask_per_object_equal_to_its_pixels(world):
+    scenes = json.loads((world / "annotations.json").read_text())["scenes"]
+    seg = ToySegmenter()
+    for scene in scenes:
+        image = Image.open(world / scene["file_name"])
+        found = seg.generate(image)
+        truth = object_pixels(scene, np.asarray(image.convert("RGB")))
+        assert len(found) == len(truth) and (found.scores == 1).all()
+        assert sorted(found.areas.tolist(), reverse=True) == found.areas.tolist()
+        for pixels in truth:  # each object is exactly one mask
+            assert sum(bool((m == pixels).all()) for m in found.masks) == 1
+    assert len(ToySegmenter(max_masks=1).generate(Image.open(world / scenes[0]["file_name"]))) <= 1
+
+
+@pytest.mark.slow
+def test_masks_cache_opens_in_powerclip_s_and_covers_each_object(world, tmp_path):
+    """python -m extract --regions sam2 --segmenter toy -> a cache PowerCLIP-S trains from, whose masks on the patch
+    grid are the objects' pixels mapped by the backbone's preprocessing, one per object."""
+    from adapters.objectives.base import StepContext
+    from adapters.objectives.powerclip import PowerCLIPObjective
+    from extract.pipeline import build_cache
+    from train.pretrain.engine import create_model
+
+    cache = build_cache(world, tmp_path / "masks", base="tiny", pretrained="none", components=["regions"],
+                        regions="sam2", segmenter="toy", num_regions=6, workers=0)
+    assert cache.settings["regions"]["source"] == "sam2"
+    assert cache.settings["regions"]["segmenter"]["segmenter"] == "toy-oracle"
+    model, _, _, tok = create_model("plugvlm-tiny", False, 0)
+    obj = PowerCLIPObjective(masks="sam2", regions_cache=str(tmp_path / "masks"), num_masks=10)
+    ids = cache.image_ids()
+    obj.setup(model, {"image_ids": set(ids), "data": str(world)})
+    scenes = {str(s["image_id"]): s for s in json.loads((world / "annotations.json").read_text())["scenes"]}
+    grid = tuple(model.visual.grid_size)
+    from extract.models.backbone import load_backbone
+
+    input_size, mode = preprocess_geometry(load_backbone("tiny", "none", device="cpu"))
+    extras = obj.prepare(["a red circle"] * len(ids), ids, tok)
+    for row, image_id in enumerate(ids):
+        scene = scenes[image_id]
+        rgb = np.asarray(Image.open(world / scene["file_name"]).convert("RGB"))
+        cached = extras["cached_masks"][row][extras["cached_valid"][row]].numpy()
+        truth = masks_to_grid(np.stack(object_pixels(scene, rgb)), (rgb.shape[1], rgb.shape[0]), input_size, grid,
+                              resize_mode=mode).reshape(len(scene["objects"]), -1)
+        assert len(cached) == len(scene["objects"])
+        for cells in truth:
+            assert cells.any() and any(np.array_equal(cells, m) for m in cached)
+    batch = {"image": torch.zeros(len(ids), 3, 64, 64), **extras}
+    masks = obj.region_masks(model, batch, StepContext(global_batch=len(ids)))
+    assert int(masks.any(-1).sum()) == sum(len(scenes[i]["objects"]) for i in ids)  # every object a region

@@ -1,0 +1,120 @@
+"""train/pretrain/compare.py: columns x hard-negative settings x seeds under equal steps and equal wall-clock, each run
+pretrain(PretrainOptions(...)), PowerCLIP-S on the toy world's oracle masks, one evaluation per budget with intervals,
+the table and the curves plot."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from extract.data import toyworld
+
+
+@pytest.mark.slow
+def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
+    """Every run is pretrain(PretrainOptions(...)) and the evaluation evaluate(EvaluateOptions(...)): no argv list
+    goes from one job to another. PowerCLIP-S reads the masks cache the comparison built."""
+    import train.eval.evaluate as ev
+    import train.pretrain.engine as pt
+    from train.pretrain.compare import main
+
+    calls = []
+    real_pretrain, real_evaluate = pt.pretrain, ev.evaluate
+
+    def pretrain(opts):
+        assert isinstance(opts, pt.PretrainOptions)
+        calls.append((opts.method, opts.max_steps, opts.seed, opts.lr, opts.hard_negatives, opts.method_options,
+                      opts.out))
+        return real_pretrain(opts)
+
+    def evaluate(opts):
+        assert isinstance(opts, ev.EvaluateOptions)
+        calls.append(("evaluate", opts.columns))
+        return real_evaluate(opts)
+
+    def no_argv(*args, **kwargs):
+        raise AssertionError("a job was called through its command line")
+
+    monkeypatch.setattr(pt, "pretrain", pretrain)
+    monkeypatch.setattr(ev, "evaluate", evaluate)
+    for module in (pt, ev):
+        monkeypatch.setattr(module, "main", no_argv)
+    world = tmp_path / "toy"
+    toyworld.generate(world, 30, seed=1, workers=1)  # seed 1: the test split has single-object scenes (zero-shot)
+    out = tmp_path / "cmp"
+    argv = ["--out", str(out), "--data", str(world), "--methods", "clip,powerclip-S", "--seeds", "2", "--budget",
+            "steps,time", "--steps", "12", "--minutes-per-method", "0.005", "--batch-size", "4", "--workers", "0",
+            "--calibration-steps", "2", "--bootstrap", "20", "--extra", "--lr 5e-4", "-q"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    runs = [c for c in calls if c[0] != "evaluate"]
+    # equal steps: 2 columns x 2 seeds of 12 steps (2 epochs of 6); equal wall-clock: 2 calibrations, 2 x 2 runs
+    assert [(c[0], c[1], c[2]) for c in runs[:4]] == [("clip", 12, 0), ("clip", 12, 1), ("powerclip", 12, 0),
+                                                       ("powerclip", 12, 1)]
+    assert len(runs) == 4 + 2 + 4 and all(c[3] == 5e-4 and c[4] == "none" for c in runs)  # --extra applied
+    masks = runs[2][5]
+    assert masks["masks"] == "sam2" and masks["regions_cache"] == str(out / "toy-masks")
+    evals = [c for c in calls if c[0] == "evaluate"]
+    assert [c[1] for c in evals] == [["clip", "clip", "powerclip-S", "powerclip-S"]] * 2
+    text = (out / "compare.md").read_text()
+    assert "## Equal steps" in text and "## Equal wall-clock" in text
+    assert "| powerclip-S | " in text and "s / step (calibrated)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| column |")]
+    assert len(rows) == 2 and "toyworld swap-att" in rows[0] and "toyworld held-out all" not in rows[0]  # no holdout
+    data = json.loads((out / "compare.json").read_text())
+    steps = data["budgets"]["steps"]
+    assert [r["seed"] for r in steps["runs"]["powerclip-S"]] == [0, 1]
+    assert steps["table"]["metrics"]["powerclip-S"]["retrieval T2I R@1"]["sd"] is not None
+    assert "delta_ci" in steps["table"]["metrics"]["powerclip-S"]["toyworld swap-att"]
+    assert all([p["step"] for p in r["curve"]] == [6, 12] for rs in steps["runs"].values() for r in rs)  # per epoch
+    assert (out / "steps" / "curves.png").stat().st_size > 1000
+    assert (out / "steps" / "eval" / "results.md").is_file() and (out / "time" / "eval" / "results.md").is_file()
+
+    first = (out / "compare.md").read_text()
+    calls.clear()
+    torch.set_num_threads(1)
+    try:  # the same command again: the finished equal-steps runs are kept, not trained again
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert not [c for c in calls if c[0] != "evaluate" and "/steps/" in c[6]] and calls
+    steps_section = first.split("## Equal wall-clock")[0]
+    assert steps_section == (out / "compare.md").read_text().split("## Equal wall-clock")[0]  # the same table
+
+def test_columns_are_checked_before_any_work(tmp_path):
+    import train.pretrain.engine as pt
+    from train.pretrain.compare import DEFAULT_COLUMNS, CompareOptions, compare, parse_args, parse_column
+
+    col = parse_column("pgs 0.4=clip-pgs --pgs-min-ratio 0.4")
+    assert (col.label, col.method, col.method_options) == ("pgs 0.4", "clip-pgs", {"pgs_min_ratio": 0.4})
+    assert DEFAULT_COLUMNS["powerclip-S"].options("M") == {"masks": "sam2", "regions_cache": "M"}
+    assert DEFAULT_COLUMNS["clip-pgs"].method_options == {"pgs_min_ratio": 0.5, "pgs_max_ratio": 0.5}  # FLIP's 0.5
+    with pytest.raises(ValueError, match="--mask-ratio 0.5 not a flag of clip-pgs .its flags: --pgs-alpha"):
+        parse_column("x=clip-pgs --mask-ratio 0.5")
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        parse_column("x=nope")
+    with pytest.raises(ValueError, match="expected LABEL=METHOD"):
+        parse_column("clip")
+    opts = parse_args(["--column", "pgs-0.3=clip-pgs --pgs-min-ratio 0.3", "--methods", "clip,pgs-0.3,filip",
+                       "--hard-negatives", "none,swap-att"])
+    assert [c.label for c in opts.columns()] == ["clip", "pgs-0.3", "filip"] and opts.hard_negatives == ["none",
+                                                                                                          "swap-att"]
+    assert parse_args(["--extra", "--lr 5e-4"]).pretrain.lr == 5e-4
+    with pytest.raises(ValueError, match="methods: unknown nope"):
+        CompareOptions(methods="clip,nope")
+    with pytest.raises(ValueError, match="budget: unknown"):
+        CompareOptions(budget="epochs")
+    with pytest.raises(ValueError, match="swap"):
+        CompareOptions(hard_negatives="none,swap")
+    with pytest.raises(ValueError, match="pass pretrain=PretrainOptions"):
+        compare(CompareOptions(out=str(tmp_path / "a"), extra="--lr 5e-4"))
+    with pytest.raises(ValueError, match="lr: "):
+        compare(CompareOptions(out=str(tmp_path / "b"), pretrain=pt.PretrainOptions(lr=-1.0)))
+    with pytest.raises(ValueError, match="not a toy-world folder"):
+        compare(CompareOptions(out=str(tmp_path / "c"), data=str(tmp_path)))
+    assert not any((tmp_path / d).exists() for d in "abc")  # refused before any work

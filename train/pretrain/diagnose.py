@@ -1,0 +1,247 @@
+"""``python -m train.pretrain.diagnose``: what PowerCLIP and CLIP-PGS actually see on a toy world, measured -- the
+questions to answer before calling a missing effect a property of the data.
+
+    python -m train.pretrain.diagnose --data runs/compare/toyworld
+    python -m train.pretrain.diagnose --data WORLD --run runs/compare/steps/powerclip-S/seed-0 --json diag.json
+
+Sections (``--json`` writes every figure):
+
+1. **Regions** (PowerCLIP §3.2): on ``--n`` train images, the object cells on the model's patch grid (the toy world's
+   exact masks, ``extract.components.toy_segmenter``), against the regions each variant gives the powerset: PowerCLIP-R's
+   ``--num-masks`` random boxes (``extract.components.regions.random_grid_boxes``) and PowerCLIP-S's object masks. Per
+   region: the share that holds a whole object (all its cells), that *isolates* one (all its cells, no cell of
+   another object), that holds no object cell at all. Per powerset term (every non-empty subset of the image's
+   regions, the unions NLA-T1 / NLA-T2 aggregate over): the share whose union isolates one object, and the share of
+   objects that some term isolates -- a phrase node naming one object can only match a term that holds it alone.
+2. **Patch selection** (CLIP-PGS §3.2): the share of object cells and of background cells that CLIP-PGS_0.5 keeps,
+   against FLIP's uniform 0.5 (which keeps half of each in expectation), with the pixel similarity of the first
+   epoch (alpha 0) and the patch features of ``--pretrained`` (default: random initialisation) at alpha 1.
+3. **Phrase trees** (PowerCLIP §3.3): a few toy captions' leaves and nodes as the data path builds them.
+4. **Loss share** (``--run`` run folders): from each run's ``log.csv``, the mean over its last quarter of the
+   contrastive term and of lambda x triplet (PowerCLIP's powerset term), and the ratio between them.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from extract.common.cli import Parser, option, parse_options, run_job
+from extract.common.cli import build_parser as build_cli
+from extract.common.config import positive_int
+
+
+@dataclass
+class DiagnoseOptions:
+    """What ``python -m train.pretrain.diagnose`` measures, as data."""
+
+    data: str = option(..., help="a toy-world folder")
+    model: str = option("tiny", help="the pre-training model (its patch grid and preprocessing)")
+    pretrained: str | None = option(None, help="weights whose patch features CLIP-PGS selects with (default: random "
+                                               "initialisation)")
+    n: int = option(400, type=positive_int, help="train-split images measured")
+    num_masks: int = option(10, type=positive_int, help="PowerCLIP's M: regions per image")
+    seed: int = option(0, help="seeds the random boxes and CLIP-PGS's seed patches")
+    run: list = option(default_factory=list, action="append", metavar="RUN_DIR",
+                       help="a train.pretrain run folder whose log.csv gives the loss share (repeatable)")
+    json: str | None = option(None, help="write every figure here")
+
+
+def build_parser() -> Parser:
+    return build_cli(DiagnoseOptions, "python -m train.pretrain.diagnose", __doc__)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> DiagnoseOptions:
+    return parse_options(DiagnoseOptions, build_parser(), argv)
+
+
+# --------------------------------------------------------------------------------------------- 1. regions
+def object_cells(world: Path, n: int, backbone) -> tuple[list[str], list[np.ndarray]]:
+    """The first ``n`` train images: (their paths, each one's object cells [objects, rows * cols] bool on the
+    backbone's patch grid, from the exact masks)."""
+    from PIL import Image
+
+    from extract.components.regions import masks_to_grid, preprocess_geometry
+    from extract.components.toy_segmenter import ToySegmenter
+
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == "train"][:n]
+    input_size, mode = preprocess_geometry(backbone)
+    grid, seg = tuple(backbone.grid), ToySegmenter()
+    files, cells = [], []
+    for s in scenes:
+        image = Image.open(world / s["file_name"]).convert("RGB")
+        masks = seg.generate(image).masks
+        files.append(str(world / s["file_name"]))
+        cells.append(masks_to_grid(masks, image.size, input_size, grid, resize_mode=mode).reshape(len(masks), -1))
+    return files, cells
+
+
+def region_stats(objects: np.ndarray, regions: np.ndarray) -> dict[str, float]:
+    """Counts for one image: objects [K, N] bool cells, regions [M, N] bool (non-empty). Returns sums (not shares)
+    of regions holding / isolating an object / holding none, of powerset terms isolating one, and of objects some
+    term isolates, with the totals to divide by."""
+    obj = objects.astype(np.int64)
+    m = len(regions)
+    subsets = np.array(list(itertools.product([0, 1], repeat=m))[1:], dtype=np.int64)  # [2^M - 1, M]
+    unions = (subsets @ regions.astype(np.int64)) > 0  # [T, N]
+
+    def isolated(sets: np.ndarray) -> np.ndarray:  # [S, K]: set s holds all of object k and no cell of another
+        covered = (sets.astype(np.int64) @ obj.T) == obj.sum(1)[None, :]
+        touched = (sets.astype(np.int64) @ obj.T) > 0
+        others = touched.sum(1, keepdims=True) - touched
+        return covered & (others == 0)
+
+    whole = ((regions.astype(np.int64) @ obj.T) == obj.sum(1)[None, :]).any(1)
+    terms = isolated(unions)
+    return {"regions": m, "terms": len(unions), "objects": len(objects),
+            "region_holds_object": int(whole.sum()), "region_isolates_object": int(isolated(regions).any(1).sum()),
+            "region_background_only": int(((regions.astype(np.int64) @ obj.T) == 0).all(1).sum()),
+            "term_isolates_object": int(terms.any(1).sum()), "object_isolated_by_a_term": int(terms.any(0).sum())}
+
+
+def regions_section(cells: list[np.ndarray], grid: tuple[int, int], m: int, seed: int) -> dict[str, dict]:
+    from extract.components.regions import random_grid_boxes
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in ("powerclip-R (random boxes)", "powerclip-S (object masks)"):
+        total: dict[str, int] = {}
+        for objects in cells:
+            if name.startswith("powerclip-R"):
+                regions = random_grid_boxes(grid, m, rng)[1].reshape(m, -1)
+            else:
+                regions = objects[:m]
+            for k, v in region_stats(objects, regions).items():
+                total[k] = total.get(k, 0) + v
+        out[name] = {
+            "regions per image": total["regions"] / len(cells),
+            "regions holding a whole object %": 100 * total["region_holds_object"] / total["regions"],
+            "regions isolating one object %": 100 * total["region_isolates_object"] / total["regions"],
+            "regions with no object cell %": 100 * total["region_background_only"] / total["regions"],
+            "powerset terms isolating one object %": 100 * total["term_isolates_object"] / total["terms"],
+            "objects some term isolates %": 100 * total["object_isolated_by_a_term"] / total["objects"]}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- 2. CLIP-PGS
+def selection_section(files: list[str], cells: list[np.ndarray], model, preprocess, seed: int) -> dict[str, dict]:
+    import torch
+    from PIL import Image
+
+    from adapters.objectives.clip_pgs import PGSConfig, pgs_select
+    from adapters.objectives.towers import patch_embed
+
+    images = torch.stack([preprocess(Image.open(f).convert("RGB")) for f in files])
+    on_object = torch.from_numpy(np.stack([c.any(0) for c in cells]))  # [B, N]
+    visual = model.visual
+    grid, patch = tuple(visual.grid_size), tuple(visual.patch_size)
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.rand(on_object.shape, generator=gen)
+    with torch.no_grad():
+        features = patch_embed(model, images)
+    out = {}
+    for label, alpha in (("clip-pgs 0.5, alpha 0 (pixels: the first epoch)", 0.0),
+                         ("clip-pgs 0.5, alpha 1 (patch features)", 1.0)):
+        keep, padding, _ = pgs_select(images, features, noise, PGSConfig(min_ratio=0.5, max_ratio=0.5), alpha,
+                                      grid, patch)
+        kept = torch.zeros_like(on_object)
+        valid = torch.ones_like(keep, dtype=torch.bool) if padding is None else ~padding
+        kept.scatter_(1, keep, valid)
+        out[label] = {"object cells kept %": 100 * float((kept & on_object).sum() / on_object.sum()),
+                      "background cells kept %": 100 * float((kept & ~on_object).sum() / (~on_object).sum())}
+    out["flip 0.5 (uniform)"] = {"object cells kept %": 50.0, "background cells kept %": 50.0}
+    out["object cells per image (of the grid)"] = {"mean": float(on_object.sum(1).float().mean()),
+                                                   "grid": grid[0] * grid[1]}
+    return out
+
+
+# --------------------------------------------------------------------------------------------- 3, 4
+def trees_section(captions: Sequence[str]) -> list[dict]:
+    from extract.components.text import TextComponentExtractor
+
+    extractor = TextComponentExtractor(max_entities=0, max_relations=0, max_leaves=16, max_nodes=16)
+    out = []
+    for caption, comp in zip(captions, extractor.extract(list(captions))):
+        leaves = [leaf.text for leaf in comp.tree.leaves]
+        nodes = [" + ".join(leaves[i] for i in node) for node in comp.tree.nodes]
+        out.append({"caption": caption, "leaves": leaves, "nodes": nodes})
+    return out
+
+
+def loss_section(runs: Sequence[str]) -> dict[str, dict]:
+    out = {}
+    for run in runs:
+        config = json.loads((Path(run) / "config.json").read_text())
+        lam = config.get("powerclip_lambda")
+        with open(Path(run) / "log.csv", newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("triplet")]
+        if not rows or lam is None:
+            out[run] = {"note": "no triplet column (not a powerclip run)"}
+            continue
+        tail = rows[len(rows) * 3 // 4:]
+        clip = float(np.mean([float(r["clip"]) for r in tail]))
+        trip = float(np.mean([float(r["triplet"]) for r in tail])) * float(lam)
+        out[run] = {"contrastive": clip, "lambda x triplet": trip, "lambda": lam, "share of the loss %": 100 * trip /
+                    (clip + trip), "steps averaged": len(tail)}
+    return out
+
+
+def diagnose(opts: DiagnoseOptions) -> dict:
+    from extract.data.toyworld import is_toyworld
+    from extract.models.backbone import load_backbone
+
+    world = Path(opts.data)
+    if not is_toyworld(world):
+        raise ValueError(f"--data {world}: not a toy-world folder (python -m extract.data.toyworld makes one)")
+    backbone = load_backbone(opts.model, opts.pretrained or "none", device="cpu")
+    files, cells = object_cells(world, opts.n, backbone)
+    grid = tuple(backbone.grid)
+    scenes = json.loads((world / "annotations.json").read_text())["scenes"]
+    by_kind: dict[str, str] = {}  # one caption of each kind the world writes (one-object, relation, ...)
+    for s in scenes:
+        for c in s["captions"]:
+            by_kind.setdefault(c["kind"], c["text"])
+    captions = list(by_kind.values())
+    report = {"images": len(files), "grid": list(grid),
+              "regions": regions_section(cells, grid, opts.num_masks, opts.seed),
+              "selection": selection_section(files, cells, backbone.model, backbone.preprocess, opts.seed),
+              "trees": trees_section(captions), "loss": loss_section(opts.run)}
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def render(report: dict) -> str:
+    lines = [f"{report['images']} train images, patch grid {report['grid'][0]} x {report['grid'][1]}", "",
+             "1. regions (PowerCLIP §3.2)"]
+    for name, row in report["regions"].items():
+        lines.append(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+    lines += ["", "2. patch selection (CLIP-PGS §3.2)"]
+    for name, row in report["selection"].items():
+        lines.append(f"  {name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                               for k, v in row.items()))
+    lines += ["", "3. phrase trees (PowerCLIP §3.3)"]
+    for t in report["trees"]:
+        lines.append(f"  {t['caption']!r}: leaves {t['leaves']}, nodes {t['nodes']}")
+    if report["loss"]:
+        lines += ["", "4. loss share (last quarter of each run)"]
+        for run, row in report["loss"].items():
+            lines.append(f"  {run}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in row.items()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def job(opts: DiagnoseOptions) -> None:
+        print(render(diagnose(opts)))
+
+    return run_job(job, parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,9 +43,8 @@ def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
     world = tmp_path / "toy"
     toyworld.generate(world, 30, seed=1, workers=1)  # seed 1: the test split has single-object scenes (zero-shot)
     out = tmp_path / "cmp"
-    argv = ["--out", str(out), "--data", str(world), "--methods", "clip,powerclip-S", "--seeds", "2", "--budget",
-            "steps,time", "--steps", "12", "--minutes-per-method", "0.005", "--batch-size", "4", "--workers", "0",
-            "--calibration-steps", "2", "--bootstrap", "20", "--extra", "--lr 5e-4", "-q"]
+    argv = ["--out", str(out), "--data", str(world), "--methods", "clip,powerclip-S", "--seeds", "2", "--steps", "6",
+            "--batch-size", "8", "--workers", "0", "--bootstrap", "20", "--extra", "--lr 5e-4", "-q"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -53,38 +52,55 @@ def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     runs = [c for c in calls if c[0] != "evaluate"]
-    # equal steps: 2 columns x 2 seeds of 12 steps (2 epochs of 6); equal wall-clock: 2 calibrations, 2 x 2 runs
-    assert [(c[0], c[1], c[2]) for c in runs[:4]] == [("clip", 12, 0), ("clip", 12, 1), ("powerclip", 12, 0),
-                                                       ("powerclip", 12, 1)]
-    assert len(runs) == 4 + 2 + 4 and all(c[3] == 5e-4 and c[4] == "none" for c in runs)  # --extra applied
+    # equal steps (the default budget): 2 columns x 2 seeds of 6 steps (2 epochs of 3)
+    assert [(c[0], c[1], c[2]) for c in runs] == [("clip", 6, 0), ("clip", 6, 1), ("powerclip", 6, 0),
+                                                  ("powerclip", 6, 1)]
+    assert all(c[3] == 5e-4 and c[4] == "none" for c in runs)  # --extra applied
     masks = runs[2][5]
     assert masks["masks"] == "sam2" and masks["regions_cache"] == str(out / "toy-masks")
-    evals = [c for c in calls if c[0] == "evaluate"]
-    assert [c[1] for c in evals] == [["clip", "clip", "powerclip-S", "powerclip-S"]] * 2
+    assert [c[1] for c in calls if c[0] == "evaluate"] == [["clip", "clip", "powerclip-S", "powerclip-S"]]
     text = (out / "compare.md").read_text()
-    assert "## Equal steps" in text and "## Equal wall-clock" in text
-    assert "| powerclip-S | " in text and "s / step (calibrated)" in text
+    assert "## Equal steps" in text and "| powerclip-S | " in text and "Equal wall-clock" not in text
     rows = [line for line in text.splitlines() if line.startswith("| column |")]
-    assert len(rows) == 2 and "toyworld swap-att" in rows[0] and "toyworld held-out all" not in rows[0]  # no holdout
+    assert len(rows) == 1 and "toyworld swap-att" in rows[0] and "toyworld held-out all" not in rows[0]  # no holdout
     data = json.loads((out / "compare.json").read_text())
     steps = data["budgets"]["steps"]
     assert [r["seed"] for r in steps["runs"]["powerclip-S"]] == [0, 1]
     assert steps["table"]["metrics"]["powerclip-S"]["retrieval T2I R@1"]["sd"] is not None
     assert "delta_ci" in steps["table"]["metrics"]["powerclip-S"]["toyworld swap-att"]
-    assert all([p["step"] for p in r["curve"]] == [6, 12] for rs in steps["runs"].values() for r in rs)  # per epoch
-    assert (out / "steps" / "curves.png").stat().st_size > 1000
-    assert (out / "steps" / "eval" / "results.md").is_file() and (out / "time" / "eval" / "results.md").is_file()
-
-    first = (out / "compare.md").read_text()
+    assert all([p["step"] for p in r["curve"]] == [3, 6] for rs in steps["runs"].values() for r in rs)  # per epoch
+    assert (out / "steps" / "curves.png").stat().st_size > 1000 and (out / "steps" / "eval" / "results.md").is_file()
     calls.clear()
     torch.set_num_threads(1)
-    try:  # the same command again: the finished equal-steps runs are kept, not trained again
+    try:  # the same command again: the finished runs are kept, not trained again
         assert main(argv) == 0
     finally:
         torch.set_num_threads(threads)
-    assert not [c for c in calls if c[0] != "evaluate" and "/steps/" in c[6]] and calls
-    steps_section = first.split("## Equal wall-clock")[0]
-    assert steps_section == (out / "compare.md").read_text().split("## Equal wall-clock")[0]  # the same table
+    assert [c[0] for c in calls] == ["evaluate"]
+    assert (out / "compare.md").read_text() == text
+
+
+@pytest.mark.slow
+def test_equal_wall_clock_calibrates_each_column(tmp_path):
+    from train.pretrain.compare import main
+
+    world = tmp_path / "toy"
+    toyworld.generate(world, 30, seed=1, workers=1)
+    out = tmp_path / "cmp"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["--out", str(out), "--data", str(world), "--methods", "clip,flip", "--budget", "time",
+                     "--minutes-per-method", "0.005", "--calibration-steps", "2", "--batch-size", "8", "--workers",
+                     "0", "--eval-every-n-epochs", "0", "--bootstrap", "0", "-q"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    runs = json.loads((out / "compare.json").read_text())["budgets"]["time"]["runs"]
+    for column in ("clip", "flip"):
+        (run,) = runs[column]
+        assert run["steps"] == max(1, int(0.3 / run["calibrated_seconds_per_step"]))  # what fits in the budget
+    text = (out / "compare.md").read_text()
+    assert "## Equal wall-clock" in text and "| s / step (calibrated) |" in text and "## Equal steps" not in text
 
 def test_columns_are_checked_before_any_work(tmp_path):
     import train.pretrain.engine as pt

@@ -144,7 +144,8 @@ class CompareOptions:
                                               "none, all, or one type (e.g. none,all)")
     budget: Any = option("steps", help="comma list from steps (every run --steps steps), time (every column "
                                        "--minutes-per-method of training)")
-    steps: int = option(500, type=positive_int, help="optimizer steps of every run, budget steps (500: 4 whole epochs of the default world at batch 64)")
+    steps: int = option(500, type=positive_int, help="optimizer steps of every run, budget steps (500: 4 whole "
+                                                     "epochs of the default world at batch 64)")
     minutes_per_method: float = option(3.0, type=positive_float, help="training wall-clock per run, budget time")
     model: str = option("tiny", help="open_clip architecture or plugvlm alias of every run")
     batch_size: int = option(64, type=positive_int, help="batch of every run")

@@ -269,7 +269,8 @@ def compare(opts: CompareOptions) -> dict:
     check_options(opts, build_parser())
     for c in opts.columns():
         if c.method not in PRETRAIN:
-            raise ValueError(f"column {c.label}: unknown method {c.method!r}; choose from {', '.join(PRETRAIN.names())}")
+            raise ValueError(f"column {c.label}: unknown method {c.method!r}; choose from "
+                             f"{', '.join(PRETRAIN.names())}")
     if opts.extra.strip() and opts.pretrain is None:
         raise ValueError("extra: a string of command-line flags; from Python pass pretrain=PretrainOptions(...) "
                          "(python -m train.pretrain.compare parses --extra into it)")

@@ -10,8 +10,8 @@ Sections (``--json`` writes every figure):
    exact masks, ``extract.components.toy_segmenter``), against the regions each variant gives the powerset:
    PowerCLIP-R's ``--num-masks`` random boxes (``extract.components.regions.random_grid_boxes``) and PowerCLIP-S's
    object masks. Per region: the share that holds a whole object (all its cells), that *isolates* one (all its
-   cells, no cell of another object), that holds no object cell at all. Per powerset term (every non-empty subset of the image's
-   regions, the unions NLA-T1 / NLA-T2 aggregate over): the share whose union isolates one object, and the share of
+   cells, no cell of another object), that holds no object cell at all. Per powerset term (every non-empty subset
+   of the image's regions, the unions NLA-T1 / NLA-T2 aggregate over): the share whose union isolates one object, and the share of
    objects that some term isolates -- a phrase node naming one object can only match a term that holds it alone.
 2. **Patch selection** (CLIP-PGS §3.2): the share of object cells and of background cells that CLIP-PGS_0.5 keeps,
    against FLIP's uniform 0.5 (which keeps half of each in expectation), with the pixel similarity of the first

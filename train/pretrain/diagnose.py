@@ -1,6 +1,7 @@
 """``python -m train.pretrain.diagnose``: what PowerCLIP and CLIP-PGS actually see on a toy world, measured -- the
 questions to answer before calling a missing effect a property of the data.
 
+    python -m train.pretrain.diagnose                        # the embedded toy world
     python -m train.pretrain.diagnose --data runs/compare/toyworld
     python -m train.pretrain.diagnose --data WORLD --run runs/compare/steps/powerclip-S/seed-0 --json diag.json
 
@@ -9,10 +10,11 @@ Sections (``--json`` writes every figure):
 1. **Regions** (PowerCLIP §3.2): on ``--n`` train images, the object cells on the model's patch grid (the toy world's
    exact masks, ``extract.components.toy_segmenter``), against the regions each variant gives the powerset:
    PowerCLIP-R's ``--num-masks`` random boxes (``extract.components.regions.random_grid_boxes``) and PowerCLIP-S's
-   object masks. Per region: the share that holds a whole object (all its cells), that *isolates* one (all its
-   cells, no cell of another object), that holds no object cell at all. Per powerset term (every non-empty subset
-   of the image's regions, the unions NLA-T1 / NLA-T2 aggregate over): the share whose union isolates one object, and the share of
-   objects that some term isolates -- a phrase node naming one object can only match a term that holds it alone.
+   object masks. Per region: the share that holds a whole object (all its cells), that *isolates* one (all its cells,
+   no cell of another object), that holds no object cell at all. Per powerset term (every non-empty subset of the
+   image's regions, the unions NLA-T1 / NLA-T2 aggregate over): the share whose union isolates one object, and the
+   share of objects that some term isolates -- a phrase node naming one object can only match a term that holds it
+   alone.
 2. **Patch selection** (CLIP-PGS §3.2): the share of object cells and of background cells that CLIP-PGS_0.5 keeps,
    against FLIP's uniform 0.5 (which keeps half of each in expectation), with the pixel similarity of the first
    epoch (alpha 0) and the patch features of ``--pretrained`` (default: random initialisation) at alpha 1.
@@ -23,6 +25,7 @@ Sections (``--json`` writes every figure):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -31,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from extract.common.cli import Parser, option, parse_options, run_job
+from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import positive_int
 
@@ -40,7 +43,8 @@ from extract.common.config import positive_int
 class DiagnoseOptions:
     """What ``python -m train.pretrain.diagnose`` measures, as data."""
 
-    data: str = option(..., help="a toy-world folder")
+    data: str | None = option(None, help="a toy-world folder (default: the embedded toy world runs/toy, generated on "
+                                         "first use)")
     model: str = option("tiny", help="the pre-training model (its patch grid and preprocessing)")
     pretrained: str | None = option(None, help="weights whose patch features CLIP-PGS selects with (default: random "
                                                "initialisation)")
@@ -195,6 +199,10 @@ def diagnose(opts: DiagnoseOptions) -> dict:
     from extract.data.toyworld import is_toyworld
     from extract.models.backbone import load_backbone
 
+    if opts.data is None:
+        from extract.data import toyworld
+
+        opts = dataclasses.replace(opts, data=str(toyworld.ensure(say=say)))
     world = Path(opts.data)
     if not is_toyworld(world):
         raise ValueError(f"--data {world}: not a toy-world folder (python -m extract.data.toyworld makes one)")

@@ -116,6 +116,17 @@ def same_torch_threads():
             torch.set_num_threads(wanted)
 
 
+@pytest.fixture
+def one_thread():
+    """Training steps of the tiny model gain nothing from a second thread, and on a busy 2-core machine OpenMP's
+    spinning threads make them several times slower (``pytestmark = pytest.mark.usefixtures("one_thread")``);
+    ``same_torch_threads`` restores the count afterwards."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny_toy_cache(tmp_path_factory):
     """Factory: ``tiny_toy_cache(components)`` -> the FeatureCache of one 60-scene toy world (train split) under

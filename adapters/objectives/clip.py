@@ -22,13 +22,14 @@ class CLIPObjective(PretrainObjective):
     """Batch: ``image`` [b, 3, H, W], ``text`` [b, L]. Features: normalised ``image_features`` / ``text_features``
     [b, D] and ``logit_scale`` (the multiplier, exp of the learnt log-scale).
 
-    CLIP needs only the global embedding, so it trains a ResNet image tower too; the objectives built on it
-    choose or embed patches (``uses_patches``) and need a ViT."""
+    CLIP needs only the global embedding, so it trains a ResNet image tower too, and so do the objectives that
+    embed patches (FILIP, PowerCLIP: a ResNet's patches are its final feature map's positions); those that choose
+    which patches enter the tower (``chooses_patches``: FLIP, CLIP-PGS) need a ViT."""
 
-    uses_patches: ClassVar[bool] = False
+    chooses_patches: ClassVar[bool] = False
 
     def setup(self, model: nn.Module, data_info) -> None:
-        check_model(model, patches=self.uses_patches)
+        check_model(model, chooses_patches=self.chooses_patches)
 
     def image_out(self, model: nn.Module, batch: dict[str, Tensor], ctx: StepContext):
         """The image forward; subclasses that change which patches are seen override this alone."""

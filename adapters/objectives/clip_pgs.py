@@ -140,7 +140,7 @@ def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSCon
 class CLIPPGSObjective(CLIPObjective):
     """CLIP on PGS-selected patches (CLIP-PGS §3.2)."""
 
-    uses_patches: ClassVar[bool] = True
+    chooses_patches: ClassVar[bool] = True
 
     def __init__(self, cfg: PGSConfig = PGSConfig()):
         self.cfg = cfg

@@ -26,7 +26,7 @@ approximation, and re-ranking scores the candidates with the late interaction it
 from __future__ import annotations
 
 import argparse
-from typing import ClassVar, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -132,8 +132,6 @@ def filip_loss(img: Tensor, img_mask: Tensor | None, txt: Tensor, txt_mask: Tens
 class FILIPObjective(CLIPObjective):
     """Token-wise late-interaction contrastive loss. Features: normalised ``patch_tokens`` [b, K, D],
     ``text_tokens`` [b, L, D] with ``text_mask`` [b, L], and ``logit_scale``."""
-
-    uses_patches: ClassVar[bool] = True
 
     def __init__(self, chunk: int = 0):
         self.chunk = chunk

@@ -23,7 +23,7 @@ from adapters.registry import PRETRAIN
 class FLIPObjective(CLIPObjective):
     """CLIP on a random ``mask_ratio`` of the patches dropped (FLIP §3)."""
 
-    uses_patches: ClassVar[bool] = True
+    chooses_patches: ClassVar[bool] = True
 
     def __init__(self, mask_ratio: float = 0.5):
         if not 0.0 <= mask_ratio < 1.0:

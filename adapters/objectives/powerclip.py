@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from adapters.objectives.base import Features, StepContext, batch_random, step_n
 from adapters.objectives.towers import encode_image, encode_text, normalize
 from adapters.objectives.clip import CLIPObjective
 from adapters.registry import PRETRAIN
+from extract.models.backbone import image_grid
 
 MASK_SOURCES = ("random", "sam2")
 _TREE_CACHE_LIMIT = 200_000  # captions whose packed tree a worker keeps (toy worlds and CC captions repeat)
@@ -149,8 +150,6 @@ class PowerCLIPObjective(CLIPObjective):
     """CLIP + lambda x NLA triplet loss (paper eq. 16). Batch: ``image``, ``text`` and, from ``prepare``,
     ``leaf_tokens`` [b, P, L], ``node_leaves`` [b, K, P] (and ``cached_masks`` / ``cached_valid`` for sam2)."""
 
-    uses_patches: ClassVar[bool] = True
-
     def __init__(self, masks: str = "random", num_masks: int = 10, regions_cache: str | None = None,
                  loss: PowerCLIPLossConfig = PowerCLIPLossConfig(), max_leaves: int = 16, max_nodes: int = 16):
         if masks not in MASK_SOURCES:
@@ -209,7 +208,7 @@ class PowerCLIPObjective(CLIPObjective):
         from extract.components.text import load_spacy
 
         load_spacy()  # a missing spaCy model fails now, naming the package, not in a worker
-        grid = tuple(model.visual.grid_size)
+        grid = image_grid(model.visual)
         self._n_cells = grid[0] * grid[1]
         if self.masks != "sam2":
             return
@@ -254,7 +253,7 @@ class PowerCLIPObjective(CLIPObjective):
         b = len(batch["image"])
         device = batch["image"].device
         if self.masks == "random":
-            return random_region_masks(ctx, b, tuple(model.visual.grid_size), self.num_masks).to(device)
+            return random_region_masks(ctx, b, image_grid(model.visual), self.num_masks).to(device)
         noise = batch_random(ctx, "powerclip-sam2", b, batch["cached_masks"].shape[1], device=device)
         masks, _ = sample_masks(batch["cached_masks"].bool(), batch["cached_valid"].bool(), self.num_masks, noise)
         return masks

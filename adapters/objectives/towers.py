@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from extract.models.backbone import is_resnet, is_vit
+from adapters.objectives.phases import phase
+from extract.models.backbone import is_resnet, is_vit, resnet_tokens
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -26,17 +27,20 @@ class UnsupportedModelError(NotImplementedError):
     that chooses or embeds patches; a ViT or ModifiedResNet for CLIP)."""
 
 
-def check_model(model: nn.Module, *, patches: bool = True) -> None:
+def check_model(model: nn.Module, *, chooses_patches: bool = True) -> None:
     """Raise :class:`UnsupportedModelError` unless ``model`` is an open_clip ``CLIP`` with the built-in text
     transformer whose image tower is a ``VisionTransformer`` pooled by its class token (ViT-B-16, ViT-B-32,
-    ViT-L-14, plugvlm-tiny, ...) or, where the objective needs no patches (``patches=False``: CLIP), a
-    ``ModifiedResNet`` (RN50, plugvlm-tiny-rn)."""
+    ViT-L-14, plugvlm-tiny, ...) or, where the objective does not choose which patches enter the tower
+    (``chooses_patches=False``: CLIP, FILIP, PowerCLIP), a ``ModifiedResNet`` (RN50, plugvlm-tiny-rn), whose
+    patch tokens are its attention pool's per-position value path (:func:`extract.models.backbone.resnet_tokens`)."""
     visual = getattr(model, "visual", None)
-    if not is_vit(visual) and (patches or not is_resnet(visual)):
-        towers = "a ViT image tower" if patches else "a ViT or ModifiedResNet image tower"
+    if not is_vit(visual) and (chooses_patches or not is_resnet(visual)):
+        towers = "a ViT image tower" if chooses_patches else "a ViT or ModifiedResNet image tower"
+        why = " (it chooses which patches enter the transformer, and a ResNet has none to leave out)" \
+            if chooses_patches and is_resnet(visual) else ""
         raise UnsupportedModelError(
-            f"this objective needs {towers}; {type(visual).__name__} is not one "
-            f"(choose {'a ViT config: ViT-B-16, ViT-B-32, plugvlm-tiny' if patches else 'ViT-B-16, RN50, plugvlm-tiny-rn'}"
+            f"this objective needs {towers}; {type(visual).__name__} is not one{why} "
+            f"(choose {'a ViT config: ViT-B-16, ViT-B-32, plugvlm-tiny' if chooses_patches else 'ViT-B-16, RN50, plugvlm-tiny-rn'}"
             ", ...)")
     if is_vit(visual) and (getattr(visual, "attn_pool", None) is not None or getattr(visual, "pool_type", "tok") != "tok"):
         raise UnsupportedModelError(
@@ -57,6 +61,7 @@ class ImageOut:
     patches: Tensor | None = None
 
 
+@phase("image_tower")
 def patch_embed(model: nn.Module, images: Tensor) -> Tensor:
     """The patch-embedding layer's output [B, N, width] (before the class token and positions), N = rows * cols
     in row-major order: what CLIP-PGS measures feature similarity on before choosing patches."""
@@ -73,6 +78,7 @@ def _padding_mask(key_padding: Tensor, heads: int, dtype) -> Tensor:
     return mask.expand(b, 1 + k, 1 + k).repeat_interleave(heads, dim=0)
 
 
+@phase("image_tower")
 def encode_image(model: nn.Module, images: Tensor | None = None, *, keep: Tensor | None = None,
                  key_padding: Tensor | None = None, patches: bool = False,
                  embedded: Tensor | None = None) -> ImageOut:
@@ -83,13 +89,19 @@ def encode_image(model: nn.Module, images: Tensor | None = None, *, keep: Tensor
     patch dropout does -- after the position embeddings are added, before ``ln_pre``; None keeps all.
     key_padding: [B, K] bool, True where ``keep`` is padding (rows keeping fewer patches than K): those tokens
     are hidden from attention, so they change nothing. patches: also return the kept patches' embeddings.
+    A ModifiedResNet tower runs its own forward; its patches are the final feature map's positions, embedded as
+    ``python -m extract`` embeds them (the attention pool's value path); it has no patches to keep.
     """
     visual = model.visual
-    if not is_vit(visual):  # a ResNet tower: its own forward, which has no patches to choose or return
-        if keep is not None or key_padding is not None or patches or embedded is not None:
-            raise UnsupportedModelError(f"{type(visual).__name__} has no patch tokens to keep or return; "
+    if not is_vit(visual):  # a ModifiedResNet: its own forward; its tokens are the attention pool's value path
+        if keep is not None or key_padding is not None or embedded is not None:
+            raise UnsupportedModelError(f"{type(visual).__name__} has no patch tokens to keep or drop; "
                                         "this objective needs a ViT image tower")
-        return ImageOut(pooled=visual(images.to(next(visual.parameters()).dtype)))
+        x = images.to(next(visual.parameters()).dtype)
+        if not patches:
+            return ImageOut(pooled=visual(x))
+        fmap = visual.layer4(visual.layer3(visual.layer2(visual.layer1(visual.stem(x)))))  # ModifiedResNet.forward
+        return ImageOut(pooled=visual.attnpool(fmap), patches=resnet_tokens(visual.attnpool, fmap))
     x = patch_embed(model, images) if embedded is None else embedded
     pos = visual.positional_embedding.to(x.dtype)
     x = x + pos[1:]
@@ -122,6 +134,7 @@ class TextOut:
     tokens: Tensor | None = None
 
 
+@phase("text_tower")
 def encode_text(model: nn.Module, ids: Tensor, *, tokens: bool = False, trim: bool = False) -> TextOut:
     """open_clip's ``CLIP.encode_text``, optionally also returning every token's joint-space embedding.
 
@@ -157,6 +170,21 @@ def token_mask(ids: Tensor, *, include_sot: bool = True) -> Tensor:
     if not include_sot:
         mask &= positions[None, :] >= 1
     return mask
+
+
+def compile_towers(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
+    """``torch.compile``, in place, the blocks that hold nearly all of a step's FLOPs: the image tower's transformer
+    (a ModifiedResNet's four stages and attention pool) and the text transformer. ``nn.Module.compile`` keeps the
+    parameter names, so checkpoints and DDP see the same model. The objectives' own code (patch choice, regions,
+    losses) stays eager: it reads the step number and seeds generators from it, which a compiled graph would guard
+    on and recompile for at every step. A token count that changes (CLIP-PGS's ratio drawn per step, captions
+    trimmed to the batch's longest) makes that dimension dynamic after its first recompilation (dynamo's
+    automatic dynamic shapes), not a graph per count."""
+    visual = model.visual
+    blocks = [visual.transformer] if is_vit(visual) else [visual.layer1, visual.layer2, visual.layer3,
+                                                           visual.layer4, visual.attnpool]
+    for block in (*blocks, model.transformer):
+        block.compile(backend=backend, mode=mode)
 
 
 def keep_count(n: int, mask_ratio: float) -> int:

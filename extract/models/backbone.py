@@ -182,7 +182,7 @@ def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mha.out_proj(F.linear(pooler.ln_k(x), w_v, b_v))
 
 
-def _resnet_value_path(attnpool: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def resnet_tokens(attnpool: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Per-position tokens of a ModifiedResNet's attention pool [B, h*w, D] from its input map [B, C, h, w]:
     the pool's output when a query attends to a single position, ``c_proj(v_proj(x_n + pos_n))`` (MaskCLIP, Zhou
     et al. 2022, Sec. 3.2: CLIP's dense features are the value-embedding path of its attention pool)."""
@@ -203,7 +203,7 @@ def is_resnet(visual: nn.Module) -> bool:
 
 def image_grid(visual: nn.Module) -> tuple[int, int]:
     """(rows, cols) of an open_clip image tower's patch tokens: a ViT's patch grid, or the final feature map of a
-    ModifiedResNet (image side / 32), whose positions :func:`_resnet_value_path` turns into tokens."""
+    ModifiedResNet (image side / 32), whose positions :func:`resnet_tokens` turns into tokens."""
     if is_resnet(visual):
         side = math.isqrt(visual.attnpool.positional_embedding.shape[0] - 1)
         return side, side
@@ -305,7 +305,7 @@ class FrozenBackbone(nn.Module):
     def _patch_tokens(self, x: torch.Tensor) -> torch.Tensor:
         visual = self.model.visual
         if is_resnet(visual):
-            return _resnet_value_path(visual.attnpool, x)
+            return resnet_tokens(visual.attnpool, x)
         patches = x[:, 1:]  # drop the class token; eval mode has no patch dropout, so all N patches remain
         if visual.attn_pool is None:
             return _project(visual.ln_post(patches), visual.proj)

@@ -22,12 +22,7 @@ CAPTIONS = ["a red circle to the left of a blue square", "a small green star", "
             "a cup under a table", "a yellow circle above a purple star", "a large blue square"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

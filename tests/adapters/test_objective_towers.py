@@ -94,18 +94,26 @@ def test_token_mask_and_model_check(model, tok):
         check_model(open_clip.create_model("plugvlm-tiny-coca"))
 
 
-def test_a_resnet_tower_serves_the_objectives_that_need_no_patches():
+def test_a_resnet_tower_serves_every_objective_that_does_not_choose_patches():
+    from extract.models.backbone import load_backbone
     from train.pretrain.engine import create_model
 
     rn = create_model("plugvlm-tiny-rn", False, 0)[0].eval()
-    check_model(rn, patches=False)  # CLIP (and CLIP + hard negatives)
-    with pytest.raises(UnsupportedModelError, match="needs a ViT image tower; ModifiedResNet"):
-        check_model(rn)  # FLIP, CLIP-PGS, FILIP, PowerCLIP
+    check_model(rn, chooses_patches=False)  # CLIP, FILIP, PowerCLIP (and each with hard negatives)
+    with pytest.raises(UnsupportedModelError, match="needs a ViT image tower; ModifiedResNet is not one .it chooses"):
+        check_model(rn)  # FLIP, CLIP-PGS
     images = torch.randn(2, 3, 128, 128)
     with torch.no_grad():
         assert torch.equal(encode_image(rn, images).pooled, rn.encode_image(images))
-    with pytest.raises(UnsupportedModelError, match="no patch tokens"):
-        encode_image(rn, images, patches=True)
+        # with patches: the same global embedding, and the 4x4 map's tokens exactly as python -m extract caches
+        # them (its backbone reads the map from a hook on open_clip's own forward, not from this replay)
+        bb = load_backbone("tiny-rn")
+        out = encode_image(bb.model, images, patches=True)
+        assert torch.equal(out.pooled, bb.model.encode_image(images))
+        assert out.patches.shape == (2, 16, 64)
+        torch.testing.assert_close(out.patches, bb.encode_images(images).patches, rtol=0, atol=0)
+    with pytest.raises(UnsupportedModelError, match="no patch tokens to keep"):
+        encode_image(rn, images, keep=torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_step_randomness_is_per_sample_not_per_rank():

@@ -58,27 +58,29 @@ def test_one_mask_per_object_equal_to_its_pixels(world):
 
 
 @pytest.mark.slow
-def test_masks_cache_opens_in_powerclip_s_and_covers_each_object(world, tmp_path):
+@pytest.mark.parametrize("base, model_name", [("tiny", "plugvlm-tiny"), ("tiny-rn", "plugvlm-tiny-rn")])
+def test_masks_cache_opens_in_powerclip_s_and_covers_each_object(world, tmp_path, base, model_name):
     """python -m extract --regions sam2 --segmenter toy -> a cache PowerCLIP-S trains from, whose masks on the patch
-    grid are the objects' pixels mapped by the backbone's preprocessing, one per object."""
+    grid are the objects' pixels mapped by the backbone's preprocessing, one per object: on a ViT's patch grid and
+    on a ResNet's final 4x4 map."""
     from adapters.objectives.base import StepContext
     from adapters.objectives.powerclip import PowerCLIPObjective
     from extract.pipeline import build_cache
     from train.pretrain.engine import create_model
 
-    cache = build_cache(world, tmp_path / "masks", base="tiny", pretrained="none", components=["regions"],
+    cache = build_cache(world, tmp_path / "masks", base=base, pretrained="none", components=["regions"],
                         regions="sam2", segmenter="toy", num_regions=6, workers=0)
     assert cache.settings["regions"]["source"] == "sam2"
     assert cache.settings["regions"]["segmenter"]["segmenter"] == "toy-oracle"
-    model, _, _, tok = create_model("plugvlm-tiny", False, 0)
+    model, _, _, tok = create_model(model_name, False, 0)
     obj = PowerCLIPObjective(masks="sam2", regions_cache=str(tmp_path / "masks"), num_masks=10)
     ids = cache.image_ids()
     obj.setup(model, {"image_ids": set(ids), "data": str(world)})
     scenes = {str(s["image_id"]): s for s in json.loads((world / "annotations.json").read_text())["scenes"]}
-    grid = tuple(model.visual.grid_size)
-    from extract.models.backbone import load_backbone
+    from extract.models.backbone import image_grid, load_backbone
 
-    input_size, mode = preprocess_geometry(load_backbone("tiny", "none", device="cpu"))
+    grid = image_grid(model.visual)
+    input_size, mode = preprocess_geometry(load_backbone(base, "none", device="cpu"))
     extras = obj.prepare(["a red circle"] * len(ids), ids, tok)
     for row, image_id in enumerate(ids):
         scene = scenes[image_id]
@@ -89,6 +91,6 @@ def test_masks_cache_opens_in_powerclip_s_and_covers_each_object(world, tmp_path
         assert len(cached) == len(scene["objects"])
         for cells in truth:
             assert cells.any() and any(np.array_equal(cells, m) for m in cached)
-    batch = {"image": torch.zeros(len(ids), 3, 64, 64), **extras}
+    batch = {"image": torch.zeros(len(ids), 3, *input_size), **extras}
     masks = obj.region_masks(model, batch, StepContext(global_batch=len(ids)))
     assert int(masks.any(-1).sum()) == sum(len(scenes[i]["objects"]) for i in ids)  # every object a region

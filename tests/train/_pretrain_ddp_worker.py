@@ -2,7 +2,8 @@
 real engine (data loader, DDP wrapper, objective, gathered loss, backward) on the first global batch of a toy
 world, then rank 0 writes the loss (mean over ranks, as DDP's gradient is the mean) and every gradient.
 
-usage: python tests/train/_pretrain_ddp_worker.py TOYWORLD OUT_DIR GLOBAL_BATCH METHOD [METHOD ...]
+usage: python tests/train/_pretrain_ddp_worker.py TOYWORLD OUT_DIR GLOBAL_BATCH METHOD [METHOD ...] [-- FLAGS]
+(FLAGS: more train.pretrain flags, e.g. --compile)
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from train.pretrain.engine import (Trainer, build_objective, create_model, init_
 from train.pretrain.data import SeededTransform, build_train_data, to_device  # noqa: E402
 
 
-def run(world: str, out: Path, global_batch: int, methods: list[str]) -> None:
+def run(world: str, out: Path, global_batch: int, methods: list[str], extra: tuple[str, ...] = ()) -> None:
     """One step per method; with torchrun's variables set this is one rank of a distributed run."""
     dist = init_distributed("cpu")
     b = global_batch // dist.world_size
     for method in methods:
         args = parse_args(["--data", world, "--method", method, "--batch-size", str(b), "--workers", "0",
-                           "--augment", "none", "--out", str(out / "unused"), "--seed", "3"])
+                           "--augment", "none", "--out", str(out / "unused"), "--seed", "3", *extra])
         arch = resolve_architecture(args.model)
         model, _, eval_tf, tokenizer = create_model(arch, False, args.seed)
         objective = build_objective(args.method, args.method_options)
@@ -52,4 +53,6 @@ def run(world: str, out: Path, global_batch: int, methods: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    rest = sys.argv[4:]
+    cut = rest.index("--") if "--" in rest else len(rest)
+    run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), rest[:cut], tuple(rest[cut + 1:]))

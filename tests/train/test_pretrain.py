@@ -2,7 +2,9 @@
 equal one, kill -9 and resume equal an uninterrupted run, NaN steps skipped then a clean abort)."""
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -20,14 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_pretrain_ddp_worker.py"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Training steps of the tiny model gain nothing from a second thread, and on a busy 2-core machine OpenMP's
-    spinning threads make them several times slower; the subprocesses run with OMP_NUM_THREADS=1 too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py; the subprocesses too
 
 
 @pytest.fixture(scope="module")
@@ -163,21 +158,26 @@ def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
             assert torch.equal(scorer.encode_images(images)["embed"], ours.encode_images(images).embedding)
 
 
+COMPILED = ("--compile", "--compile-backend", "aot_eager")  # the compiled path without inductor's C++ build
+
+
 @pytest.mark.slow
-def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path):
+@pytest.mark.parametrize("methods, extra", [(["clip", "powerclip", "filip"], ()), (["clip", "powerclip"], COMPILED)],
+                         ids=["eager", "compiled"])
+def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path, methods, extra):
     """torchrun --nproc_per_node 2 (gloo) on a global batch of 16 == one process on the same 16 samples, for the
-    gathered-feature losses (clip, powerclip, filip): the mean of the ranks' losses and DDP's gradients."""
+    gathered-feature losses (clip, powerclip, filip): the mean of the ranks' losses and DDP's gradients; with the
+    towers compiled too (DDP wraps the model whose blocks are compiled in place)."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from _pretrain_ddp_worker import run
     finally:
         sys.path.remove(str(WORKER.parent))
-    methods = ["clip", "powerclip", "filip"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(toy), str(tmp_path), "16", *methods],
+                           str(WORKER), str(toy), str(tmp_path), "16", *methods, "--", *extra],
                           env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run(str(toy), tmp_path, 16, methods)
+    run(str(toy), tmp_path, 16, methods, extra)
     for method in methods:
         one = load_file(str(tmp_path / f"{method}-world1.safetensors"))
         two = load_file(str(tmp_path / f"{method}-world2.safetensors"))
@@ -189,10 +189,11 @@ def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path):
+@pytest.mark.parametrize("extra", [(), COMPILED], ids=["eager", "compiled"])
+def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path, extra):
     from train.pretrain.engine import main
 
-    args = ["--epochs", "2", "--save-every-n-steps", "2", "--keep-checkpoints", "0", "--method", "flip"]
+    args = ["--epochs", "2", "--save-every-n-steps", "2", "--keep-checkpoints", "0", "--method", "flip", *extra]
     victim_out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "train.pretrain", *_argv(toy, victim_out, *args)]
     victim = subprocess.Popen(cmd, env=_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -267,12 +268,18 @@ def test_a_run_that_never_has_a_good_checkpoint_says_so(toy, tmp_path, capsys):
     assert not (out / "checkpoints").exists() or not any(p.is_dir() for p in (out / "checkpoints").iterdir())
 
 
-def test_a_resnet_tower_trains_with_clip_and_is_refused_by_patch_objectives(toy, tmp_path, capsys):
+def test_a_resnet_tower_trains_with_clip_filip_powerclip_and_is_refused_by_patch_choosers(toy, tmp_path, capsys):
     from train.pretrain.engine import main
 
     assert main(_argv(toy, tmp_path / "rn", "--model", "plugvlm-tiny-rn", "--max-steps", "2",
                       "--hard-negatives", "all")) == 0
     assert json.loads((tmp_path / "rn" / "model.json").read_text())["model"] == "plugvlm-tiny-rn"
+    for method in ("powerclip", "filip"):  # they embed the 4x4 map's positions as patches
+        assert main(_argv(toy, tmp_path / method, "--model", "plugvlm-tiny-rn", "--method", method,
+                          "--max-steps", "2")) == 0
+        rows = list(csv.DictReader((tmp_path / method / "log.csv").open()))
+        assert rows and all(math.isfinite(float(r["loss"])) for r in rows)
+        assert json.loads((tmp_path / method / "model.json").read_text())["step"] == 2
     assert main(_argv(toy, tmp_path / "flip", "--model", "plugvlm-tiny-rn", "--method", "flip",
                       "--max-steps", "2")) != 0
     assert "needs a ViT image tower; ModifiedResNet is not one" in capsys.readouterr().err

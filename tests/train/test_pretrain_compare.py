@@ -133,4 +133,6 @@ def test_columns_are_checked_before_any_work(tmp_path):
         compare(CompareOptions(out=str(tmp_path / "b"), pretrain=pt.PretrainOptions(lr=-1.0)))
     with pytest.raises(ValueError, match="not a toy-world folder"):
         compare(CompareOptions(out=str(tmp_path / "c"), data=str(tmp_path)))
-    assert not any((tmp_path / d).exists() for d in "abc")  # refused before any work
+    with pytest.raises(ValueError, match="column flip on --model tiny-rn: this objective needs a ViT image tower"):
+        compare(CompareOptions(out=str(tmp_path / "d"), model="tiny-rn", methods="clip,powerclip-R,flip"))
+    assert not any((tmp_path / d).exists() for d in "abcd")  # refused before any work

@@ -248,6 +248,21 @@ def train_images(world: Path) -> int:
     return sum(s.get("split") == "train" for s in scenes)
 
 
+def check_towers(model: str, columns: list[Column]) -> None:
+    """Every column's method can train ``model`` (FLIP and CLIP-PGS choose patches, so they need a ViT), said
+    before the first run rather than after the runs before it."""
+    from adapters.objectives.towers import UnsupportedModelError, check_model
+    from adapters.registry import PRETRAIN
+    from train.pretrain import engine as pt
+
+    net = pt.create_model(pt.resolve_architecture(model), False, 0)[0]
+    for c in columns:
+        try:
+            check_model(net, chooses_patches=PRETRAIN.get(c.method).chooses_patches)
+        except UnsupportedModelError as e:
+            raise ValueError(f"column {c.label} on --model {model}: {e}") from None
+
+
 def toy_masks(world: Path, out: Path, model: str) -> str:
     """The world's exact object masks on ``model``'s patch grid, cached once (``extract.components.toy_segmenter``)."""
     from extract.pipeline import build_cache
@@ -280,6 +295,7 @@ def compare(opts: CompareOptions) -> dict:
     check_options(base, pt.build_parser())
     for c in opts.columns():  # every column's options checked before the first step
         pt.resolve_method_options(c.method, c.options("x"))
+    check_towers(opts.model, opts.columns())
     if opts.data and not toyworld.is_toyworld(opts.data):
         raise ValueError(f"--data {opts.data}: not a toy-world folder (python -m extract.data.toyworld makes one); the "
                          "comparison evaluates on a toy world's test split and its hard negatives")

@@ -17,7 +17,8 @@ folder holding another run's settings is refused (``extract.common.run_dir.claim
 
 The engine follows open_clip's trainer (``open_clip_train``): AdamW (0.9, 0.98, eps 1e-6), lr 1e-3, weight
 decay 0.2 on every tensor but gains, biases and the logit scale, cosine schedule with linear warm-up, autocast
-(``--precision amp`` / ``amp_bf16``; fp32 by default, the CPU choice), gradient checkpointing, gradient
+(``--precision amp`` / ``amp_bf16``; fp32 by default, the CPU choice), ``--compile`` (the towers, in place:
+``adapters.objectives.towers.compile_towers``), fused AdamW on CUDA, gradient checkpointing, gradient
 accumulation with cached features (``--accum-freq``, open_clip's method: the negatives are the whole
 accumulated batch, see below), features gathered over ranks *with* gradient and a local loss (so N ranks
 give one process's loss and gradients), the logit scale clamped to ln(100) after every step.
@@ -58,6 +59,7 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # MKL rounding independent of 
 import torch  # noqa: E402
 
 from adapters.objectives.base import StepContext, split_features  # noqa: E402
+from adapters.objectives.phases import phase  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
 from extract.models.backbone import image_grid  # noqa: E402
 from extract.common.cli import Parser, check_options, from_namespace, option, progress, run_job, say  # noqa: E402
@@ -138,6 +140,15 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
                             help="fp32, or autocast: amp (fp16 + loss scaling), amp_bf16")
     grad_checkpointing: bool = option(False, action="store_true", group="optimisation",
                                       help="recompute activations in the backward pass")
+    compile: bool = option(False, action="store_true", group="optimisation",
+                           help="torch.compile the image and text towers, in place (the first steps compile: about a "
+                                "minute on CPU); the same losses and gradients as eager, to rounding")
+    compile_backend: str = option("inductor", choices=["inductor", "aot_eager", "eager"], group="optimisation",
+                                  help="torch.compile backend for --compile (aot_eager / eager: to tell a compiler "
+                                       "problem from a model one)")
+    fused_adamw: str = option("auto", choices=["auto", "on", "off"], group="optimisation",
+                              help="AdamW's fused kernel, one launch for every tensor (auto: on CUDA; off: the "
+                                   "foreach kernel open_clip uses)")
     local_loss: bool = option(True, action=argparse.BooleanOptionalAction, group="optimisation",
                               help="each rank scores its rows against the gathered batch (with --gather-with-grad: "
                                    "exact)")
@@ -405,9 +416,15 @@ class Trainer:
         self.model = model.to(dist.device)
         if args.grad_checkpointing:
             self.model.set_grad_checkpointing(True)
+        if args.compile:
+            from adapters.objectives.towers import compile_towers
+
+            compile_towers(self.model, backend=args.compile_backend)
         groups, self.param_names = param_groups(self.model, args.wd)
         self.params = [p for g in groups for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
+        fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
+        self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                                           fused=fused or None)
         amp = PRECISIONS[args.precision]
         self.autocast = (lambda: torch.autocast(device_type=dist.device.type, dtype=amp)) if amp else nullcontext
         self.scaler = torch.amp.GradScaler(dist.device.type) if amp == torch.float16 else None
@@ -438,9 +455,13 @@ class Trainer:
         poison = ctx.step + 1 in self.nan_steps  # step numbers are 1-based, as in the log
         if a == 1:
             with self.autocast():
-                losses = self.objective.loss(self.forward(micro[0], ctxs[0]), ctxs[0])
+                with phase("features"):
+                    features = self.forward(micro[0], ctxs[0])
+                with phase("loss"):
+                    losses = self.objective.loss(features, ctxs[0])
             loss = losses["loss"] * float("nan") if poison else losses["loss"]
-            self._backward(loss)
+            with phase("backward"):
+                self._backward(loss)
             return {k: v.detach() for k, v in {**losses, "loss": loss}.items()}
         # open_clip's accum_freq: cache every micro-batch's features, then differentiate one at a time
         cached = []
@@ -467,6 +488,10 @@ class Trainer:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         losses = self.forward_backward(micro, ctx)
+        with phase("optimizer"):
+            return self._update(losses)
+
+    def _update(self, losses: dict[str, torch.Tensor]) -> tuple[dict[str, float], bool]:
         bad = self.dist.any(not bool(torch.isfinite(losses["loss"])))
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None:
@@ -792,7 +817,8 @@ class PretrainRun:
         for micro in self.data.epoch_batches(self.epoch, self.in_epoch):
             if self.step >= self.total_steps:
                 break
-            micro = [to_device(m, self.dist.device) for m in micro]
+            with phase("data"):
+                micro = [to_device(m, self.dist.device) for m in micro]
             self.train_step(micro, data_time=time.perf_counter() - t_data)
             t_data = time.perf_counter()
         return self.in_epoch >= self.data.steps_per_epoch

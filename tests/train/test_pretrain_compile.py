@@ -58,15 +58,21 @@ def test_inductor_on_cpu_gives_the_eager_loss_and_gradients():
     _assert_same("clip", _gradients("clip"), _gradients("clip", compile=True), 1e-4)
 
 
-def test_fused_adamw_takes_the_foreach_steps():
+def test_fused_adamw_takes_the_foreach_steps_and_skips_the_same_bad_one():
+    """The second of four steps has a NaN loss: the foreach path asks the host and does not step; the fused kernel
+    is told on the device (found_inf) and leaves every tensor and its step count as they were."""
     runs = []
     for fused in ("off", "on"):
-        trainer, batch = _trainer("clip", fused_adamw=fused, lr=1e-3, warmup=0)
+        trainer, batch = _trainer("clip", fused_adamw=fused, lr=1e-3, warmup=0, debug_nan_steps="2")
         assert bool(trainer.optimizer.defaults["fused"]) == (fused == "on")
-        for step in range(3):
+        oks = []
+        for step in range(4):
             ctx = trainer.context(step, 0, 1).with_batch(0, len(CAPTIONS))
             metrics, ok = trainer.step([batch], ctx, 1e-3)
-            assert ok
+            oks.append(ok)
+            assert isinstance(metrics["loss"], float) and isinstance(ok, bool)
+        assert oks == [True, False, True, True]
+        assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {3}
         runs.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
     # Each step moves a weight by about lr. Rounding differs between the kernels, and Adam divides a gradient by
     # its own scale, so a gradient that is rounding noise (the attention's key bias: softmax ignores a shift)

@@ -298,6 +298,15 @@ class Dist:
         if self.world_size > 1:
             torch.distributed.barrier()
 
+    def all_true(self, flag: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor, True on every rank when ``flag`` is True on every rank; it stays on the device (no
+        host synchronisation)."""
+        if self.world_size == 1:
+            return flag
+        t = flag.to(device=self.device, dtype=torch.float32).reshape(1)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return t[0] > 0.5
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is True on any rank."""
         if self.world_size == 1:
@@ -422,9 +431,9 @@ class Trainer:
             compile_towers(self.model, backend=args.compile_backend)
         groups, self.param_names = param_groups(self.model, args.wd)
         self.params = [p for g in groups for p in g["params"]]
-        fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
+        self.fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
         self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-                                           fused=fused or None)
+                                           fused=self.fused or None)
         amp = PRECISIONS[args.precision]
         self.autocast = (lambda: torch.autocast(device_type=dist.device.type, dtype=amp)) if amp else nullcontext
         self.scaler = torch.amp.GradScaler(dist.device.type) if amp == torch.float16 else None
@@ -492,10 +501,12 @@ class Trainer:
             return self._update(losses)
 
     def _update(self, losses: dict[str, torch.Tensor]) -> tuple[dict[str, float], bool]:
-        bad = self.dist.any(not bool(torch.isfinite(losses["loss"])))
+        """Check, clip and apply the gradients; the step's one host synchronisation is reading the metrics at the
+        end (with fused AdamW: before that, the check, the skip and the update all stay on the device)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None:
             # fp16: inf gradients are the loss scaler's business (it skips those steps and lowers the scale)
+            bad = self.dist.any(not bool(torch.isfinite(losses["loss"])))
             norm = None
             if self.args.grad_clip_norm is not None:
                 self.scaler.unscale_(self.optimizer)
@@ -503,22 +514,32 @@ class Trainer:
             if not bad:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
+            ok = torch.tensor(not bad)
         else:
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
-            bad = bad or not bool(torch.isfinite(norm))
-            if not bad:
-                if self.args.grad_clip_norm is not None:
-                    torch.nn.utils.clip_grads_with_norm_(self.params, self.args.grad_clip_norm, norm)
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.dist.device)
+            ok = self.dist.all_true(torch.isfinite(losses["loss"]) & torch.isfinite(norm))
+            if self.args.grad_clip_norm is not None:  # a non-finite norm makes NaN gradients: skipped below
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.args.grad_clip_norm, norm)
+            if self.fused:
+                # the fused kernel skips the update of every tensor, and undoes its step count, where found_inf
+                # is set (GradScaler's protocol), so a bad step is skipped without the host asking
+                self.optimizer.found_inf = (~ok).float()
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.found_inf
+            elif bool(ok):
                 self.optimizer.step()
-        if bad:
-            self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():  # CLIP's clamp of the temperature, ln(100) (open_clip_train.train)
             self.model.logit_scale.clamp_(0, math.log(100))
-        metrics = {k: float(v) for k, v in losses.items()}
-        metrics["logit_scale"] = float(self.model.logit_scale.detach().exp())
+        named = {**losses, "logit_scale": self.model.logit_scale.detach().exp()}
         if norm is not None:
-            metrics["grad_norm"] = float(norm)
-        return metrics, not bad
+            named["grad_norm"] = norm
+        values = torch.stack([v.detach().float().reshape(()).to(ok.device) for v in named.values()]
+                             + [ok.float().reshape(())]).tolist()  # the one synchronisation
+        if not values[-1]:
+            self.optimizer.zero_grad(set_to_none=True)
+        return dict(zip(named, values[:-1])), bool(values[-1])
 
 
 # --------------------------------------------------------------------------------------------- logging

@@ -548,16 +548,20 @@ def comparison(all_results: dict[str, dict], columns: dict[str, list[str]], per_
                           "paired": True}}
 
 
-def _cell(entry: dict | None) -> str:
+def cell(entry: dict | None, digits: int = 2, mark: str = " *") -> str:
+    """A table cell of :func:`comparison`'s: mean (± sd over seeds), then, after the reference column, the
+    difference from it with its 95% paired bootstrap interval and ``mark`` where the interval excludes 0."""
     if entry is None:
         return "–"
-    text = f"{entry['mean']:.2f}" + (f" ± {entry['sd']:.2f}" if entry.get("sd") is not None else "")
+    f = f".{digits}f"
+    text = format(entry["mean"], f) + (f" ± {entry['sd']:{f}}" if entry.get("sd") is not None else "")
     if "delta" in entry:
         ci = entry.get("delta_ci")
         if ci and all(math.isfinite(v) for v in ci):
-            text += f" ({entry['delta']:+.2f} [{ci[0]:+.2f}, {ci[1]:+.2f}]{' *' if entry.get('significant') else ''})"
+            text += (f" ({entry['delta']:+{f}} [{ci[0]:+{f}}, {ci[1]:+{f}}]"
+                     f"{mark if entry.get('significant') else ''})")
         else:
-            text += f" ({entry['delta']:+.2f})"
+            text += f" ({entry['delta']:+{f}})"
     return text
 
 
@@ -571,7 +575,7 @@ def markdown(all_results: dict[str, dict], table: dict | None = None) -> str:
     rows = list(dict.fromkeys(m for name in names for m in table["metrics"][name]))
     lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for metric in rows:
-        lines.append(f"| {metric} | " + " | ".join(_cell(table["metrics"][name].get(metric)) for name in names) + " |")
+        lines.append(f"| {metric} | " + " | ".join(cell(table["metrics"][name].get(metric)) for name in names) + " |")
     legend = []
     runs = sorted({len(labels) for labels in table["columns"].values() if len(labels) > 1})
     if runs:

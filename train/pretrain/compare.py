@@ -405,21 +405,14 @@ def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: P
 
 def summary_table(table: dict, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
     """The headline figures, a row per column: mean ± sd over seeds, and after the reference the difference from
-    it with its 95% paired bootstrap interval, ``*`` where the interval excludes 0."""
+    it with its 95% paired bootstrap interval, ``*`` where the interval excludes 0 (``train.eval.evaluate.cell``
+    at one decimal)."""
+    from train.eval.evaluate import cell
+
     cols = [m for m in metrics if any(m in v for v in table["metrics"].values())]
     lines = ["| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for name, entries in table["metrics"].items():
-        cells = []
-        for m in cols:
-            e = entries.get(m)
-            if e is None:
-                cells.append("–")
-                continue
-            text = f"{e['mean']:.1f}" + (f" ± {e['sd']:.1f}" if e.get("sd") is not None else "")
-            ci = e.get("delta_ci")
-            if "delta" in e and ci and all(math.isfinite(v) for v in ci):
-                text += f" ({e['delta']:+.1f} [{ci[0]:+.1f}, {ci[1]:+.1f}]{'*' if e.get('significant') else ''})"
-            cells.append(text)
+        cells = [cell(entries.get(m), digits=1, mark="*") for m in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ref = table.get("reference")
     legend = (f"mean ± sd over seeds; ({'difference from ' + ref if ref else ''} [95% paired bootstrap interval over "

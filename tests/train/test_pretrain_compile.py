@@ -81,3 +81,17 @@ def test_fused_adamw_takes_the_foreach_steps_and_skips_the_same_bad_one():
         torch.testing.assert_close(runs[1][name], runs[0][name], rtol=0, atol=0.01 * 3 * 1e-3, msg=name)
     differ = [n for n in runs[0] if not torch.allclose(runs[1][n], runs[0][n], rtol=1e-5, atol=1e-6)]
     assert all("in_proj_bias" in n for n in differ), differ
+
+
+def test_a_resumed_optimizer_keeps_the_kernel_it_was_saved_with():
+    """torch's load_state_dict restores each group's flags, so a checkpoint of a foreach run resumed with fused on
+    (a CPU run continued on a GPU) steps with foreach, and the bad-step skip follows the kernel it has."""
+    saved, batch = _trainer("clip", fused_adamw="off", debug_nan_steps="2")
+    ctx = saved.context(0, 0, 1).with_batch(0, len(CAPTIONS))
+    assert saved.step([batch], ctx, 1e-3)[1]
+    resumed, _ = _trainer("clip", fused_adamw="on", debug_nan_steps="2")
+    resumed.model.load_state_dict(saved.model.state_dict())
+    resumed.optimizer.load_state_dict(saved.optimizer.state_dict())
+    assert not resumed.optimizer.param_groups[0].get("fused")
+    oks = [resumed.step([batch], resumed.context(k, 0, 1).with_batch(0, len(CAPTIONS)), 1e-3)[1] for k in (1, 2)]
+    assert oks == [False, True]

@@ -148,7 +148,7 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
                                        "problem from a model one)")
     fused_adamw: str = option("auto", choices=["auto", "on", "off"], group="optimisation",
                               help="AdamW's fused kernel, one launch for every tensor (auto: on CUDA; off: the "
-                                   "foreach kernel open_clip uses)")
+                                   "foreach kernel open_clip uses; a resumed run keeps its checkpoint's)")
     local_loss: bool = option(True, action=argparse.BooleanOptionalAction, group="optimisation",
                               help="each rank scores its rows against the gathered batch (with --gather-with-grad: "
                                    "exact)")
@@ -431,9 +431,9 @@ class Trainer:
             compile_towers(self.model, backend=args.compile_backend)
         groups, self.param_names = param_groups(self.model, args.wd)
         self.params = [p for g in groups for p in g["params"]]
-        self.fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
+        fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
         self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-                                           fused=self.fused or None)
+                                           fused=fused or None)
         amp = PRECISIONS[args.precision]
         self.autocast = (lambda: torch.autocast(device_type=dist.device.type, dtype=amp)) if amp else nullcontext
         self.scaler = torch.amp.GradScaler(dist.device.type) if amp == torch.float16 else None
@@ -520,7 +520,7 @@ class Trainer:
             ok = self.dist.all_true(torch.isfinite(losses["loss"]) & torch.isfinite(norm))
             if self.args.grad_clip_norm is not None:  # a non-finite norm makes NaN gradients: skipped below
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.args.grad_clip_norm, norm)
-            if self.fused:
+            if self.optimizer.param_groups[0].get("fused"):  # a resumed optimizer keeps its checkpoint's kernel
                 # the fused kernel skips the update of every tensor, and undoes its step count, where found_inf
                 # is set (GradScaler's protocol), so a bad step is skipped without the host asking
                 self.optimizer.found_inf = (~ok).float()

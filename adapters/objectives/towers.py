@@ -24,7 +24,7 @@ from extract.models.backbone import is_resnet, is_vit, resnet_tokens
 
 class UnsupportedModelError(NotImplementedError):
     """The model is not an open_clip CLIP with an image tower the objective can use (a ViT for every objective
-    that chooses or embeds patches; a ViT or ModifiedResNet for CLIP)."""
+    that chooses patches; a ViT or ModifiedResNet for the others)."""
 
 
 def check_model(model: nn.Module, *, chooses_patches: bool = True) -> None:

@@ -514,7 +514,7 @@ class Trainer:
             if not bad:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
-            ok = torch.tensor(not bad)
+            ok = torch.tensor(not bad, device=self.dist.device)  # beside the metrics: one copy to the host
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.dist.device)
             ok = self.dist.all_true(torch.isfinite(losses["loss"]) & torch.isfinite(norm))

@@ -4,9 +4,11 @@ the table and the curves plot."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from extract.data import toyworld
 
@@ -78,6 +80,44 @@ def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
         torch.set_num_threads(threads)
     assert [c[0] for c in calls] == ["evaluate"]
     assert (out / "compare.md").read_text() == text
+    # --jobs 2: CLIP's two seeds again, at once, in processes of their own, each with its log: the same weights
+    out2 = tmp_path / "cmp-jobs"
+    swap = {str(out): str(out2), "clip,powerclip-S": "clip"}
+    assert main([swap.get(a, a) for a in argv] + ["--jobs", "2"]) == 0
+    data2 = json.loads((out2 / "compare.json").read_text())["budgets"]["steps"]
+    assert list(data2["runs"]) == ["clip"]
+    for column, recs in data2["runs"].items():
+        for r1, r2 in zip(steps["runs"][column], recs, strict=True):
+            assert (r1["seed"], r1["steps"]) == (r2["seed"], r2["steps"])
+            w1, w2 = load_file(r1["weights"]), load_file(r2["weights"])
+            assert all(torch.allclose(w1[k], w2[k], atol=1e-5) for k in w1)  # threads may differ: not bitwise
+            assert "step" in Path(r2["weights"]).with_name("train.log").read_text()
+            assert not list(Path(r2["weights"]).parent.parent.glob("*.summary.json"))
+
+
+def test_job_plan_shares_the_cores_and_the_gpus():
+    from train.pretrain.compare import job_plan
+
+    assert job_plan(2, 2, 0) == (1, [None, None])
+    assert job_plan(3, 16, 0) == (5, [None, None, None])
+    assert job_plan(4, 2, 1) == (1, [None] * 4)  # one GPU: every run keeps the default device
+    assert job_plan(4, 32, 2) == (8, [0, 1, 0, 1])
+
+
+@pytest.mark.slow
+def test_a_failed_job_names_its_run_and_shows_its_log(tmp_path):
+    import train.pretrain.engine as pt
+    from train.pretrain.compare import Run, train_runs
+
+    recorded = []
+    bad = [Run("clip", s, tmp_path / f"seed-{s}", pt.PretrainOptions(data=str(tmp_path / "missing"), max_steps=1))
+           for s in (0, 1)]
+    with pytest.raises(RuntimeError, match=r"clip seed [01] failed \(ValueError: .*missing' does not exist.*the "
+                                           r"traceback is in .*seed-[01]/train.log"):
+        train_runs(bad, 2, lambda *a: recorded.append(a))
+    assert recorded == []
+    for s in (0, 1):  # the other run ran to its own end: both logs hold their tracebacks
+        assert "Traceback" in (tmp_path / f"seed-{s}" / "train.log").read_text()
 
 
 @pytest.mark.slow

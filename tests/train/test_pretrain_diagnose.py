@@ -41,3 +41,29 @@ def test_diagnose_on_a_tiny_world(tmp_path, capsys):
     assert 0 <= kept["background cells kept %"] <= 100 and 0 <= kept["object cells kept %"] <= 100
     assert any(len(t["leaves"]) > 1 for t in report["trees"])  # relation captions have several phrases
     assert "1. regions" in capsys.readouterr().out
+
+
+def test_hard_negatives_are_scored_by_the_cosine_and_by_the_powerset_similarity(tmp_path):
+    """Section 5: each item is a two-way choice by either score, so swapping an item's positive and negative turns
+    every answer around (no ties on random weights); the items are the world's test hard negatives by type."""
+    import dataclasses
+
+    import numpy as np
+
+    from extract.models.backbone import load_backbone
+    from train.eval.datasets import read_toyworld
+    from train.pretrain.diagnose import DiagnoseOptions, diagnose, score_items
+
+    world = tmp_path / "toy"
+    toyworld.generate(world, 30, seed=1, workers=1)
+    report = diagnose(DiagnoseOptions(data=str(world), n=4, score=["none"], n_items=3))
+    row = report["scores"]["none"]
+    items = read_toyworld(world, "test").items
+    assert set(row) == {it.subtype for it in items} and all(r["items"] <= 3 for r in row.values())
+    assert all(0 <= r["global cosine %"] <= 100 and 0 <= r["powerset S %"] <= 100 for r in row.values())
+    backbone = load_backbone("tiny", "none", device="cpu")
+    some = items[:6]
+    cos, pset = score_items(backbone, some)
+    back_cos, back_pset = score_items(backbone, [dataclasses.replace(it, texts=it.texts[::-1]) for it in some])
+    assert cos.shape == pset.shape == (6,)
+    assert np.array_equal(cos, ~back_cos) and np.array_equal(pset, ~back_pset)

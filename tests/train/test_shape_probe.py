@@ -38,7 +38,8 @@ def test_collapsed_words_read_as_cosine_one():
     assert text_collapse(Same()) == {"text cosine, shape differs": pytest.approx(1.0),
                                      "text cosine, colour differs": pytest.approx(1.0),
                                      "text cosine, predicate converse": pytest.approx(1.0),
-                                     "text cosine, objects swapped": pytest.approx(1.0)}
+                                     "text cosine, objects swapped": pytest.approx(1.0),
+                                     "text cosine, attributes swapped": pytest.approx(1.0)}
 
 
 def test_relation_cosines_pair_each_caption_with_its_converse_and_its_swap():
@@ -60,11 +61,13 @@ def test_relation_cosines_pair_each_caption_with_its_converse_and_its_swap():
     from train.eval.shape_probe import relation_cosines
 
     out = relation_cosines(Words())
-    base, converse, swapped = seen
+    base, converse, swapped, attributes = seen
     assert len(base) == 96 and base[0] == "a red circle to the left of a green square"
     assert converse[0] == "a red circle to the right of a green square"
     assert swapped[0] == "a green square to the left of a red circle"
+    assert attributes[0] == "a green circle to the left of a red square"  # swap-att: the colours change places
     assert out["text cosine, objects swapped"] == pytest.approx(1.0) and out["text cosine, predicate converse"] < 1
+    assert out["text cosine, attributes swapped"] == pytest.approx(1.0)  # a bag of words cannot bind
 
 
 def test_a_world_without_enough_single_object_scenes_is_refused(tmp_path, capsys):
@@ -109,3 +112,32 @@ def test_the_left_right_probe_reads_position_where_features_hold_it():
                                scenes[400:], 64)
     assert with_position > 95 and 30 < without < 70
     assert left_right_probe(feats[:4], scenes[:4], feats[4:8], scenes[4:8], 64) is None  # too few: no figure
+
+
+def test_the_binding_probe_reads_which_colour_has_which_shape_only_where_features_bind():
+    """Features holding each (colour, shape) pair present read "which of the two shapes is the red one" (~100%);
+    features holding the same colours and shapes as two separate bags cannot (~50%): the probe's chance is the
+    pair's, not the 6 shapes'."""
+    import numpy as np
+
+    from extract.data.toyworld import COLOURS as PALETTE
+    from extract.data.toyworld import SHAPES
+    from train.eval.shape_probe import binding_probe, binding_scene
+
+    colours = list(PALETTE)
+    rng = np.random.default_rng(0)
+    scenes, bound, bags = [], [], []
+    for _ in range(1600):
+        cs, ss = rng.choice(len(colours), 2, replace=False), rng.choice(len(SHAPES), 2, replace=False)
+        scenes.append({"objects": [{"colour": colours[c], "shape": SHAPES[k]} for c, k in zip(cs, ss)]})
+        pair, bag = np.zeros(len(colours) * len(SHAPES)), np.zeros(len(colours) + len(SHAPES))
+        pair[cs * len(SHAPES) + ss] = 1
+        bag[cs], bag[len(colours) + ss] = 1, 1
+        bound.append(pair)
+        bags.append(bag)
+    assert all(binding_scene(s) for s in scenes)
+    assert not binding_scene({"objects": [{"colour": "red", "shape": "star"}, {"colour": "blue", "shape": "star"}]})
+    bound, bags = np.asarray(bound), np.asarray(bags)
+    assert binding_probe(bound[:1200], scenes[:1200], bound[1200:], scenes[1200:]) > 95
+    assert 40 < binding_probe(bags[:1200], scenes[:1200], bags[1200:], scenes[1200:]) < 60
+    assert binding_probe(bound[:8], scenes[:8], bound[8:16], scenes[8:16]) is None  # too few: no figure

@@ -21,7 +21,13 @@ initialisation, the floor):
   probe of "the object of this colour is left of the other" (chance 50), from the global image embedding and from
   the patch tokens (the positions of the last feature map, concatenated), averaged over the colours. A base whose
   tokens know and whose embedding does not has pooled position away: a head that scores global embeddings of crops
-  (ComAlign's relation components) cannot learn left from right from it.
+  (ComAlign's relation components) cannot learn left from right from it;
+- binding: whether the image side says which colour goes with which shape, the image half of swap-att. On
+  two-object scenes of two colours and two shapes, for each colour a probe of the shape of the object of that colour,
+  read as a choice between the scene's two shapes only (chance 50): a representation that holds the colours and the
+  shapes present but not which goes with which scores 50. From the global embedding and from the patch tokens, as
+  for position; its text half is the cosine of a caption with its attributes swapped ("a red circle ... a green
+  square" / "a green circle ... a red square").
 """
 from __future__ import annotations
 
@@ -124,6 +130,46 @@ def left_right_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: 
     return float(np.mean(scores)) if scores else None
 
 
+def binding_scene(scene: dict) -> bool:
+    """A scene of two objects of different colours and different shapes (the binding probe's)."""
+    return two_colour_pair(scene) and scene["objects"][0]["shape"] != scene["objects"][1]["shape"]
+
+
+def binding_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: list[dict]) -> float | None:
+    """Held-out accuracy (%) of "which of the scene's two shapes has colour c", one probe per colour (a 6-way shape
+    probe whose answer is read as the likelier of the two shapes present: chance 50), averaged over the colours with
+    >= 20 train and >= 10 held-out scenes; None without any."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from extract.data.toyworld import COLOURS
+
+    def of(scenes, colour):
+        idx, mine, other = [], [], []
+        for i, s in enumerate(scenes):
+            objs = s["objects"]
+            if binding_scene(s) and colour in (objs[0]["colour"], objs[1]["colour"]):
+                k = 0 if objs[0]["colour"] == colour else 1
+                idx.append(i)
+                mine.append(objs[k]["shape"])
+                other.append(objs[1 - k]["shape"])
+        return np.asarray(idx, dtype=np.int64), mine, other
+
+    scores = []
+    for colour in COLOURS:
+        itr, ytr, _ = of(train, colour)
+        ite, yte, ote = of(test, colour)
+        if len(itr) < 20 or len(ite) < 10 or len(set(ytr)) < 2:
+            continue
+        scaler = StandardScaler().fit(xtr[itr])
+        clf = LogisticRegression(max_iter=3000).fit(scaler.transform(xtr[itr]), ytr)
+        logp = dict(zip(clf.classes_, clf.predict_log_proba(scaler.transform(xte[ite])).T))
+        floor = np.full(len(ite), -np.inf)  # a shape the probe never saw as the answer: never chosen
+        right = [logp.get(y, floor)[j] > logp.get(o, floor)[j] for j, (y, o) in enumerate(zip(yte, ote))]
+        scores.append(100.0 * float(np.mean(right)))
+    return float(np.mean(scores)) if scores else None
+
+
 def probe(train_x: np.ndarray, train_y: list[str], test_x: np.ndarray, test_y: list[str]) -> float:
     """Held-out accuracy (%) of a logistic-regression probe."""
     from sklearn.linear_model import LogisticRegression
@@ -144,21 +190,24 @@ def _unit_embeddings(backbone, texts: list[str]) -> torch.Tensor:
 
 def relation_cosines(backbone) -> dict[str, float]:
     """Mean cosine of a relation caption ("a red circle to the left of a green square") with its converse ("... to
-    the right of ...") and with its objects swapped ("a green square to the left of a red circle"), over 48 object
-    pairs and both predicate pairs: near 1, the text tower cannot tell replace-rel / swap-obj negatives apart."""
+    the right of ..."), with its objects swapped ("a green square to the left of a red circle") and with its
+    attributes swapped ("a green circle to the left of a red square"), over 48 object pairs and both predicate
+    pairs: near 1, the text tower cannot tell replace-rel / swap-obj / swap-att negatives apart."""
     from extract.data.toyworld import COLOURS, SHAPES
 
     colours, shapes = list(COLOURS), list(SHAPES)
-    pairs = [(f"{colours[c]} {shapes[s]}", f"{colours[(c + 1) % len(colours)]} {shapes[(s + 1) % len(shapes)]}")
+    pairs = [((colours[c], shapes[s]), (colours[(c + 1) % len(colours)], shapes[(s + 1) % len(shapes)]))
              for c in range(len(colours)) for s in range(len(shapes))]
-    base, converse, swapped = [], [], []
-    for (a, b), (p, q) in itertools.product(pairs, CONVERSES):
-        base.append(f"a {a} {p} a {b}")
-        converse.append(f"a {a} {q} a {b}")
-        swapped.append(f"a {b} {p} a {a}")
+    base, converse, swapped, attributes = [], [], [], []
+    for ((ca, sa), (cb, sb)), (p, q) in itertools.product(pairs, CONVERSES):
+        base.append(f"a {ca} {sa} {p} a {cb} {sb}")
+        converse.append(f"a {ca} {sa} {q} a {cb} {sb}")
+        swapped.append(f"a {cb} {sb} {p} a {ca} {sa}")
+        attributes.append(f"a {cb} {sa} {p} a {ca} {sb}")
     e = _unit_embeddings(backbone, base)
     return {"text cosine, predicate converse": float((e * _unit_embeddings(backbone, converse)).sum(-1).mean()),
-            "text cosine, objects swapped": float((e * _unit_embeddings(backbone, swapped)).sum(-1).mean())}
+            "text cosine, objects swapped": float((e * _unit_embeddings(backbone, swapped)).sum(-1).mean()),
+            "text cosine, attributes swapped": float((e * _unit_embeddings(backbone, attributes)).sum(-1).mean())}
 
 
 def text_collapse(backbone) -> dict[str, float]:
@@ -176,7 +225,8 @@ def text_collapse(backbone) -> dict[str, float]:
 
 
 def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test: list[dict],
-                  pairs: tuple[list[dict], list[dict]] = ([], []), side: int = 64) -> dict[str, float]:
+                  pairs: tuple[list[dict], list[dict]] = ([], []), side: int = 64,
+                  bound: tuple[list[dict], list[dict]] = ([], [])) -> dict[str, float]:
     from extract.models.backbone import load_backbone
 
     world = Path(opts.data)
@@ -194,6 +244,14 @@ def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test
             found = left_right_probe(a, ptr, b, pte, side)
             if found is not None:
                 out[f"image probe: left/right from {name} %"] = found
+    btr, bte = bound
+    if btr and bte:
+        (etr, ttr), (ete, tte) = (image_features(backbone, world, btr, tokens=True),
+                                  image_features(backbone, world, bte, tokens=True))
+        for name, a, b in (("embedding", etr, ete), ("tokens", ttr, tte)):
+            found = binding_probe(a, btr, b, bte)
+            if found is not None:
+                out[f"image probe: colour-shape binding from {name} %"] = found
     out.update(text_collapse(backbone))
     return out
 
@@ -204,9 +262,10 @@ def shape_probe(opts: ShapeProbeOptions) -> dict[str, dict[str, float]]:
     world = load(opts.data)  # read once: annotations of a 20,000-scene world are tens of MB
     train, test = single_object_scenes(Path(opts.data), world["scenes"], opts.n_train, opts.n_test)
     pairs = split_scenes(world["scenes"], two_colour_pair, opts.n_train, opts.n_test)
+    bound = split_scenes(world["scenes"], binding_scene, opts.n_train, opts.n_test)
     results = {}
     for weights in progress(opts.pretrained or ["none"], desc="probing", unit="model"):
-        results[weights] = probe_weights(opts, weights, train, test, pairs, world["meta"]["size"])
+        results[weights] = probe_weights(opts, weights, train, test, pairs, world["meta"]["size"], bound)
     if opts.json_out:
         Path(opts.json_out).write_text(json.dumps(results, indent=2) + "\n")
     return results
@@ -228,8 +287,8 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: ShapeProbeOptions) -> None:
         results = shape_probe(opts)
-        print("single-object scenes: shape chance 16.7%, colour chance 12.5%; two-object scenes: left/right chance "
-              "50%; text cosines near 1 = collapsed words")
+        print("single-object scenes: shape chance 16.7%, colour chance 12.5%; two-object scenes: left/right and "
+              "binding chance 50%; text cosines near 1 = collapsed words")
         print(table(results))
 
     return run_job(job, parse_options(ShapeProbeOptions, build_parser(), argv))

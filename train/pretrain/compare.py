@@ -27,7 +27,9 @@ every column after the first shows its difference from the first (CLIP) with a 9
 the test images (``adapters.eval.bootstrap``), ``*`` where the interval excludes 0.
 
 Output, per budget ``B``: ``OUT/B/<column>/seed-<s>/`` (run folders), ``OUT/B/eval/results.{json,md,png}``,
-``OUT/B/curves.png``; then ``OUT/compare.md`` (every budget's table) and ``OUT/compare.json``. The same command
+``OUT/B/curves.png``; then ``OUT/compare.md`` (every budget's table) and ``OUT/compare.json``. ``--jobs N`` trains N
+runs at once, each in a process of its own with its share of the CPU threads (and its own GPU where there are
+several), its output in its folder's ``train.log``. The same command
 again (same ``OUT``, same settings) keeps the runs an earlier call finished (``compare_run.json`` in each run
 folder) and trains only the rest: an interrupted comparison resumes after its last finished run. Under ``time``
 the calibration runs again, so a run is kept only when its step count comes out the same.
@@ -150,6 +152,9 @@ class CompareOptions:
     model: str = option("tiny", help="open_clip architecture or plugvlm alias of every run")
     batch_size: int = option(64, type=positive_int, help="batch of every run")
     workers: int = option(1, type=nonnegative_int, help="data-loader processes")
+    jobs: int = option(1, type=positive_int,
+                       help="runs trained at once, each in its own process with its share of the CPU threads (and, "
+                            "on a machine with several GPUs, its own GPU); a run's output goes to its train.log")
     calibration_steps: int = option(12, type=positive_int, help="steps of each column's timing run, budget time")
     eval_every_n_epochs: int = option(1, type=nonnegative_int,
                                       help="evaluate every run on the val split every N epochs: the curves (0: none)")
@@ -326,27 +331,33 @@ def compare(opts: CompareOptions) -> dict:
     for budget in opts.budget:
         say(f"== budget: {'equal steps' if budget == 'steps' else 'equal wall-clock'} ==")
         steps, per_step = _budget_steps(opts, budget, settings, out, options)
-        runs: dict[str, list[dict]] = {}
+        runs: dict[str, dict[int, dict]] = {}
+        todo = []
         for (c, h) in settings:
             name = column_name(c, h)
             for seed in range(opts.seed, opts.seed + opts.seeds):
                 run_dir = out / budget / _slug(name) / f"seed-{seed}"
                 done = finished(run_dir, steps[name])
                 if done is None:
-                    t0 = time.perf_counter()
-                    summary = pt.pretrain(options(c, h, seed, _fresh(run_dir), steps[name],
-                                                  eval_every_n_epochs=opts.eval_every_n_epochs))
-                    desc = json.loads((run_dir / "model.json").read_text())
-                    done = {"seed": seed, "steps": desc["step"], "epochs": desc["epoch"], "weights": summary["weights"],
-                            "train_seconds": time.perf_counter() - t0,
-                            "calibrated_seconds_per_step": per_step.get(name), "curve": _curve(run_dir, per_epoch)}
-                    (run_dir / RUN_RECORD).write_text(json.dumps(done, indent=2) + "\n")
-                    say(f"{name} seed {seed}: {done['steps']} steps ({done['epochs']:.1f} epochs) in "
-                        f"{done['train_seconds']:.0f} s")
+                    todo.append(Run(name, seed, run_dir, options(c, h, seed, run_dir, steps[name],
+                                                                 eval_every_n_epochs=opts.eval_every_n_epochs)))
                 else:
                     say(f"{name} seed {seed}: finished in an earlier call of this comparison, kept ({run_dir})")
-                runs.setdefault(name, []).append(done)
-        budgets[budget] = _evaluate(opts, budget, world, runs, out / budget)
+                    runs.setdefault(name, {})[seed] = done
+
+        def record(r: Run, summary: dict, seconds: float) -> None:
+            desc = json.loads((r.dir / "model.json").read_text())
+            done = {"seed": r.seed, "steps": desc["step"], "epochs": desc["epoch"], "weights": summary["weights"],
+                    "train_seconds": seconds, "calibrated_seconds_per_step": per_step.get(r.name),
+                    "curve": _curve(r.dir, per_epoch)}
+            (r.dir / RUN_RECORD).write_text(json.dumps(done, indent=2) + "\n")
+            say(f"{r.name} seed {r.seed}: {done['steps']} steps ({done['epochs']:.1f} epochs) in {seconds:.0f} s")
+            runs.setdefault(r.name, {})[r.seed] = done
+
+        train_runs(todo, opts.jobs, record)
+        ordered = {column_name(c, h): [runs[column_name(c, h)][s] for s in range(opts.seed, opts.seed + opts.seeds)]
+                   for c, h in settings}
+        budgets[budget] = _evaluate(opts, budget, world, ordered, out / budget)
     text = "\n".join(f"## {'Equal steps' if b == 'steps' else 'Equal wall-clock'}\n\n{r['markdown']}"
                      for b, r in budgets.items())
     (out / "compare.md").write_text(text)
@@ -358,6 +369,106 @@ def compare(opts: CompareOptions) -> dict:
 run = compare  # the name this job had before it took options
 
 
+@dataclass
+class Run:
+    """One training run of the comparison: its column, seed, folder and complete options."""
+
+    name: str
+    seed: int
+    dir: Path
+    options: Any
+
+
+def job_plan(jobs: int, cores: int, gpus: int) -> tuple[int, list[int | None]]:
+    """CPU threads of each of ``jobs`` concurrent runs, and the GPU each job slot uses (None: the run's own default).
+    The cores are shared out evenly (at least one each); with several GPUs, slot k takes GPU k mod ``gpus``."""
+    threads = max(1, cores // jobs)
+    return threads, [k % gpus if gpus > 1 else None for k in range(jobs)]
+
+
+def _train_in_child(options: Any, log: str, result: str, threads: int, gpu: int | None) -> None:
+    """A run in a process of its own (``--jobs``): its output to ``log``, its summary to ``result``."""
+    import os
+    import sys
+
+    if gpu is not None:  # before anything initialises CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    import torch
+
+    from train.pretrain import engine as pt
+
+    torch.set_num_threads(threads)
+    try:
+        summary = pt.pretrain(options)
+    except BaseException as e:  # the traceback to the log, the one line for the parent's message
+        import traceback
+
+        traceback.print_exc()
+        Path(result).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise SystemExit(1) from None
+    Path(result).write_text(json.dumps(summary, default=str))
+
+
+def train_runs(todo: list[Run], jobs: int, record) -> None:
+    """Train ``todo``, ``jobs`` at a time, calling ``record(run, summary, seconds)`` as each finishes. One job trains
+    in this process; more start a process per run (spawned: nothing of this process's state is shared), each with its
+    share of the threads (:func:`job_plan`). A run that fails stops new ones from starting; those already running
+    finish and are recorded, so the same command again resumes after them."""
+    from train.pretrain import engine as pt
+
+    if jobs == 1 or len(todo) <= 1:
+        for r in todo:
+            t0 = time.perf_counter()
+            summary = pt.pretrain(dataclasses.replace(r.options, out=str(_fresh(r.dir))))
+            record(r, summary, time.perf_counter() - t0)
+        return
+    import multiprocessing
+    import os
+    from multiprocessing.connection import wait
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    threads, slot_gpu = job_plan(jobs, len(os.sched_getaffinity(0)), gpus)
+    ctx = multiprocessing.get_context("spawn")
+    queue, free, running, failed = list(todo), list(range(jobs)), {}, None
+    say(f"{len(todo)} runs, {jobs} at a time ({threads} CPU threads each{', one GPU each' if gpus > 1 else ''})")
+    try:
+        while running or (queue and failed is None):
+            while queue and free and failed is None:
+                slot, r = free.pop(0), queue.pop(0)
+                _fresh(r.dir).mkdir(parents=True)
+                log, result = r.dir / "train.log", r.dir.with_name(r.dir.name + ".summary.json")
+                gpu = slot_gpu[slot] if r.options.device is None else None
+                proc = ctx.Process(target=_train_in_child, args=(r.options, str(log), str(result), threads, gpu),
+                                   name=f"{r.name} seed {r.seed}")
+                proc.start()
+                running[proc.sentinel] = (slot, r, proc, time.perf_counter(), log, result)
+                say(f"{r.name} seed {r.seed}: started (log: {log})")
+            wait(list(running), timeout=60)
+            for sentinel in [s for s, v in running.items() if v[2].exitcode is not None]:
+                slot, r, proc, t0, log, result = running.pop(sentinel)
+                free.append(slot)
+                summary = json.loads(result.read_text()) if result.is_file() else {}
+                result.unlink(missing_ok=True)
+                if proc.exitcode == 0 and "weights" in summary:
+                    record(r, summary, time.perf_counter() - t0)
+                elif failed is None:
+                    failed = (r, proc.exitcode, summary.get("error"), log)
+    finally:
+        for _, _, proc, *_ in running.values():  # interrupted: no run outlives the comparison
+            proc.terminate()
+            proc.join()
+    if failed:
+        r, code, error, log = failed
+        raise RuntimeError(f"{r.name} seed {r.seed} failed ({error or f'its process exited with code {code}'}); the "
+                           f"traceback is in {log}. The runs that finished are kept: the same command again resumes.")
+
+
 def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, options) -> tuple[dict, dict]:
     """Steps of every column under ``budget``: ``--steps`` each, or what fits in ``--minutes-per-method`` at the step
     time a calibration run measures (every column first, back to back, so a machine that gets busier or quieter
@@ -367,12 +478,21 @@ def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, 
     names = [column_name(c, h) for c, h in settings]
     if budget == "steps":
         return {n: opts.steps for n in names}, {}
-    per_step = {}
-    for (c, h), name in zip(settings, names):
-        calib = _fresh(out / "calibration" / _slug(name))
-        pt.pretrain(options(c, h, opts.seed, calib, opts.calibration_steps, log_every_n_steps=1,
-                            eval_every_n_epochs=0))
-        per_step[name] = _step_seconds(calib / "log.csv")
+    import os
+
+    import torch
+
+    per_step, threads = {}, torch.get_num_threads()
+    if opts.jobs > 1:  # timed on the threads each run will have (the runs beside it may still slow it)
+        torch.set_num_threads(job_plan(opts.jobs, len(os.sched_getaffinity(0)), 0)[0])
+    try:
+        for (c, h), name in zip(settings, names):
+            calib = _fresh(out / "calibration" / _slug(name))
+            pt.pretrain(options(c, h, opts.seed, calib, opts.calibration_steps, log_every_n_steps=1,
+                                eval_every_n_epochs=0))
+            per_step[name] = _step_seconds(calib / "log.csv")
+    finally:
+        torch.set_num_threads(threads)
     return {n: max(1, int(opts.minutes_per_method * 60 / per_step[n])) for n in names}, per_step
 
 

@@ -21,6 +21,12 @@ Sections (``--json`` writes every figure):
 3. **Phrase trees** (PowerCLIP §3.3): a few toy captions' leaves and nodes as the data path builds them.
 4. **Loss share** (``--run`` run folders): from each run's ``log.csv``, the mean over its last quarter of the
    contrastive term and of lambda x triplet (PowerCLIP's powerset term), and the ratio between them.
+5. **Hard negatives scored two ways** (``--score`` weights, repeatable): on up to ``--n-items`` test-split items of
+   each hard-negative type, the share where the positive caption beats the negative by the global cosine (what
+   ``train.eval`` and the papers' benchmarks score) and by PowerCLIP's own powerset similarity S (§3.3: NLA-T1 and
+   NLA-T2 over the image's exact object masks and the caption's phrase-tree nodes, the triplet term's S). Where S
+   tells a negative apart and the cosine does not, the powerset term learnt what the global embedding was never
+   asked for.
 """
 from __future__ import annotations
 
@@ -53,6 +59,10 @@ class DiagnoseOptions:
     seed: int = option(0, help="seeds the random boxes and CLIP-PGS's seed patches")
     run: list = option(default_factory=list, action="append", metavar="RUN_DIR",
                        help="a train.pretrain run folder whose log.csv gives the loss share (repeatable)")
+    score: list = option(default_factory=list, action="append", metavar="WEIGHTS",
+                         help="weights of --model whose test-split hard negatives are scored by the global cosine "
+                              "and by the powerset similarity (repeatable; 'none': random initialisation)")
+    n_items: int = option(500, type=positive_int, help="test items per hard-negative type that --score scores")
     json: str | None = option(None, help="write every figure here")
 
 
@@ -164,6 +174,17 @@ def selection_section(files: list[str], cells: list[np.ndarray], model, preproce
     return out
 
 
+def chooses_patches(model) -> bool:
+    """Whether CLIP-PGS can run on ``model``'s image tower (a ViT: it chooses which patches enter it)."""
+    from adapters.objectives.towers import UnsupportedModelError, check_model
+
+    try:
+        check_model(model, chooses_patches=True)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------- 3, 4
 def trees_section(captions: Sequence[str]) -> list[dict]:
     from extract.components.text import TextComponentExtractor
@@ -195,6 +216,79 @@ def loss_section(runs: Sequence[str]) -> dict[str, dict]:
     return out
 
 
+# --------------------------------------------------------------------------------------------- 5. two scores
+def grid_object_masks(image, backbone, m: int) -> np.ndarray:
+    """The image's exact object masks on the backbone's patch grid: [m, rows * cols] bool, empty rows padding."""
+    from extract.components.regions import masks_to_grid, preprocess_geometry
+    from extract.components.toy_segmenter import ToySegmenter
+
+    masks = ToySegmenter().generate(image).masks[:m]
+    input_size, mode = preprocess_geometry(backbone)
+    cells = masks_to_grid(masks, image.size, input_size, tuple(backbone.grid), resize_mode=mode).reshape(len(masks), -1)
+    out = np.zeros((m, cells.shape[1]), dtype=bool)
+    out[:len(cells)] = cells
+    return out
+
+
+def score_items(backbone, items, m: int = 10, batch: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """For each (image, (positive, negative)) item: whether the positive scores above the negative by the global
+    cosine, and by PowerCLIP's powerset similarity S over the exact object masks (the triplet term's S, with the
+    objective's default settings). Returns two bool arrays."""
+    import torch
+    from PIL import Image
+
+    from adapters.losses.nla import combined_similarity, leaf_embeddings, node_embeddings, region_embeddings
+    from adapters.objectives.powerclip import PowerCLIPObjective
+    from adapters.objectives.towers import encode_image, encode_text
+
+    objective = PowerCLIPObjective()
+    model, tokenizer = backbone.model, backbone.tokenizer
+    by_cosine, by_powerset = [], []
+    for a in range(0, len(items), batch):
+        chunk = items[a:a + batch]
+        pil = [Image.open(it.images[0]).convert("RGB") for it in chunk]
+        images = torch.stack([backbone.preprocess(im) for im in pil])
+        masks = torch.from_numpy(np.stack([grid_object_masks(im, backbone, m) for im in pil]))
+        with torch.no_grad():
+            image = encode_image(model, images, patches=True)
+            regions, region_mask = region_embeddings(image.patches, masks)
+            pooled = torch.nn.functional.normalize(image.pooled, dim=-1)
+            cos, pset = [], []
+            for k in (0, 1):  # the positive, then the negative
+                trees = objective.trees([it.texts[k] for it in chunk], tokenizer)
+                text = encode_text(model, trees["text"], tokens=True)
+                leaves, leaf_valid = leaf_embeddings(text.tokens, trees["leaf_tokens"])
+                node_leaves = trees["node_leaves"].bool() & leaf_valid[:, None, :]
+                nodes = node_embeddings(leaves, node_leaves)
+                s = combined_similarity(regions, region_mask, nodes, node_leaves.any(-1), objective.loss_cfg,
+                                        node_leaves.sum(-1).float())
+                pset.append(s.diagonal())
+                cos.append((pooled * torch.nn.functional.normalize(text.pooled, dim=-1)).sum(-1))
+        by_cosine.append((cos[0] > cos[1]).numpy())
+        by_powerset.append((pset[0] > pset[1]).numpy())
+    return np.concatenate(by_cosine), np.concatenate(by_powerset)
+
+
+def scores_section(world: Path, model: str, weights: Sequence[str], n_items: int) -> dict[str, dict]:
+    from extract.models.backbone import load_backbone
+    from train.eval.datasets import read_toyworld
+
+    by_type: dict[str, list] = {}
+    for it in read_toyworld(world, "test").items:
+        if len(by_type.setdefault(it.subtype, [])) < n_items:
+            by_type[it.subtype].append(it)
+    out = {}
+    for w in weights:
+        backbone = load_backbone(model, w, device="cpu")
+        row = {}
+        for kind, items in sorted(by_type.items()):
+            cos, pset = score_items(backbone, items)
+            row[kind] = {"items": len(items), "global cosine %": 100 * float(cos.mean()),
+                         "powerset S %": 100 * float(pset.mean())}
+        out[w] = row
+    return out
+
+
 def diagnose(opts: DiagnoseOptions) -> dict:
     from extract.data.toyworld import is_toyworld
     from extract.models.backbone import load_backbone
@@ -217,8 +311,10 @@ def diagnose(opts: DiagnoseOptions) -> dict:
     captions = list(by_kind.values())
     report = {"images": len(files), "grid": list(grid),
               "regions": regions_section(cells, grid, opts.num_masks, opts.seed),
-              "selection": selection_section(files, cells, backbone.model, backbone.preprocess, opts.seed),
-              "trees": trees_section(captions), "loss": loss_section(opts.run)}
+              "selection": selection_section(files, cells, backbone.model, backbone.preprocess, opts.seed)
+              if chooses_patches(backbone.model) else {},
+              "trees": trees_section(captions), "loss": loss_section(opts.run),
+              "scores": scores_section(world, opts.model, opts.score, opts.n_items)}
     if opts.json:
         Path(opts.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -229,7 +325,8 @@ def render(report: dict) -> str:
              "1. regions (PowerCLIP §3.2)"]
     for name, row in report["regions"].items():
         lines.append(f"  {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
-    lines += ["", "2. patch selection (CLIP-PGS §3.2)"]
+    lines += ["", "2. patch selection (CLIP-PGS §3.2)" + ("" if report["selection"] else
+                                                             ": not on this model (CLIP-PGS needs a ViT)")]
     for name, row in report["selection"].items():
         lines.append(f"  {name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                for k, v in row.items()))
@@ -241,6 +338,11 @@ def render(report: dict) -> str:
         for run, row in report["loss"].items():
             lines.append(f"  {run}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in row.items()))
+    if report.get("scores"):
+        lines += ["", "5. test hard negatives: positive above negative, by the global cosine / by the powerset S (%)"]
+        for w, row in report["scores"].items():
+            lines.append(f"  {w}: " + ", ".join(f"{k} {v['global cosine %']:.1f} / {v['powerset S %']:.1f}"
+                                               for k, v in row.items()))
     return "\n".join(lines)
 
 

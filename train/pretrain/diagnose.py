@@ -80,19 +80,20 @@ def object_cells(world: Path, n: int, backbone) -> tuple[list[str], list[np.ndar
     backbone's patch grid, from the exact masks)."""
     from PIL import Image
 
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == "train"][:n]
+    files = [str(world / s["file_name"]) for s in scenes]
+    return files, [grid_cells(Image.open(f).convert("RGB"), backbone) for f in files]
+
+
+def grid_cells(image, backbone) -> np.ndarray:
+    """The image's exact object masks (``extract.components.toy_segmenter``) on the backbone's patch grid:
+    [objects, rows * cols] bool."""
     from extract.components.regions import masks_to_grid, preprocess_geometry
     from extract.components.toy_segmenter import ToySegmenter
 
-    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == "train"][:n]
+    masks = ToySegmenter().generate(image).masks
     input_size, mode = preprocess_geometry(backbone)
-    grid, seg = tuple(backbone.grid), ToySegmenter()
-    files, cells = [], []
-    for s in scenes:
-        image = Image.open(world / s["file_name"]).convert("RGB")
-        masks = seg.generate(image).masks
-        files.append(str(world / s["file_name"]))
-        cells.append(masks_to_grid(masks, image.size, input_size, grid, resize_mode=mode).reshape(len(masks), -1))
-    return files, cells
+    return masks_to_grid(masks, image.size, input_size, tuple(backbone.grid), resize_mode=mode).reshape(len(masks), -1)
 
 
 def region_stats(objects: np.ndarray, regions: np.ndarray) -> dict[str, float]:
@@ -218,13 +219,8 @@ def loss_section(runs: Sequence[str]) -> dict[str, dict]:
 
 # --------------------------------------------------------------------------------------------- 5. two scores
 def grid_object_masks(image, backbone, m: int) -> np.ndarray:
-    """The image's exact object masks on the backbone's patch grid: [m, rows * cols] bool, empty rows padding."""
-    from extract.components.regions import masks_to_grid, preprocess_geometry
-    from extract.components.toy_segmenter import ToySegmenter
-
-    masks = ToySegmenter().generate(image).masks[:m]
-    input_size, mode = preprocess_geometry(backbone)
-    cells = masks_to_grid(masks, image.size, input_size, tuple(backbone.grid), resize_mode=mode).reshape(len(masks), -1)
+    """:func:`grid_cells`, the first ``m``, padded with empty rows to [m, rows * cols]."""
+    cells = grid_cells(image, backbone)[:m]
     out = np.zeros((m, cells.shape[1]), dtype=bool)
     out[:len(cells)] = cells
     return out
@@ -273,6 +269,8 @@ def scores_section(world: Path, model: str, weights: Sequence[str], n_items: int
     from extract.models.backbone import load_backbone
     from train.eval.datasets import read_toyworld
 
+    if not weights:  # nothing asked: the test split is not read
+        return {}
     by_type: dict[str, list] = {}
     for it in read_toyworld(world, "test").items:
         if len(by_type.setdefault(it.subtype, [])) < n_items:

@@ -60,10 +60,29 @@ def test_hard_negatives_are_scored_by_the_cosine_and_by_the_powerset_similarity(
     row = report["scores"]["none"]
     items = read_toyworld(world, "test").items
     assert set(row) == {it.subtype for it in items} and all(r["items"] <= 3 for r in row.values())
-    assert all(0 <= r["global cosine %"] <= 100 and 0 <= r["powerset S %"] <= 100 for r in row.values())
+    ways = {"global cosine %", "powerset S %", "cosine, CLIP-PGS 0.5 tokens %", "cosine, FLIP 0.5 tokens %"}
+    assert all(set(r) == ways | {"items"} and all(0 <= r[k] <= 100 for k in ways) for r in row.values())
     backbone = load_backbone("tiny", "none", device="cpu")
     some = items[:6]
-    cos, pset = score_items(backbone, some)
-    back_cos, back_pset = score_items(backbone, [dataclasses.replace(it, texts=it.texts[::-1]) for it in some])
-    assert cos.shape == pset.shape == (6,)
-    assert np.array_equal(cos, ~back_cos) and np.array_equal(pset, ~back_pset)
+    right = score_items(backbone, some)
+    back = score_items(backbone, [dataclasses.replace(it, texts=it.texts[::-1]) for it in some])
+    assert {f"{k} %" for k in right} == ways and all(r.shape == (6,) for r in right.values())
+    assert all(np.array_equal(right[k], ~back[k]) for k in right)
+
+
+def test_the_training_views_are_the_tokens_pgs_and_flip_keep():
+    """image_views: on a ViT the PGS and FLIP views differ from the whole image (half the tokens enter) and from each
+    other; on the ResNet tower, which has no tokens to drop, only the whole image is scored."""
+    import torch
+
+    from extract.models.backbone import load_backbone
+    from train.pretrain.diagnose import image_views
+
+    images = torch.randn(3, 3, 64, 64)
+    views = image_views(load_backbone("tiny", "none", device="cpu").model, images)
+    assert list(views) == ["global cosine", "cosine, CLIP-PGS 0.5 tokens", "cosine, FLIP 0.5 tokens"]
+    whole, pgs, flip = views.values()
+    assert torch.allclose(whole.norm(dim=-1), torch.ones(3)) and not torch.allclose(whole, pgs, atol=1e-3)
+    assert not torch.allclose(pgs, flip, atol=1e-3)
+    rn = load_backbone("tiny-rn", "none", device="cpu")
+    assert list(image_views(rn.model, torch.randn(2, 3, 128, 128))) == ["global cosine"]

@@ -21,12 +21,14 @@ Sections (``--json`` writes every figure):
 3. **Phrase trees** (PowerCLIP §3.3): a few toy captions' leaves and nodes as the data path builds them.
 4. **Loss share** (``--run`` run folders): from each run's ``log.csv``, the mean over its last quarter of the
    contrastive term and of lambda x triplet (PowerCLIP's powerset term), and the ratio between them.
-5. **Hard negatives scored two ways** (``--score`` weights, repeatable): on up to ``--n-items`` test-split items of
-   each hard-negative type, the share where the positive caption beats the negative by the global cosine (what
+5. **Hard negatives scored several ways** (``--score`` weights, repeatable): on up to ``--n-items`` test-split items
+   of each hard-negative type, the share where the positive caption beats the negative by the global cosine (what
    ``train.eval`` and the papers' benchmarks score) and by PowerCLIP's own powerset similarity S (§3.3: NLA-T1 and
    NLA-T2 over the image's exact object masks and the caption's phrase-tree nodes, the triplet term's S). Where S
    tells a negative apart and the cosine does not, the powerset term learnt what the global embedding was never
-   asked for.
+   asked for. On a ViT also by the cosine of the image seen through the tokens CLIP-PGS_0.5 and FLIP 0.5 keep in
+   training: a model that scores higher there than on whole images suffers a train/test shift (FLIP's §3 answers
+   it with unmasked tuning; CLIP-PGS evaluates on whole images too).
 """
 from __future__ import annotations
 
@@ -226,10 +228,36 @@ def grid_object_masks(image, backbone, m: int) -> np.ndarray:
     return out
 
 
-def score_items(backbone, items, m: int = 10, batch: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def image_views(model, images, seed: int = 0) -> dict:
+    """The pooled image embeddings a hard-negative item is scored with: the whole image (what ``train.eval`` and the
+    benchmarks use) and, on a ViT, the tokens that CLIP-PGS_0.5 (alpha 1: the patch features, as at the end of
+    training) and FLIP 0.5 (seeded uniform drop) let into the transformer during training -- a model scored higher
+    on its own training view than on whole images has learnt something the whole image hides (a train/test shift)."""
+    import torch
+
+    from adapters.objectives.clip_pgs import PGSConfig, pgs_select
+    from adapters.objectives.towers import encode_image, keep_count, patch_embed, random_keep
+
+    views = {"global cosine": encode_image(model, images).pooled}
+    if chooses_patches(model):
+        visual = model.visual
+        embedded = patch_embed(model, images)
+        n = embedded.shape[1]
+        noise = torch.rand(len(images), n, generator=torch.Generator().manual_seed(seed))
+        keep, padding, _ = pgs_select(images, embedded, noise, PGSConfig(min_ratio=0.5, max_ratio=0.5), 1.0,
+                                      tuple(visual.grid_size), tuple(visual.patch_size))
+        views["cosine, CLIP-PGS 0.5 tokens"] = encode_image(model, embedded=embedded, keep=keep,
+                                                            key_padding=padding).pooled
+        views["cosine, FLIP 0.5 tokens"] = encode_image(model, embedded=embedded,
+                                                        keep=random_keep(noise, keep_count(n, 0.5))).pooled
+    return {k: torch.nn.functional.normalize(v, dim=-1) for k, v in views.items()}
+
+
+def score_items(backbone, items, m: int = 10, batch: int = 64) -> dict[str, np.ndarray]:
     """For each (image, (positive, negative)) item: whether the positive scores above the negative by the global
-    cosine, and by PowerCLIP's powerset similarity S over the exact object masks (the triplet term's S, with the
-    objective's default settings). Returns two bool arrays."""
+    cosine, by PowerCLIP's powerset similarity S over the exact object masks (the triplet term's S, with the
+    objective's default settings) and, on a ViT, by the cosine on CLIP-PGS's and FLIP's training tokens
+    (:func:`image_views`). Returns a bool array per way, keyed by its name."""
     import torch
     from PIL import Image
 
@@ -239,17 +267,17 @@ def score_items(backbone, items, m: int = 10, batch: int = 64) -> tuple[np.ndarr
 
     objective = PowerCLIPObjective()
     model, tokenizer = backbone.model, backbone.tokenizer
-    by_cosine, by_powerset = [], []
+    right: dict[str, list] = {}
     for a in range(0, len(items), batch):
         chunk = items[a:a + batch]
         pil = [Image.open(it.images[0]).convert("RGB") for it in chunk]
         images = torch.stack([backbone.preprocess(im) for im in pil])
         masks = torch.from_numpy(np.stack([grid_object_masks(im, backbone, m) for im in pil]))
         with torch.no_grad():
+            views = image_views(model, images, seed=a)
             image = encode_image(model, images, patches=True)
             regions, region_mask = region_embeddings(image.patches, masks)
-            pooled = torch.nn.functional.normalize(image.pooled, dim=-1)
-            cos, pset = [], []
+            scores: dict[str, list] = {}
             for k in (0, 1):  # the positive, then the negative
                 trees = objective.trees([it.texts[k] for it in chunk], tokenizer)
                 text = encode_text(model, trees["text"], tokens=True)
@@ -258,11 +286,13 @@ def score_items(backbone, items, m: int = 10, batch: int = 64) -> tuple[np.ndarr
                 nodes = node_embeddings(leaves, node_leaves)
                 s = combined_similarity(regions, region_mask, nodes, node_leaves.any(-1), objective.loss_cfg,
                                         node_leaves.sum(-1).float())
-                pset.append(s.diagonal())
-                cos.append((pooled * torch.nn.functional.normalize(text.pooled, dim=-1)).sum(-1))
-        by_cosine.append((cos[0] > cos[1]).numpy())
-        by_powerset.append((pset[0] > pset[1]).numpy())
-    return np.concatenate(by_cosine), np.concatenate(by_powerset)
+                pooled_text = torch.nn.functional.normalize(text.pooled, dim=-1)
+                for name, pooled in views.items():
+                    scores.setdefault(name, []).append((pooled * pooled_text).sum(-1))
+                scores.setdefault("powerset S", []).append(s.diagonal())
+        for name, (pos, neg) in scores.items():
+            right.setdefault(name, []).append((pos > neg).numpy())
+    return {name: np.concatenate(v) for name, v in right.items()}
 
 
 def scores_section(world: Path, model: str, weights: Sequence[str], n_items: int) -> dict[str, dict]:
@@ -280,9 +310,8 @@ def scores_section(world: Path, model: str, weights: Sequence[str], n_items: int
         backbone = load_backbone(model, w, device="cpu")
         row = {}
         for kind, items in sorted(by_type.items()):
-            cos, pset = score_items(backbone, items)
-            row[kind] = {"items": len(items), "global cosine %": 100 * float(cos.mean()),
-                         "powerset S %": 100 * float(pset.mean())}
+            right = score_items(backbone, items)
+            row[kind] = {"items": len(items), **{f"{name} %": 100 * float(r.mean()) for name, r in right.items()}}
         out[w] = row
     return out
 
@@ -337,10 +366,12 @@ def render(report: dict) -> str:
             lines.append(f"  {run}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in row.items()))
     if report.get("scores"):
-        lines += ["", "5. test hard negatives: positive above negative, by the global cosine / by the powerset S (%)"]
+        lines += ["", "5. test hard negatives: positive above negative (%), by each score"]
         for w, row in report["scores"].items():
-            lines.append(f"  {w}: " + ", ".join(f"{k} {v['global cosine %']:.1f} / {v['powerset S %']:.1f}"
-                                               for k, v in row.items()))
+            lines.append(f"  {w}:")
+            for kind, v in row.items():
+                lines.append(f"    {kind} ({v['items']} items): " + ", ".join(
+                    f"{k.removesuffix(' %')} {x:.1f}" for k, x in v.items() if k != "items"))
     return "\n".join(lines)
 
 

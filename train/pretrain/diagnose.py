@@ -228,17 +228,18 @@ def grid_object_masks(image, backbone, m: int) -> np.ndarray:
     return out
 
 
-def image_views(model, images, seed: int = 0) -> dict:
+def image_views(model, images, seed: int = 0, whole=None) -> dict:
     """The pooled image embeddings a hard-negative item is scored with: the whole image (what ``train.eval`` and the
     benchmarks use) and, on a ViT, the tokens that CLIP-PGS_0.5 (alpha 1: the patch features, as at the end of
     training) and FLIP 0.5 (seeded uniform drop) let into the transformer during training -- a model scored higher
-    on its own training view than on whole images has learnt something the whole image hides (a train/test shift)."""
+    on its own training view than on whole images has learnt something the whole image hides (a train/test shift).
+    ``whole``: the whole image's pooled embedding where the caller has it already (it is not computed again)."""
     import torch
 
     from adapters.objectives.clip_pgs import PGSConfig, pgs_select
     from adapters.objectives.towers import encode_image, keep_count, patch_embed, random_keep
 
-    views = {"global cosine": encode_image(model, images).pooled}
+    views = {"global cosine": encode_image(model, images).pooled if whole is None else whole}
     if chooses_patches(model):
         visual = model.visual
         embedded = patch_embed(model, images)
@@ -274,8 +275,8 @@ def score_items(backbone, items, m: int = 10, batch: int = 64) -> dict[str, np.n
         images = torch.stack([backbone.preprocess(im) for im in pil])
         masks = torch.from_numpy(np.stack([grid_object_masks(im, backbone, m) for im in pil]))
         with torch.no_grad():
-            views = image_views(model, images, seed=a)
             image = encode_image(model, images, patches=True)
+            views = image_views(model, images, seed=a, whole=image.pooled)
             regions, region_mask = region_embeddings(image.patches, masks)
             scores: dict[str, list] = {}
             for k in (0, 1):  # the positive, then the negative

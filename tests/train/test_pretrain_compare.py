@@ -175,4 +175,73 @@ def test_columns_are_checked_before_any_work(tmp_path):
         compare(CompareOptions(out=str(tmp_path / "c"), data=str(tmp_path)))
     with pytest.raises(ValueError, match="column flip on --model tiny-rn: this objective needs a ViT image tower"):
         compare(CompareOptions(out=str(tmp_path / "d"), model="tiny-rn", methods="clip,powerclip-R,flip"))
-    assert not any((tmp_path / d).exists() for d in "abcd")  # refused before any work
+    with pytest.raises(ValueError, match=r"vs: flip:clip-pgs not two different columns of this table; its "
+                                         r"columns: clip, flip, clip \+tune, flip \+tune"):
+        compare(CompareOptions(out=str(tmp_path / "e"), methods="clip,flip", unmasked_tuning_steps=2,
+                               vs="flip +tune:clip +tune,flip:clip-pgs"))
+    with pytest.raises(ValueError, match="expected A:B"):
+        CompareOptions(vs="clip-pgs")
+    assert parse_args(["--vs", "a:b, c : d"]).vs == [("a", "b"), ("c", "d")]
+    assert not any((tmp_path / d).exists() for d in "abcde")  # refused before any work
+
+
+@pytest.mark.slow
+def test_unmasked_tuning_and_difference_rows(tmp_path, monkeypatch):
+    """--unmasked-tuning-steps: every final model trains N steps of plain CLIP from its own weights into 'LABEL +tune';
+    each tuned column gets its gain row, --vs adds rows; a difference row is the columns' means subtracted."""
+    import train.pretrain.engine as pt
+    from train.pretrain.compare import main
+
+    calls = []
+    real = pt.pretrain
+
+    def pretrain(opts):
+        calls.append((opts.method, opts.max_steps, opts.pretrained, opts.lr, opts.warmup, opts.method_options))
+        return real(opts)
+
+    monkeypatch.setattr(pt, "pretrain", pretrain)
+    world = tmp_path / "toy"
+    toyworld.generate(world, 30, seed=1, workers=1)
+    out = tmp_path / "cmp"
+    argv = ["--out", str(out), "--data", str(world), "--methods", "clip,flip", "--steps", "4", "--batch-size", "8",
+            "--workers", "0", "--bootstrap", "20", "--eval-every-n-epochs", "0", "-q"]
+    tuning = ["--unmasked-tuning-steps", "2", "--tuning-lr", "3e-4", "--vs", "flip +tune:clip +tune"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0
+        trained = list(calls)
+        calls.clear()
+        assert main(argv + tuning) == 0  # the finished comparison, tuned: its runs are kept, only the tuning trains
+        first = trained + calls
+        calls.clear()
+        assert main(argv + tuning) == 0  # again: every run, tuned ones included, is kept
+        assert calls == []
+        assert main(argv + tuning[:2] + ["--tuning-lr", "2e-4"]) == 0  # another learning rate: tuned again
+        assert [(c[0], c[3]) for c in calls] == [("clip", 2e-4)] * 2
+        calls.clear()
+        assert main(argv + tuning) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((out / "compare.json").read_text())["budgets"]["steps"]
+    runs = {name: rs[0] for name, rs in data["runs"].items()}
+    assert list(runs) == ["clip", "flip", "clip +tune", "flip +tune"]
+    assert [c[:2] for c in first] == [("clip", 4), ("flip", 4), ("clip", 2), ("clip", 2)]
+    for (method, steps, start, lr, warmup, own), column in zip(first[2:], ("clip", "flip")):
+        assert (start, lr, warmup, own) == (runs[column]["weights"], 3e-4, 1, {})  # plain CLIP from its own weights
+        assert runs[column + " +tune"]["tuned_from"] == start and runs[column + " +tune"]["steps"] == 2
+        before, after = load_file(start), load_file(runs[column + " +tune"]["weights"])
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    table = data["table"]
+    assert list(table["pairs"]) == ["clip +tune vs clip", "flip +tune vs flip", "flip +tune vs clip +tune"]
+    means = {name: {m: e["mean"] for m, e in entries.items()} for name, entries in table["metrics"].items()}
+    for row, metrics in table["pairs"].items():
+        a, _, b = row.partition(" vs ")
+        for metric, entry in metrics.items():
+            assert entry["delta"] == pytest.approx(means[a][metric] - means[b][metric])
+            lo, hi = entry["delta_ci"]
+            assert lo <= hi and entry["significant"] == (lo > 0 or hi < 0)
+    text = (out / "compare.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| flip +tune vs flip |"))
+    delta = table["pairs"]["flip +tune vs flip"]["retrieval T2I R@1"]["delta"]
+    assert row.split(" | ")[1].startswith(f"{delta:+.1f} [")

@@ -27,6 +27,26 @@ def test_region_stats_count_whole_isolating_and_background_regions_and_terms():
     assert (s["term_isolates_object"], s["object_isolated_by_a_term"]) == (2, 1)
 
 
+def test_batch_mates_count_attribute_swaps_and_moved_objects_in_the_batch():
+    from train.pretrain.diagnose import batch_mates_section
+
+    def scene(text, objects, split="train", kind="relation"):
+        struct = {"objects": [{"colour": c, "shape": sh} for c, sh in objects], "relations": []}
+        return {"split": split, "captions": [{"kind": kind, "text": text, "struct": struct}]}
+
+    scenes = [scene("a red circle left of a blue square", [("red", "circle"), ("blue", "square")]),
+              scene("a blue circle left of a red square", [("blue", "circle"), ("red", "square")]),  # A's swap
+              scene("a red circle above a blue square", [("blue", "square"), ("red", "circle")]),  # A, moved
+              scene("a red circle", [("red", "circle")], kind="one-object"),  # one object: not counted
+              scene("a blue circle left of a red square", [("blue", "circle"), ("red", "square")], split="val")]
+    # every batch is the 4 train scenes: A has a swap (B) and a move (C), B a swap (A, C) only, C both (B; A)
+    out = batch_mates_section(scenes, batch_size=64, batches=5, seed=0)
+    assert list(out) == ["relation"] and out["relation"]["captions"] == 15
+    assert out["relation"]["attribute swap in the batch %"] == 100
+    assert abs(out["relation"]["same objects, another relation or order %"] - 200 / 3) < 1e-9
+    assert batch_mates_section(scenes[:1], 64, 5, 0) == {}
+
+
 def test_diagnose_on_a_tiny_world(tmp_path, capsys):
     from train.pretrain.diagnose import main
 
@@ -40,7 +60,11 @@ def test_diagnose_on_a_tiny_world(tmp_path, capsys):
     kept = report["selection"]["clip-pgs 0.5, alpha 0 (pixels: the first epoch)"]
     assert 0 <= kept["background cells kept %"] <= 100 and 0 <= kept["object cells kept %"] <= 100
     assert any(len(t["leaves"]) > 1 for t in report["trees"])  # relation captions have several phrases
-    assert "1. regions" in capsys.readouterr().out
+    mates = report["batch_mates"]
+    assert set(mates) <= {"relation", "long"} and all(0 <= v <= 100 for row in mates.values() for k, v in row.items()
+                                                       if k.endswith("%"))
+    out = capsys.readouterr().out
+    assert "1. regions" in out and ("6. batch mates" in out) == bool(mates)
 
 
 def test_hard_negatives_are_scored_by_the_cosine_and_by_the_powerset_similarity(tmp_path):

@@ -24,7 +24,14 @@ comparisons. Steps are timed on a possibly busy machine: the table states the st
 on the test split: retrieval R@k, zero-shot on its single-object scenes, every hard-negative type, and the
 combinations the world holds out of training (``--holdout``; the ``held-out`` rows). A cell is mean ± sd over seeds;
 every column after the first shows its difference from the first (CLIP) with a 95% paired bootstrap interval over
-the test images (``adapters.eval.bootstrap``), ``*`` where the interval excludes 0.
+the test images (``adapters.eval.bootstrap``), ``*`` where the interval excludes 0. ``--vs A:B`` adds a row of
+column A's difference from column B (e.g. ``clip-pgs:flip``, the CLIP-PGS paper's own comparison), from the same
+per-image results.
+
+**Unmasked tuning.** ``--unmasked-tuning-steps N`` trains every final model N more steps of plain CLIP on every patch
+(FLIP §3; CLIP's own runs too, the control for the extra steps) into the column ``LABEL +tune``, evaluated beside the
+others with a row ``LABEL +tune vs LABEL``: what the tuning gained. A method that masks at training sees whole images
+only at test; the tuning measures how much of its deficit is that shift.
 
 Output, per budget ``B``: ``OUT/B/<column>/seed-<s>/`` (run folders), ``OUT/B/eval/results.{json,md,png}``,
 ``OUT/B/curves.png``; then ``OUT/compare.md`` (every budget's table) and ``OUT/compare.json``. ``--jobs N`` trains N
@@ -54,11 +61,16 @@ from adapters.eval.bootstrap import DEFAULT_RESAMPLES
 from extract.common.cli import Parser, check_options, option, parse_options, run_job, say, set_verbosity, verbosity
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_float, positive_int, save_config
-from extract.common.run_dir import claim
+from extract.common.run_dir import NEUTRAL, claim
 
 TOY_MASKS = "{toy_masks}"  # in a column's flags: the toy world's oracle-masks cache, built once in OUT/toy-masks
 BUDGETS = ("steps", "time")
 RUN_RECORD = "compare_run.json"  # in each run folder, written once the run has finished
+TUNED = " +tune"  # a column's name after --unmasked-tuning-steps
+# Settings that act after the runs train: a folder claimed without them (or with others) keeps its runs, so adding
+# --unmasked-tuning-steps or --vs to a finished comparison tunes / reports without training it again. A tuned run
+# records what it started from and its learning rate, and is kept only when both match (finished()).
+AFTER_TRAINING = frozenset({"unmasked_tuning_steps", "tuning_lr", "vs", "bootstrap"})
 # The world's held-out colour-shape combinations: never in a training caption, in the test split's held-out rows.
 HOLDOUT = "yellow circle,purple square,orange triangle,white star"
 SUMMARY_METRICS = ("retrieval T2I R@1", "retrieval I2T R@1", "zero-shot top-1", "toyworld replace-att",
@@ -160,6 +172,16 @@ class CompareOptions:
                                       help="evaluate every run on the val split every N epochs: the curves (0: none)")
     bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
                             help="bootstrap resamples of the test images for every interval (0: none)")
+    unmasked_tuning_steps: int = option(0, type=nonnegative_int,
+                                        help="after training, every run trains this many more steps of plain CLIP "
+                                             "on every patch (FLIP's unmasked tuning, FLIP section 3), evaluated as "
+                                             "the column 'LABEL +tune' beside its own, with a row of its gain "
+                                             "(0: none)")
+    tuning_lr: float = option(1e-4, type=positive_float,
+                              help="peak learning rate of the unmasked tuning (warm-up: its first 10%%)")
+    vs: Any = option("", metavar="A:B,...",
+                     help="more difference rows: column A against column B with the paired interval, e.g. "
+                          "'clip-pgs:flip,powerclip-S:powerclip-R' (the table's own reference is the first column)")
     extra: str = option("", help="more train.pretrain flags for every run, e.g. '--lr 5e-4 --warmup 100'")
     # Not a command-line option: the train.pretrain.engine options every run starts from (each run then sets its method,
     # folder, steps and the fields above). The command line's --extra is parsed into it; Python callers pass
@@ -173,6 +195,8 @@ class CompareOptions:
             return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
 
         self.methods, self.budget = listed(self.methods), listed(self.budget)
+        self.vs = [tuple(p) if not isinstance(p, str) else parse_pair(p) for p in
+                   (listed(self.vs) if isinstance(self.vs, str) else self.vs or [])]
         self.hard_negatives = listed(self.hard_negatives)
         for h in self.hard_negatives:
             parse_types(h)  # a typo fails here, naming the types
@@ -193,6 +217,21 @@ class CompareOptions:
     def columns(self) -> list[Column]:
         known = {**DEFAULT_COLUMNS, **{c.label: c for c in self.column}}
         return [known.get(m) or Column(m, m) for m in self.methods]
+
+    def names(self) -> list[str]:
+        """The table's columns: every column x hard-negative setting, then each tuned (``--unmasked-tuning-steps``)."""
+        names = [column_name(c, h) for c in self.columns() for h in self.hard_negatives]
+        return names + ([tuned_name(n) for n in names] if self.unmasked_tuning_steps else [])
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The difference rows: each tuned column against its own (with tuning), then ``--vs``; every name checked."""
+        names = self.names()
+        wrong = [f"{a}:{b}" for a, b in self.vs if a not in names or b not in names or a == b]
+        if wrong:
+            raise ValueError(f"vs: {', '.join(wrong)} not two different columns of this table; its columns: "
+                             f"{', '.join(names)}")
+        own = [(tuned_name(n), n) for n in names if self.unmasked_tuning_steps and not n.endswith(TUNED)]
+        return list(dict.fromkeys(own + list(self.vs)))
 
 
 def build_parser() -> Parser:
@@ -235,16 +274,43 @@ def column_name(column: Column, hard_negatives: str) -> str:
     return column.label + ("" if hard_negatives == "none" else f" +hn {hard_negatives}")
 
 
-def finished(run_dir: Path, steps: int) -> dict | None:
+def tuned_name(name: str) -> str:
+    return name + TUNED
+
+
+def parse_pair(text: str) -> tuple[str, str]:
+    """``"A:B"`` -> (A, B): column A's difference from column B (``--vs``)."""
+    a, sep, b = text.partition(":")
+    if not sep or not a.strip() or not b.strip():
+        raise ValueError(f"vs: {text!r}: expected A:B (two column names, e.g. clip-pgs:flip)")
+    return a.strip(), b.strip()
+
+
+def finished(run_dir: Path, steps: int, tuned_from: str | None = None, tuning_lr: float | None = None) -> dict | None:
     """The record of a run an earlier call of this comparison finished (same settings: ``OUT`` was claimed with them)
     with ``steps`` steps, its weights still there; None when it has to be (re)trained. An interrupted comparison
-    picks up after its last finished run instead of training every run again."""
+    picks up after its last finished run instead of training every run again. A tuned run (``tuned_from``: the
+    weights it started from) is kept only when it started from those weights, was written after them and was
+    tuned at ``tuning_lr``."""
+    path = run_dir / RUN_RECORD
     try:
-        record = json.loads((run_dir / RUN_RECORD).read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     ok = record.get("steps") == steps and Path(record.get("weights", "")).is_file()
+    if ok and tuned_from is not None:
+        ok = (record.get("tuned_from") == tuned_from and record.get("tuning_lr") == tuning_lr
+              and Path(tuned_from).is_file() and path.stat().st_mtime >= Path(tuned_from).stat().st_mtime)
     return record if ok else None
+
+
+def tuning_options(options: Any, weights: str, lr: float) -> Any:
+    """A run's unmasked tuning (FLIP §3, a short phase without masking that closes the gap between masked training
+    and unmasked inference): plain CLIP on every patch from the run's final ``weights``, the column's own hard
+    negatives kept, at ``lr`` after a warm-up of a tenth of the steps, without per-epoch evaluation (the tuned model
+    is evaluated with the others)."""
+    return dataclasses.replace(options, method="clip", method_options={}, pretrained=weights, lr=lr,
+                               warmup=max(1, options.max_steps // 10), eval_every_n_epochs=0)
 
 
 def train_images(world: Path) -> int:
@@ -301,13 +367,14 @@ def compare(opts: CompareOptions) -> dict:
     for c in opts.columns():  # every column's options checked before the first step
         pt.resolve_method_options(c.method, c.options("x"))
     check_towers(opts.model, opts.columns())
+    pairs = opts.pairs()  # a typo in --vs fails here, before the first run
     if opts.data and not toyworld.is_toyworld(opts.data):
         raise ValueError(f"--data {opts.data}: not a toy-world folder (python -m extract.data.toyworld makes one); the "
                          "comparison evaluates on a toy world's test split and its hard negatives")
     out = Path(opts.out)
     # every setting, the runs' common PretrainOptions included: a finished run is kept only under the same ones
     config = json.loads(json.dumps(dataclasses.asdict(opts), default=str))
-    claim(out, config)
+    claim(out, config, neutral=NEUTRAL | AFTER_TRAINING)
     out.mkdir(parents=True, exist_ok=True)
     save_config(config, out / "config.json")
     world = Path(opts.data) if opts.data else out / "toyworld"
@@ -349,15 +416,32 @@ def compare(opts: CompareOptions) -> dict:
             desc = json.loads((r.dir / "model.json").read_text())
             done = {"seed": r.seed, "steps": desc["step"], "epochs": desc["epoch"], "weights": summary["weights"],
                     "train_seconds": seconds, "calibrated_seconds_per_step": per_step.get(r.name),
-                    "curve": _curve(r.dir, per_epoch)}
+                    "curve": _curve(r.dir, per_epoch), **r.note}
             (r.dir / RUN_RECORD).write_text(json.dumps(done, indent=2) + "\n")
             say(f"{r.name} seed {r.seed}: {done['steps']} steps ({done['epochs']:.1f} epochs) in {seconds:.0f} s")
             runs.setdefault(r.name, {})[r.seed] = done
 
         train_runs(todo, opts.jobs, record)
-        ordered = {column_name(c, h): [runs[column_name(c, h)][s] for s in range(opts.seed, opts.seed + opts.seeds)]
-                   for c, h in settings}
-        budgets[budget] = _evaluate(opts, budget, world, ordered, out / budget)
+        if opts.unmasked_tuning_steps:
+            todo = []
+            for (c, h) in settings:
+                name = column_name(c, h)
+                for seed in range(opts.seed, opts.seed + opts.seeds):
+                    run_dir, start = out / budget / _slug(tuned_name(name)) / f"seed-{seed}", runs[name][seed]
+                    done = finished(run_dir, opts.unmasked_tuning_steps, tuned_from=start["weights"],
+                                    tuning_lr=opts.tuning_lr)
+                    if done is None:
+                        todo.append(Run(tuned_name(name), seed, run_dir,
+                                        tuning_options(options(c, h, seed, run_dir, opts.unmasked_tuning_steps),
+                                                       start["weights"], opts.tuning_lr),
+                                        note={"tuned_from": start["weights"], "tuning_lr": opts.tuning_lr}))
+                    else:
+                        say(f"{tuned_name(name)} seed {seed}: finished in an earlier call of this comparison, kept")
+                        runs.setdefault(tuned_name(name), {})[seed] = done
+            say(f"unmasked tuning: {opts.unmasked_tuning_steps} steps of plain CLIP from every final model")
+            train_runs(todo, opts.jobs, record)
+        ordered = {name: [runs[name][s] for s in range(opts.seed, opts.seed + opts.seeds)] for name in opts.names()}
+        budgets[budget] = _evaluate(opts, budget, world, ordered, out / budget, pairs)
     text = "\n".join(f"## {'Equal steps' if b == 'steps' else 'Equal wall-clock'}\n\n{r['markdown']}"
                      for b, r in budgets.items())
     (out / "compare.md").write_text(text)
@@ -377,6 +461,7 @@ class Run:
     seed: int
     dir: Path
     options: Any
+    note: dict = field(default_factory=dict)  # more fields for its record (compare_run.json)
 
 
 def job_plan(jobs: int, cores: int, gpus: int) -> tuple[int, list[int | None]]:
@@ -506,8 +591,10 @@ def _curve(run_dir: Path, per_epoch: int) -> list[dict]:
     return points
 
 
-def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: Path) -> dict:
-    """train.eval on the test split, one column per setting (its seeds' runs averaged), the first the reference."""
+def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: Path,
+              pairs: Sequence[tuple[str, str]] = ()) -> dict:
+    """train.eval on the test split, one column per setting (its seeds' runs averaged), the first the reference;
+    then each pair (A, B) of ``pairs``: A's difference from B on the same per-image results (no second pass)."""
     from train.eval import evaluate as ev
 
     names = list(runs)
@@ -518,9 +605,26 @@ def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: P
         columns=[name for name, _ in flat], result_labels=[f"{name} seed {r['seed']}" for name, r in flat],
         bootstrap=opts.bootstrap, seed=opts.seed))
     plot = curves_plot(runs, out / "curves.png")
-    markdown = (_budget_table(runs) + "\n" + summary_table(report["table"]) + "\nEvery figure (train.eval's report, "
+    table = dict(report["table"])
+    if pairs:
+        table["pairs"] = pair_rows(report, pairs, opts.bootstrap, opts.seed)
+    markdown = (_budget_table(runs) + "\n" + summary_table(table) + "\nEvery figure (train.eval's report, "
                 f"{out / 'eval' / 'results.md'}):\n\n" + report["markdown"] + (f"\nCurves: {plot}\n" if plot else ""))
-    return {"runs": runs, "table": report["table"], "markdown": markdown, "reports": report["reports"]}
+    return {"runs": runs, "table": table, "markdown": markdown, "reports": report["reports"]}
+
+
+def pair_rows(report: dict, pairs: Sequence[tuple[str, str]], resamples: int, seed: int) -> dict:
+    """``{"A vs B": {metric: {"delta", "delta_ci", "significant"}}}``: column A's seed-averaged difference from column
+    B with the paired bootstrap over the test images, from ``train.eval``'s per-image results (``report``)."""
+    from train.eval.evaluate import comparison
+
+    columns = report["table"]["columns"]
+    rows = {}
+    for a, b in pairs:
+        table = comparison(report["results"], {b: columns[b], a: columns[a]}, report["per_query"], resamples, seed)
+        rows[f"{a} vs {b}"] = {m: {k: e[k] for k in ("delta", "delta_ci", "significant") if k in e}
+                               for m, e in table["metrics"][a].items() if "delta" in e}
+    return rows
 
 
 def summary_table(table: dict, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
@@ -534,10 +638,25 @@ def summary_table(table: dict, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
     for name, entries in table["metrics"].items():
         cells = [cell(entries.get(m), digits=1, mark="*") for m in cols]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, entries in (table.get("pairs") or {}).items():  # only the difference: a cell without a mean
+        cells = [difference(entries[m]) if m in entries else "–" for m in cols]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     ref = table.get("reference")
     legend = (f"mean ± sd over seeds; ({'difference from ' + ref if ref else ''} [95% paired bootstrap interval over "
               "test images], * excludes 0)") if ref else "mean ± sd over seeds"
+    if table.get("pairs"):
+        legend += "; a row 'A vs B': A's mean minus B's, with the same interval"
     return "\n".join(lines) + "\n\n" + legend + "\n"
+
+
+def difference(entry: dict, digits: int = 1) -> str:
+    """A cell of a difference row: ``+1.2 [+0.3, +2.0]*`` (``*``: the interval excludes 0)."""
+    f = f"+.{digits}f"
+    text = format(entry["delta"], f)
+    ci = entry.get("delta_ci")
+    if ci and all(math.isfinite(v) for v in ci):
+        text += f" [{ci[0]:{f}}, {ci[1]:{f}}]" + ("*" if entry.get("significant") else "")
+    return text
 
 
 def _budget_table(runs: dict) -> str:

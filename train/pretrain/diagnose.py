@@ -29,6 +29,12 @@ Sections (``--json`` writes every figure):
    asked for. On a ViT also by the cosine of the image seen through the tokens CLIP-PGS_0.5 and FLIP 0.5 keep in
    training: a model that scores higher there than on whole images suffers a train/test shift (FLIP's §3 answers
    it with unmasked tuning; CLIP-PGS evaluates on whole images too).
+6. **Batch mates**: what the in-batch loss can contrast. In ``--batches`` random batches of ``--batch-size`` train
+   images, each with one of its captions drawn as ``train.pretrain`` draws it, the share of captions naming two or
+   more objects whose batch holds another caption with the same colours and shapes bound differently (an attribute
+   swap: the only in-batch contrast that asks for binding) or with the same objects in another relation or order
+   (the contrast replace-rel and swap-obj ask for). Where these are rare, neither CLIP's softmax nor PowerCLIP's
+   hardest-negative triplet meets them; NegCLIP's hard negatives (``--hard-negatives``) add them to every batch.
 """
 from __future__ import annotations
 
@@ -65,6 +71,8 @@ class DiagnoseOptions:
                          help="weights of --model whose test-split hard negatives are scored by the global cosine "
                               "and by the powerset similarity (repeatable; 'none': random initialisation)")
     n_items: int = option(500, type=positive_int, help="test items per hard-negative type that --score scores")
+    batches: int = option(1000, type=positive_int, help="random train batches the batch-mates section draws")
+    batch_size: int = option(64, type=positive_int, help="images per batch, batch-mates section")
     json: str | None = option(None, help="write every figure here")
 
 
@@ -317,6 +325,40 @@ def scores_section(world: Path, model: str, weights: Sequence[str], n_items: int
     return out
 
 
+def batch_mates_section(scenes: Sequence[dict], batch_size: int, batches: int, seed: int) -> dict[str, dict]:
+    """Per caption kind naming two or more objects: in random batches of ``batch_size`` train scenes with one caption
+    each, the share of such captions whose batch holds another caption with the same colours and shapes bound
+    otherwise ("attribute swap in the batch %") or the same colour-shape objects and other words ("same objects,
+    another relation or order %"). Captions are compared by their ``struct`` (the world's own record of them)."""
+    rng = np.random.default_rng(seed)
+    train = [s for s in scenes if s.get("split") == "train" and s["captions"]]
+    if len(train) < 2:
+        return {}
+    size = min(batch_size, len(train))
+
+    def key(caption: dict) -> tuple:
+        objects = caption["struct"]["objects"]
+        return (tuple(sorted((o["colour"], o["shape"]) for o in objects)),
+                tuple(sorted(o["colour"] for o in objects)), tuple(sorted(o["shape"] for o in objects)))
+
+    counts: dict[str, list[int]] = {}
+    for _ in range(batches):
+        captions = [train[i]["captions"][rng.integers(len(train[i]["captions"]))]
+                    for i in rng.choice(len(train), size, replace=False)]
+        keys = [key(c) for c in captions]
+        for i, c in enumerate(captions):
+            if len(c["struct"]["objects"]) < 2:
+                continue
+            others = [j for j in range(size) if j != i]
+            swap = any(keys[j][1:] == keys[i][1:] and keys[j][0] != keys[i][0] for j in others)
+            moved = any(keys[j][0] == keys[i][0] and captions[j]["text"] != c["text"] for j in others)
+            row = counts.setdefault(c["kind"], [0, 0, 0])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + swap, row[2] + moved
+    return {kind: {"captions": n, "attribute swap in the batch %": 100 * swap / n,
+                   "same objects, another relation or order %": 100 * moved / n}
+            for kind, (n, swap, moved) in sorted(counts.items())}
+
+
 def diagnose(opts: DiagnoseOptions) -> dict:
     from extract.data.toyworld import is_toyworld
     from extract.models.backbone import load_backbone
@@ -342,7 +384,8 @@ def diagnose(opts: DiagnoseOptions) -> dict:
               "selection": selection_section(files, cells, backbone.model, backbone.preprocess, opts.seed)
               if chooses_patches(backbone.model) else {},
               "trees": trees_section(captions), "loss": loss_section(opts.run),
-              "scores": scores_section(world, opts.model, opts.score, opts.n_items)}
+              "scores": scores_section(world, opts.model, opts.score, opts.n_items),
+              "batch_mates": batch_mates_section(scenes, opts.batch_size, opts.batches, opts.seed)}
     if opts.json:
         Path(opts.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -373,6 +416,11 @@ def render(report: dict) -> str:
             for kind, v in row.items():
                 lines.append(f"    {kind} ({v['items']} items): " + ", ".join(
                     f"{k.removesuffix(' %')} {x:.1f}" for k, x in v.items() if k != "items"))
+    if report.get("batch_mates"):
+        lines += ["", "6. batch mates: captions of two or more objects whose batch holds another caption ..."]
+        for kind, row in report["batch_mates"].items():
+            lines.append(f"  {kind} ({row['captions']} captions): " + ", ".join(
+                f"{k.removesuffix(' %')} {v:.2f}%" for k, v in row.items() if k != "captions"))
     return "\n".join(lines)
 
 

@@ -666,9 +666,10 @@ def _budget_table(runs: dict) -> str:
         for rs in runs.values()) + " |")
     lines.append("| training seconds per run | " + " | ".join(
         f"{statistics.mean(r['train_seconds'] for r in rs):.0f}" for rs in runs.values()) + " |")
-    if all(rs[0]["calibrated_seconds_per_step"] for rs in runs.values()):
+    if any(rs[0]["calibrated_seconds_per_step"] for rs in runs.values()):  # tuned columns were not calibrated: -
         lines.append("| s / step (calibrated) | " + " | ".join(
-            f"{rs[0]['calibrated_seconds_per_step']:.3f}" for rs in runs.values()) + " |")
+            f"{rs[0]['calibrated_seconds_per_step']:.3f}" if rs[0]["calibrated_seconds_per_step"] else "–"
+            for rs in runs.values()) + " |")
     return "\n".join(lines) + "\n"
 
 

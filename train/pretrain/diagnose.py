@@ -417,10 +417,10 @@ def render(report: dict) -> str:
                 lines.append(f"    {kind} ({v['items']} items): " + ", ".join(
                     f"{k.removesuffix(' %')} {x:.1f}" for k, x in v.items() if k != "items"))
     if report.get("batch_mates"):
-        lines += ["", "6. batch mates: captions of two or more objects whose batch holds another caption ..."]
+        lines += ["", "6. batch mates (captions naming two or more objects: the share whose batch holds each contrast)"]
         for kind, row in report["batch_mates"].items():
-            lines.append(f"  {kind} ({row['captions']} captions): " + ", ".join(
-                f"{k.removesuffix(' %')} {v:.2f}%" for k, v in row.items() if k != "captions"))
+            lines.append(f"  {kind} ({row['captions']} captions): " + "; ".join(
+                f"{k.removesuffix(' %')}: {v:.2f}%" for k, v in row.items() if k != "captions"))
     return "\n".join(lines)
 
 

@@ -8,11 +8,11 @@ from typing import Any, Sequence
 
 from extract.common.cli import Parser, option, parse_options
 from extract.common.cli import build_parser as build_cli
-from extract.common.config import fraction, nonnegative_int, positive_int
+from extract.common.config import at_least_one, fraction, nonnegative_int, positive_int
 from extract.common.source_args import SourceOptions
 
 DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
-COMPONENTS = ("patches", "tokens", "entities", "relations", "tree", "regions")
+COMPONENTS = ("patches", "tokens", "entities", "relations", "roles", "tree", "regions")
 
 
 # --------------------------------------------------------------------------------------------- options
@@ -55,6 +55,10 @@ class ExtractOptions(SourceOptions):
     sam_points: int = option(16, type=positive_int, group="components", help="SAM2 prompt grid: points per side")
     sam_iou_thresh: float = option(0.8, type=fraction, group="components", help="SAM2 predicted-IoU filter")
     sam_stability_thresh: float = option(0.9, type=fraction, group="components", help="SAM2 stability-score filter")
+    crop_scale: float = option(1.0, type=at_least_one, group="components",
+                               help="entity crops are centred on a black square this many times their longer side "
+                                    "before the backbone sees them, so an object fills 1/scale of the crop as "
+                                    "objects do in training images (1: the tight crop, ComAlign's)")
     max_entities: int = option(10, type=positive_int, group="components",
                                help="entity components per image and per caption (ComAlign: 10)")
     max_relations: int = option(10, type=positive_int, group="components",

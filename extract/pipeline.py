@@ -45,7 +45,7 @@ from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2  # 2: ventity_image_size
 
 # --------------------------------------------------------------------------------------------- setup
 @dataclass
@@ -139,7 +139,7 @@ class ExtractionComponents:
         self.args = args
         want = set(args.components)
         self.text = None
-        if want & {"entities", "relations", "tree"}:
+        if want & {"entities", "relations", "roles", "tree"}:
             from extract.components.text import TextComponentExtractor
 
             self.text = TextComponentExtractor(max_entities=args.max_entities, max_relations=args.max_relations,
@@ -205,7 +205,8 @@ class ExtractionComponents:
                                   "sha256": file_sha256(Path(self.annotations_file))}
         if self.box_source:
             out["boxes"] = {"source": self.box_source,
-                            "detector": self.detector.settings() if self.detector is not None else None}
+                            "detector": self.detector.settings() if self.detector is not None else None,
+                            "crop_scale": a.crop_scale}
         if "regions" in a.components:
             out["regions"] = {"source": a.regions, "m": a.num_regions,
                               "seed": a.region_seed if a.regions == "random" else None,
@@ -288,7 +289,9 @@ class ShardBuilder:
                "ventity_embed": np.zeros((n, E, d), np.float16), "ventity_valid": np.zeros((n, E), bool),
                "vrelation_boxes": np.zeros((n, R, 4), np.float32), "vrelation_scores": np.zeros((n, R), np.float32),
                "vrelation_embed": np.zeros((n, R, d), np.float16), "vrelation_valid": np.zeros((n, R), bool),
-               "vrelation_pairs": np.zeros((n, R, 2), np.int16)}
+               "vrelation_pairs": np.zeros((n, R, 2), np.int16),
+               # (width, height) of the image the boxes are in: box geometry in image units needs it
+               "ventity_image_size": np.asarray([(r.shape[1], r.shape[0]) for r in raws], np.float32).reshape(n, 2)}
         pils = [Image.fromarray(r) for r in raws]
         if self.c.box_source == "gt":
             found = [gt_boxes(annotation_for(self.c.annotations, i)) for i in image_ids]
@@ -304,7 +307,8 @@ class ShardBuilder:
                 k = len(bx)
                 out[f"{kind}_boxes"][i, :k], out[f"{kind}_scores"][i, :k], out[f"{kind}_valid"][i, :k] = bx, sc, True
                 if k:
-                    crops.append(crop_regions(pils[i], bx, self.bb.preprocess))
+                    crops.append(crop_regions(pils[i], bx, self.bb.preprocess,
+                                              scale=self.args.crop_scale if kind == "ventity" else 1.0))
                     where += [(kind, i, j) for j in range(k)]
             out["vrelation_pairs"][i, : len(pairs)] = pairs
         if crops:
@@ -338,6 +342,10 @@ class ShardBuilder:
                                          ("relation", "relations", a.max_relations)):
                 if component in self.want:
                     out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(packed[f"{kind}_text"], cap)
+            if "roles" in self.want:  # each relation's subject, predicate and object embedded on its own
+                for k, role in enumerate(("subject", "predicate", "object")):
+                    out[f"role_{role}_embed"], out["role_valid"] = self._embed_phrases(
+                        [[triple[k] for triple in row] for row in packed["role_text"]], a.max_relations)
             if "tree" in self.want:
                 out["leaf_tokens"] = packed["leaf_tokens"][:, :, :max(length, 1)]
                 out["node_leaves"] = packed["node_leaves"]

@@ -61,6 +61,8 @@ class AdapterHead(nn.Module):
     #: True when every text array the head reads is made from the caption's tokens after truncation alone (no
     #: spaCy parse of the whole caption): two captions with the same tokens are then the same input to it
     text_from_tokens: ClassVar[bool] = False
+    #: ``train.adapter --hard-negatives`` when the run does not say: "none", "all" or a comma list of types
+    hard_negatives: ClassVar[str] = "none"
 
     def __init__(self, config: Any, embed_dim: int):
         super().__init__()

@@ -62,6 +62,14 @@ def nonnegative_float(text: str) -> float:
     return v
 
 
+def at_least_one(text: str) -> float:
+    """argparse type: a finite number >= 1 (scale factors where 1 means unchanged)."""
+    v = _finite_float(text, "a number >= 1")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {v:g}")
+    return v
+
+
 def fraction(text: str) -> float:
     """argparse type: a number in [0, 1) (held-out shares, drop ratios)."""
     v = _finite_float(text, "a number in [0, 1)")

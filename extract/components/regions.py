@@ -385,7 +385,7 @@ def pool_regions(patches: torch.Tensor, masks) -> tuple[torch.Tensor, torch.Tens
 
 
 def crop_regions(image: Image.Image, boxes, transform: Callable[[Image.Image], torch.Tensor],
-                 fit: str = "pad", fill: int | Sequence[int] = 0) -> torch.Tensor:
+                 fit: str = "pad", fill: int | Sequence[int] = 0, scale: float = 1.0) -> torch.Tensor:
     """Crop each box and preprocess it for the image encoder (ComAlign sec. III-B: crops are resized and
     embedded by the frozen image encoder).
 
@@ -395,10 +395,14 @@ def crop_regions(image: Image.Image, boxes, transform: Callable[[Image.Image], t
     edge pixel: drop such boxes beforehand). fit: "pad" centres the crop on a square canvas of ``fill``
     before the transform, so the whole box survives the preprocess's centre crop (a wide relation box would
     otherwise lose both of its objects' outer parts); "none" hands the crop to the transform as it is.
-    Returns [M, 3, S, S] (M = 0 gives [0, 3, S, S]).
+    scale (with "pad"): the canvas side is ``scale`` x the crop's longer side, so the object fills 1/scale of
+    what the encoder sees, as objects do in the images it was trained on, instead of all of it (1: the tight
+    crop). Returns [M, 3, S, S] (M = 0 gives [0, 3, S, S]).
     """
     if fit not in ("pad", "none"):
         raise ValueError(f"crop_regions: unknown fit {fit!r}; expected 'pad' or 'none'")
+    if not scale >= 1:
+        raise ValueError(f"crop_regions: scale must be >= 1, got {scale!r}")
     b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     w, h = image.size
     x0 = np.clip(np.floor(b[:, 0]), 0, w - 1).astype(int)
@@ -408,8 +412,8 @@ def crop_regions(image: Image.Image, boxes, transform: Callable[[Image.Image], t
     crops = []
     for box in zip(x0, y0, x1, y1):
         crop = image.crop(tuple(int(v) for v in box))
-        if fit == "pad" and crop.width != crop.height:
-            side = max(crop.size)
+        side = max(max(crop.size), int(round(max(crop.size) * scale)))
+        if fit == "pad" and (crop.width != side or crop.height != side):
             canvas = Image.new(crop.mode, (side, side), fill if isinstance(fill, int) else tuple(fill))
             canvas.paste(crop, ((side - crop.width) // 2, (side - crop.height) // 2))
             crop = canvas

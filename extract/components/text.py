@@ -699,7 +699,8 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
     (they are embedded on their own), so truncation does not affect them.
 
     Returns: ``entity_text`` / ``relation_text``: list (C) of lists of str, at most max_entities /
-    max_relations each; ``n_entities``, ``n_relations``, ``n_leaves``, ``n_nodes``, ``phrases_cut``:
+    max_relations each; ``role_text``: list (C) of lists of (subject, predicate, object) strings, one per
+    relation of ``relation_text``; ``n_entities``, ``n_relations``, ``n_leaves``, ``n_nodes``, ``phrases_cut``:
     int32 [C]; ``leaf_tokens``: bool [C, max_leaves, L], row k = tokens of leaf k; ``node_leaves``:
     bool [C, max_nodes, max_leaves], row j = leaves of node j. Rows past n_leaves / n_nodes are all False.
 
@@ -710,11 +711,12 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
     leaf_tokens = np.zeros((c_n, max_leaves, context_length), bool)
     node_leaves = np.zeros((c_n, max_nodes, max_leaves), bool)
     counts = {k: np.zeros(c_n, np.int32) for k in ("n_entities", "n_relations", "n_leaves", "n_nodes", "phrases_cut")}
-    entity_text, relation_text = [], []
+    entity_text, relation_text, role_text = [], [], []
     any_leaf = any_tokens = False
     for i, comp in enumerate(components):
         entity_text.append([p.text for p in comp.entities[:max_entities]])
         relation_text.append([r.text for r in comp.relations[:max_relations]])
+        role_text.append([(r.subject.text, r.predicate.text, r.object.text) for r in comp.relations[:max_relations]])
         leaves = comp.tree.leaves
         any_leaf |= bool(leaves)
         keep = [k for k, leaf in enumerate(leaves) if leaf.tokens][:max_leaves]
@@ -735,7 +737,8 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
     if any_leaf and not any_tokens:
         raise ValueError("no phrase carries token indices: extract the components with "
                          "tokenized=backbone.tokenize(captions) before packing them")
-    return {"entity_text": entity_text, "relation_text": relation_text, "leaf_tokens": leaf_tokens,
+    return {"entity_text": entity_text, "relation_text": relation_text, "role_text": role_text,
+            "leaf_tokens": leaf_tokens,
             "node_leaves": node_leaves, **counts}
 
 

@@ -125,6 +125,12 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
     folder's own training state, or a training-state file."""
 
     method: str | None = option(None, choices=ADAPTERS.names(), help="adapter head to train (required)")
+    hard_negatives: object = option(None, group="hard negatives",
+                                    help="NegCLIP's hard negatives as extra image->text columns, drawn per training "
+                                         "caption from its parse: none, all, or a comma list from replace-att, "
+                                         "replace-obj, replace-rel, swap-att, swap-obj "
+                                         "(extract/components/hard_negatives.py; default: the method's own, "
+                                         "its head class's hard_negatives: all for grounded, none for the others)")
     base: str = option("tiny", help="backbone alias or open_clip model name (ViT-B-32, ViT-L-14, ...)")
     pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
     # data
@@ -398,7 +404,8 @@ def resolve(opts: AdapterOptions, parser: Parser | None = None) -> AdapterOption
     epochs = opts.epochs
     if epochs is None:
         epochs = TOY_EPOCHS if opts.data is None and opts.cache is None else EPOCHS
-    hard = ",".join(parse_types(opts.hard_negatives)) or "none"
+    spec = opts.hard_negatives if opts.hard_negatives is not None else getattr(head_cls, "hard_negatives", "none")
+    hard = ",".join(parse_types(spec)) or "none"
     resolved = dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components,
                                    backbone_lr=backbone_lr, epochs=epochs, hard_negatives=hard)
     object.__setattr__(resolved, "_resolved", True)  # not a field: dataclasses.replace of it starts unresolved
@@ -1011,7 +1018,7 @@ def train_epoch(run: Run, epoch: int) -> None:
     if data.negatives is not None:
         from train.adapter.negatives import NegativeLoss
 
-        trained = NegativeLoss(model.trained, opts.hard_negative_weight)
+        trained = NegativeLoss(model.trained, opts.hard_negative_weight, data.negatives.types)
     model.trained.train()
     bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="step",
                    disable=not env.is_main)

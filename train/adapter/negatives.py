@@ -130,10 +130,16 @@ class LiveNegatives:
 class NegativeLoss:
     """A head (or ``--unfreeze``'s live model) with NegCLIP's extra columns: ``encode_text`` also encodes the
     ``neg:*`` arrays (shaped [b, K, ...] so that micro-batches slice them with their captions), ``loss`` adds
-    ``weight`` x the extra-column cross-entropy (module docstring) to the head's loss."""
+    ``weight`` x the extra-column cross-entropy (module docstring) to the head's loss.
 
-    def __init__(self, head, weight: float):
-        self.head, self.weight = head, float(weight)
+    A head that defines ``negatives_loss(image_reps, text_reps, negative_reps, negative_valid, types, rank=,
+    world_size=)`` also gets
+    that term, ``weight`` x it: each local image with its own caption (``text_reps``, [b, ...]) and that caption's
+    K negatives (``negative_reps`` [b, K, ...], ``negative_valid`` [b, K], slot k of type ``types[k]``), for a
+    head whose score has a part that only its own negatives can train (``adapters/heads/grounded.py``)."""
+
+    def __init__(self, head, weight: float, types: tuple[str, ...] = ()):
+        self.head, self.weight, self.types = head, float(weight), tuple(types)
 
     def encode_image(self, batch):
         return self.head.encode_image(batch)
@@ -161,4 +167,14 @@ class NegativeLoss:
                                   g(text_reps["neg_valid"].flatten()), rank, world_size)
         out["hard_negatives"] = term.detach()
         out["loss"] = out["loss"] + self.weight * term
+        own_term = getattr(self.head, "negatives_loss", None)
+        if own_term is not None:
+            local = {k[len(PREFIX):]: v for k, v in text_reps.items() if k.startswith(PREFIX)}
+            extra = own_term(image_reps, own, local, text_reps["neg_valid"], self.types, rank=rank,
+                             world_size=world_size)
+            for name, value in extra.items():
+                if name == "loss":
+                    out["loss"] = out["loss"] + self.weight * value
+                else:
+                    out[name] = value.detach()
         return out

@@ -93,12 +93,15 @@ def synthetic_arrays(keys: Sequence[str], n: int, dim: int, grid: tuple[int, int
             out[key] = unit(n)
         elif key in ("ventity_embed", "entity_embed"):
             out[key] = unit(n, e)
-        elif key in ("vrelation_embed", "relation_embed"):
+        elif key in ("vrelation_embed", "relation_embed", "role_subject_embed", "role_predicate_embed",
+                     "role_object_embed"):
             out[key] = unit(n, r)
         elif key in ("ventity_valid", "entity_valid"):
             out[key] = np.ones((n, e), bool)
-        elif key in ("vrelation_valid", "relation_valid"):
+        elif key in ("vrelation_valid", "relation_valid", "role_valid"):
             out[key] = np.ones((n, r), bool)
+        elif key == "ventity_image_size":  # the boxes below are in a 224-px image
+            out[key] = np.full((n, 2), 224, np.float32)
         elif key == "ventity_boxes":  # random xyxy boxes in a 224-px image
             corner = rng.uniform(0, 160, (n, e, 2)).astype(np.float32)
             out[key] = np.concatenate([corner, corner + rng.uniform(8, 64, (n, e, 2)).astype(np.float32)], -1)

@@ -1,0 +1,320 @@
+"""Grounded relations: who is where, read from the boxes, with predicates learned from captions.
+
+Why a head of its own. On the shipped toy bases the pooled text embedding gives a relation caption and its
+converse a cosine of 0.999, and the pooled image embedding reads left/right at 55% while the same base's
+patch tokens read it at 97% (train/README, "The binding table"): whatever scores pooled vectors cannot tell
+"A left of B" from "B left of A", and ComAlign's relation components (union-box crops, "subject predicate
+object" embedded as one string) inherit the same blindness on both sides. The positions survive in the entity
+boxes; the roles survive in the caption's parse. This head keeps both apart and lets the data say what each
+predicate means, in the spirit of ReCLIP (Subramanian et al., ACL 2022: parse, ground each noun phrase, score
+the relation from the grounded boxes) but with the predicate *learned* instead of written as rules, so the same
+head learns "on", "under", "holding" from a detector's boxes on real captions.
+
+Inputs (cached by ``python -m extract``):
+  per image: the global embedding, up to E entity boxes (ground truth or a detector's) with the backbone's
+  embedding of each crop, and the image's size (box geometry in image units);
+  per caption: the global embedding, the spaCy entity phrases ("small red circle", "circle"), and for every
+  relation triplet of the parse its subject, predicate and object phrases, each embedded on its own by the
+  text tower (component ``roles``).
+
+Score of image i and caption t (all three terms are differentiable; nothing here knows a predicate's name):
+
+  grounding   g(x, b) = <x, c_b> + <A x, G(box_b)>: phrase x against box b, the base's own cosine between the
+              phrase and the crop, plus a learned term that lets a phrase ask for a box's geometry (a crop is
+              resized to the backbone's input, so "small" / "large" can only be read from the box);
+  entities    E(i, t) = mean over the caption's entity phrases of max_b g(x, b);
+  relations   for a triplet (s, p, o): the subject and object are grounded softly,
+              a_s(b) = softmax_b(g(s, b) / tau), a_o likewise, and the predicate scores every ordered pair of
+              distinct boxes from their geometry, f(b, b') = <U p, H(geom(b, b'))> + <v, p>;
+              R(s, p, o) = log sum_{b != b'} a_s(b) a_o(b') sigmoid(f(b, b')): the log-probability that the
+              relation holds between the things the subject and object name. R(i, t) = mean over the caption's
+              triplets; a caption without a relation gets 0, so it falls back to the other terms.
+  total       S(i, t) = <base_i, base_t> + w_E E(i, t) + w_R R(i, t).
+
+Every learned part starts where it changes nothing it should not: A is zero (grounding = the base's cosine), the
+weights w_E, w_R start small, and the base's own cosine stays in the score with weight 1, so retrieval starts
+at the frozen base's.
+
+Loss: CLIP's symmetric cross-entropy on S over the global batch (learned temperature). The relation term learns
+only from captions that the batch contrasts with their converse; in-batch, a caption meets its own swap under
+1% of the time (train/README, "batch mates"), so the class asks for NegCLIP's hard negatives by default
+(``hard_negatives = "all"``: each training caption's swap-obj / replace-rel / swap-att ... from its parse, as
+extra image->text columns, ``train.adapter.negatives``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from adapters.heads.base import AdapterHead, Reps
+from adapters.losses.contrastive import gather, local_rows
+from adapters.registry import ADAPTERS
+
+MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
+BOX_FEATURES = 7    # x0, y0, x1, y1, w, h, sqrt(area): one box in image units
+PAIR_FEATURES = 12  # see pair_features
+NEG = -1e4          # "impossible" in log space: finite, so 0 x NEG stays 0 in masked sums and gradients
+#: hard-negative types that change who is where and nothing else: what the relation term is trained to reject
+RELATION_NEGATIVES = ("swap-obj", "replace-rel")
+
+
+@dataclass
+class GroundedConfig:
+    hidden: int = field(default=64, metadata={"help": "width of the learned geometry and predicate spaces"})
+    temperature: float = field(default=0.05, metadata={
+        "help": "initial temperature of the soft grounding of subject and object over the boxes (learned)"})
+    entity_weight: float = field(default=1.0, metadata={"help": "initial weight w_E of the entity term (learned)"})
+    relation_weight: float = field(default=0.05, metadata={
+        "help": "initial weight w_R of the relation term (learned; 0 with --no-relations)"})
+    relations: bool = field(default=True, metadata={"help": "score relation triplets (off: entities + base only, "
+                                                            "the control)"})
+    relation_loss: float = field(default=1.0, metadata={
+        "help": "weight of the relation term's own loss: each caption's triplets hold in its image, those of its "
+                "swap-obj / replace-rel negatives do not (binary cross-entropy on P(caption's triplets hold))"})
+    logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
+
+    def __post_init__(self):
+        if self.hidden < 1:
+            raise ValueError("grounded: hidden must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError("grounded: temperature must be > 0")
+        if self.entity_weight < 0 or self.relation_weight < 0 or self.relation_loss < 0:
+            raise ValueError("grounded: entity_weight, relation_weight and relation_loss must be >= 0")
+
+
+def box_features(boxes: Tensor, size: Tensor) -> Tensor:
+    """boxes [B, E, 4] xyxy px, size [B, 2] (width, height) px -> [B, E, 7] in image units: x0, y0, x1, y1, w, h,
+    sqrt(area)."""
+    scale = size.float().clamp_min(1.0).repeat(1, 2)[:, None, :]
+    b = boxes.float() / scale
+    wh = (b[..., 2:] - b[..., :2]).clamp_min(0)
+    return torch.cat([b, wh, (wh[..., :1] * wh[..., 1:]).sqrt()], -1)
+
+
+def pair_features(feats: Tensor) -> Tensor:
+    """Geometry of every ordered pair of boxes: feats [B, E, 7] (:func:`box_features`) -> [B, E, E, 12], entry
+    (b, c) describing box b (the subject) against box c (the object): centre offset c - b (dx, dy), the gaps
+    between their edges on each axis (positive: apart, negative: overlapping) both ways, the log ratios of their
+    widths and heights, and each one's size. Image units, so the same for any image size."""
+    x0, y0, x1, y1, w, h = feats[..., 0], feats[..., 1], feats[..., 2], feats[..., 3], feats[..., 4], feats[..., 5]
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    s = lambda v: v[:, :, None]  # noqa: E731  subject b along dim 1
+    o = lambda v: v[:, None, :]  # noqa: E731  object c along dim 2
+    eps = 1e-3
+    return torch.stack([
+        o(cx) - s(cx), o(cy) - s(cy),
+        o(x0) - s(x1), s(x0) - o(x1), o(y0) - s(y1), s(y0) - o(y1),
+        torch.log((s(w) + eps) / (o(w) + eps)), torch.log((s(h) + eps) / (o(h) + eps)),
+        s(w).expand_as(o(cx) - s(cx)), s(h).expand_as(o(cx) - s(cx)),
+        o(w).expand_as(o(cx) - s(cx)), o(h).expand_as(o(cx) - s(cx))], -1)
+
+
+def _mlp(n_in: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(n_in, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                         nn.Linear(hidden, hidden))
+
+
+def _trim(valid: Tensor) -> int:
+    """Slots up to the last one any row uses (at least 1): captions name 1-3 relations of 10 slots."""
+    used = valid.bool().any(0).nonzero()
+    return int(used.max()) + 1 if len(used) else 1
+
+
+@ADAPTERS.register("grounded")
+class Grounded(AdapterHead):
+    """Grounded relation scorer (module docstring). Image reps: ``base [B, D]``, ``crops [B, E, D]``,
+    ``box_valid [B, E]``, ``box_geom [B, E, hidden]`` (the learned box code), ``pairs [B, E, E, hidden]`` (the
+    learned code of every ordered pair). Text reps: ``base [B, D]``, ``entity [B, P, D]`` + ``entity_valid``,
+    ``subject`` / ``object [B, R, D]``, ``predicate [B, R, hidden]``, ``predicate_bias [B, R]``, ``role_valid``."""
+
+    Config = GroundedConfig
+    components = ("entities", "roles")
+    #: each object on a black canvas 3x its side: the toy bases ground a phrase in a tight 13-22 px crop blown up
+    #: to 128 px 83% of the time, in the canvas crop 100% (train/README, "Grounded relations")
+    extract_options: dict = {"crop_scale": 3.0}
+    image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size")
+    text_keys = ("text_embed", "entity_embed", "entity_valid", "role_subject_embed", "role_predicate_embed",
+                 "role_object_embed", "role_valid")
+    #: NegCLIP's hard negatives unless the run says otherwise: the relation term learns from converses
+    hard_negatives = "all"
+
+    def __init__(self, config: GroundedConfig, embed_dim: int):
+        super().__init__(config, embed_dim)
+        h = config.hidden
+        self.box_code = _mlp(BOX_FEATURES, h)               # G(box)
+        self.phrase_geometry = nn.Linear(embed_dim, h, bias=False)  # A: what a phrase asks of a box's geometry
+        nn.init.zeros_(self.phrase_geometry.weight)
+        self.pair_code = _mlp(PAIR_FEATURES, h)             # H(geom(b, b'))
+        self.predicate = nn.Linear(embed_dim, h)            # U p
+        self.predicate_bias = nn.Linear(embed_dim, 1)       # <v, p>
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(config.temperature)))
+        self.entity_weight = nn.Parameter(torch.tensor(float(config.entity_weight)))
+        self.relation_weight = nn.Parameter(torch.tensor(float(config.relation_weight)),
+                                            requires_grad=config.relations)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)))
+
+    # -- encoders --------------------------------------------------------------------------------------
+    def encode_image(self, batch: dict[str, Tensor]) -> Reps:
+        geom = box_features(batch["ventity_boxes"], batch["ventity_image_size"])
+        return {"base": F.normalize(batch["image_embed"].float(), dim=-1),
+                "crops": F.normalize(batch["ventity_embed"].float(), dim=-1),
+                "box_valid": batch["ventity_valid"].bool(),
+                "box_geom": self.box_code(geom), "pairs": self.pair_code(pair_features(geom))}
+
+    def encode_text(self, batch: dict[str, Tensor]) -> Reps:
+        pred = F.normalize(batch["role_predicate_embed"].float(), dim=-1)
+        return {"base": F.normalize(batch["text_embed"].float(), dim=-1),
+                "entity": F.normalize(batch["entity_embed"].float(), dim=-1),
+                "entity_valid": batch["entity_valid"].bool(),
+                "subject": F.normalize(batch["role_subject_embed"].float(), dim=-1),
+                "object": F.normalize(batch["role_object_embed"].float(), dim=-1),
+                "predicate": self.predicate(pred), "predicate_bias": self.predicate_bias(pred)[..., 0],
+                "role_valid": batch["role_valid"].bool()}
+
+    @staticmethod
+    def trimmed(image_reps: Reps, text_reps: Reps) -> tuple[Reps, Reps]:
+        """The reps without the slots no item uses (captions name 1-3 relations of 10 slots, toy scenes hold at
+        most 4 boxes of 10): the same scores, a fraction of the [I, T, R, E, E] work."""
+        e, p, r = _trim(image_reps["box_valid"]), _trim(text_reps["entity_valid"]), _trim(text_reps["role_valid"])
+        img = {**image_reps, "crops": image_reps["crops"][:, :e], "box_valid": image_reps["box_valid"][:, :e],
+               "box_geom": image_reps["box_geom"][:, :e], "pairs": image_reps["pairs"][:, :e, :e]}
+        txt = {**text_reps, "entity": text_reps["entity"][:, :p], "entity_valid": text_reps["entity_valid"][:, :p]}
+        txt.update({k: text_reps[k][:, :r] for k in ("subject", "object", "predicate", "predicate_bias", "role_valid")})
+        return img, txt
+
+    # -- the score -------------------------------------------------------------------------------------
+    def grounding(self, phrases: Tensor, image_reps: Reps, paired: bool = False) -> Tensor:
+        """g(x, b) of every phrase against every box: phrases [T, P, D] -> [I, T, P, E]; ``paired`` (I == T): text n
+        against image n only, [N, P, E]."""
+        crops, geom, ask = image_reps["crops"], image_reps["box_geom"], self.phrase_geometry(phrases)
+        if paired:
+            return torch.einsum("npd,ned->npe", phrases, crops) + torch.einsum("nph,neh->npe", ask, geom)
+        return torch.einsum("tpd,ied->itpe", phrases, crops) + torch.einsum("tph,ieh->itpe", ask, geom)
+
+    def entity_term(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        """E(i, t) [I, T]: mean over valid phrases of the best box's grounding (0 without phrases or boxes)."""
+        g = self.grounding(text_reps["entity"], image_reps)
+        box_ok = image_reps["box_valid"][:, None, None, :]
+        best = g.masked_fill(~box_ok, NEG).max(-1).values * image_reps["box_valid"].any(1)[:, None, None]
+        ok = text_reps["entity_valid"][None].float()
+        return (best * ok).sum(-1) / ok.sum(-1).clamp_min(1)
+
+    def relation_triplets(self, image_reps: Reps, text_reps: Reps, paired: bool = False) -> Tensor:
+        """log P(triplet holds) [I, T, R] (module docstring; 0 where the triplet or the image's pairs are absent);
+        ``paired`` (I == T): text n in image n only, [N, R]."""
+        tau = self.log_temperature.exp().clamp(1e-3, 1.0)
+        box_ok = image_reps["box_valid"]                                              # [I, E]
+        e = box_ok.shape[1]
+        pair_ok = box_ok[:, :, None] & box_ok[:, None, :] & ~torch.eye(e, dtype=torch.bool, device=box_ok.device)
+        lead = (slice(None), None) if paired else (slice(None), None, None)           # image dims -> score dims
+        mask = ~box_ok[lead]
+
+        def ground(phrases):
+            return torch.log_softmax(self.grounding(phrases, image_reps, paired).masked_fill(mask, NEG) / tau, -1)
+
+        a_s, a_o = ground(text_reps["subject"]), ground(text_reps["object"])            # [I, T, R, E]
+        pattern = "nrh,nbch->nrbc" if paired else "trh,ibch->itrbc"
+        f = torch.einsum(pattern, text_reps["predicate"], image_reps["pairs"]) \
+            + (text_reps["predicate_bias"] if paired else text_reps["predicate_bias"][None])[..., None, None]
+        joint = a_s[..., :, None] + a_o[..., None, :] + F.logsigmoid(f)                # [I, T, R, E, E]
+        joint = joint.masked_fill(~pair_ok[lead], NEG)
+        held = torch.logsumexp(joint.flatten(-2), -1)                                  # [I, T, R]
+        any_pair = pair_ok.flatten(1).any(1)
+        usable = (text_reps["role_valid"] & any_pair[:, None]) if paired else \
+            (text_reps["role_valid"][None] & any_pair[:, None, None])
+        return held * usable
+
+    def relation_term(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        """R(i, t) [I, T]: mean over the caption's triplets (0 for a caption without any)."""
+        ok = text_reps["role_valid"][None].float()
+        return self.relation_triplets(image_reps, text_reps).sum(-1) / ok.sum(-1).clamp_min(1)
+
+    def parts(self, image_reps: Reps, text_reps: Reps) -> dict[str, Tensor]:
+        out = {"base": image_reps["base"] @ text_reps["base"].T, "entity": self.entity_term(image_reps, text_reps)}
+        out["relation"] = self.relation_term(image_reps, text_reps) if self.config.relations else \
+            torch.zeros_like(out["base"])
+        return out
+
+    def combine(self, parts: dict[str, Tensor]) -> Tensor:
+        return parts["base"] + self.entity_weight * parts["entity"] + self.relation_weight * parts["relation"]
+
+    def score(self, image_reps: Reps, text_reps: Reps, chunk_elements: int = 1 << 24) -> Tensor:
+        """S [I, T]; images in chunks so the [I, T, R, E, E] pair scores stay under ``chunk_elements``."""
+        image_reps, text_reps = self.trimmed(image_reps, text_reps)
+        n_img, n_txt = len(image_reps["base"]), len(text_reps["base"])
+        e = image_reps["crops"].shape[1]
+        per_image = max(1, n_txt * max(text_reps["role_valid"].shape[1] * e * e, text_reps["entity"].shape[1] * e))
+        step = max(1, chunk_elements // per_image)
+        out = [self.combine(self.parts({k: v[a:a + step] for k, v in image_reps.items()}, text_reps))
+               for a in range(0, n_img, step)]
+        return torch.cat(out) if out else torch.zeros(0, n_txt, device=text_reps["base"].device)
+
+    def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        return self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp() * self.score(image_reps, text_reps)
+
+    # -- serving: the first stage is the base's cosine (the score's first term) --------------------------
+    def first_stage_image(self, image_reps: Reps, direction: str = "t2i") -> Tensor:
+        return image_reps["base"]
+
+    def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> Tensor:
+        return text_reps["base"]
+
+    # -- training --------------------------------------------------------------------------------------
+    def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+        """CLIP's symmetric cross-entropy on S over the global batch: each rank scores its images against every
+        text and its texts against every image (gathered with gradients)."""
+        scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
+        b = len(image_reps["base"])
+        all_img = {k: gather(v, rank, world_size) for k, v in image_reps.items()}
+        all_txt = {k: gather(v, rank, world_size) for k, v in text_reps.items()}
+        labels = local_rows(b, rank, world_size, image_reps["base"].device)
+        i2t = scale * self.score(image_reps, all_txt)                # [b, B]
+        t2i = scale * self.score(all_img, text_reps).T               # [b, B]: row = local text
+        loss = 0.5 * (F.cross_entropy(i2t.float(), labels) + F.cross_entropy(t2i.float(), labels))
+        return {"loss": loss, "logit_scale": scale.detach(), "entity_weight": self.entity_weight.detach(),
+                "relation_weight": self.relation_weight.detach(),
+                "temperature": self.log_temperature.exp().detach()}
+
+    def paired_relations(self, image_reps: Reps, text_reps: Reps) -> tuple[Tensor, Tensor]:
+        """For image n with text n (both [b, ...]): (log P(all of the text's triplets hold) [b], has a triplet and
+        the image two boxes [b])."""
+        img, txt = self.trimmed(image_reps, text_reps)
+        held = self.relation_triplets(img, txt, paired=True)                                # [b, R]
+        usable = txt["role_valid"] & (img["box_valid"].sum(1) >= 2)[:, None]
+        return (held * usable).sum(-1), usable.any(-1)
+
+    def negatives_loss(self, image_reps: Reps, text_reps: Reps, negative_reps: Reps, negative_valid: Tensor,
+                       types: tuple[str, ...], rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
+        """The relation term's own objective (``train.adapter.negatives.NegativeLoss`` calls it): binary
+        cross-entropy on P(the caption's triplets hold in its image), 1 for each caption, 0 for its swap-obj and
+        replace-rel negatives (:data:`RELATION_NEGATIVES`: the types that change who is where and nothing else;
+        a replace-att negative names something absent, which grounding, a softmax over the boxes, cannot say).
+        In the contrastive softmax a relation that holds of every pair costs nothing once the sigmoid saturates;
+        here the converse must score low, so the predicate has to read the geometry."""
+        slots = [k for k, t in enumerate(types) if t in RELATION_NEGATIVES]
+        if not self.config.relations or self.config.relation_loss == 0 or not slots:
+            return {}
+        pos, pos_ok = self.paired_relations(image_reps, text_reps)
+        terms, counts = [-(pos * pos_ok).sum()], [pos_ok.sum()]
+        for k in slots:
+            neg, neg_ok = self.paired_relations(image_reps, {name: v[:, k] for name, v in negative_reps.items()})
+            neg_ok = neg_ok & negative_valid[:, k].bool()
+            terms.append(-(_log1mexp(neg) * neg_ok).sum())
+            counts.append(neg_ok.sum())
+        count = torch.stack(counts).sum().float()
+        if world_size > 1:  # sum over the global count, times world_size: DDP's mean is the global mean
+            count = count.clone()
+            dist.all_reduce(count)
+        loss = torch.stack(terms).sum() / count.clamp_min(1) * world_size
+        return {"loss": self.config.relation_loss * loss, "relation_bce": loss}
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x <= 0, stable at both ends (Maechler 2012)."""
+    x = x.clamp(max=-1e-6)
+    return torch.where(x > -0.6931, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

@@ -1,0 +1,230 @@
+"""The grounded relation head (adapters/heads/grounded.py) on hand-built caches: what it reads, what it learns."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adapters.heads.grounded import Grounded, GroundedConfig, box_features, pair_features
+from adapters.registry import ADAPTERS
+
+D, E, R, P = 16, 4, 3, 4
+SIZE = 64.0
+# four objects and four predicates, each an orthogonal direction: nothing in the embeddings says which predicate
+# means what, so whatever the head gets right about them it learned from the captions
+OBJECTS = torch.eye(D)[:4]
+PREDICATES = torch.eye(D)[8:12]
+GEOMETRY = {0: "left of", 1: "right of", 2: "above", 3: "below"}  # what predicate k means in this world
+
+
+def holds(meaning: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The world's truth for box centres a, b (px), with a margin as the toy world keeps."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    return {"left of": dx > 10, "right of": dx < -10, "above": dy > 10, "below": dy < -10}[meaning]
+
+
+def box_at(cx: float, cy: float, side: float = 12.0) -> list[float]:
+    return [cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2]
+
+
+def image_batch(items: list[tuple[tuple[int, list[float]], ...]]) -> dict[str, torch.Tensor]:
+    """items: per image, (object index, box) for each of its boxes (at most E)."""
+    n = len(items)
+    out = {"image_embed": torch.zeros(n, D), "ventity_embed": torch.zeros(n, E, D),
+           "ventity_valid": torch.zeros(n, E, dtype=torch.bool), "ventity_boxes": torch.zeros(n, E, 4),
+           "ventity_image_size": torch.full((n, 2), SIZE)}
+    for i, boxes in enumerate(items):
+        for k, (obj, box) in enumerate(boxes):
+            out["ventity_embed"][i, k] = OBJECTS[obj]
+            out["ventity_boxes"][i, k] = torch.tensor(box)
+            out["ventity_valid"][i, k] = True
+        out["image_embed"][i] = F.normalize(sum(OBJECTS[o] for o, _ in boxes), dim=0)  # a bag of its objects
+    return out
+
+
+def text_batch(triplets: list[list[tuple[int, int, int]]]) -> dict[str, torch.Tensor]:
+    """triplets: per caption, (subject object, predicate, object object) for each relation (at most R)."""
+    n = len(triplets)
+    out = {"text_embed": torch.zeros(n, D), "entity_embed": torch.zeros(n, P, D),
+           "entity_valid": torch.zeros(n, P, dtype=torch.bool)}
+    for role in ("subject", "predicate", "object"):
+        out[f"role_{role}_embed"] = torch.zeros(n, R, D)
+    out["role_valid"] = torch.zeros(n, R, dtype=torch.bool)
+    for t, rels in enumerate(triplets):
+        names = []
+        for r, (s, p, o) in enumerate(rels):
+            out["role_subject_embed"][t, r], out["role_object_embed"][t, r] = OBJECTS[s], OBJECTS[o]
+            out["role_predicate_embed"][t, r] = PREDICATES[p]
+            out["role_valid"][t, r] = True
+            names += [s, o]
+        for k, obj in enumerate(dict.fromkeys(names)):
+            out["entity_embed"][t, k], out["entity_valid"][t, k] = OBJECTS[obj], True
+        # the pooled caption embedding is a bag of words: the same for a relation and its converse
+        out["text_embed"][t] = F.normalize(sum((OBJECTS[o] for o in names), torch.zeros(D)) + 0.1 * sum(
+            (PREDICATES[p] for _, p, _ in rels), torch.zeros(D)), dim=0)
+    return out
+
+
+def random_scene(g: torch.Generator) -> tuple[tuple[int, list[float]], tuple[int, list[float]]]:
+    a, b = torch.randperm(4, generator=g)[:2].tolist()
+    while True:
+        ca, cb = torch.rand(2, generator=g) * 44 + 10, torch.rand(2, generator=g) * 44 + 10
+        if (ca - cb).abs().max() > 14:
+            return (a, box_at(*ca.tolist())), (b, box_at(*cb.tolist()))
+
+
+def training_set(n: int, seed: int):
+    """n two-object scenes, each with a true relation caption and a negative that only changes who is where (the
+    subject and object swapped, or the predicate replaced by one that does not hold)."""
+    g = torch.Generator().manual_seed(seed)
+    scenes, pos, neg = [], [], []
+    while len(scenes) < n:
+        (a, ba), (b, bb) = scene = random_scene(g)
+        ca, cb = torch.tensor(ba).view(2, 2).mean(0), torch.tensor(bb).view(2, 2).mean(0)
+        true = [k for k, m in GEOMETRY.items() if holds(m, ca, cb)]
+        false = [k for k, m in GEOMETRY.items() if not holds(m, ca, cb)]
+        if not true or not false:
+            continue
+        p = true[int(torch.randint(len(true), (1,), generator=g))]
+        scenes.append(scene)
+        pos.append([(a, p, b)])
+        swap = bool(torch.rand(1, generator=g) < 0.5)
+        neg.append([(b, p, a)] if swap else [(a, false[int(torch.randint(len(false), (1,), generator=g))], b)])
+    return image_batch(scenes), text_batch(pos), text_batch(neg)
+
+
+def trained_head(steps: int = 300, seed: int = 0) -> Grounded:
+    torch.manual_seed(seed)
+    head = Grounded(GroundedConfig(hidden=32), D)
+    images, pos, neg = training_set(256, seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(steps):
+        img, txt, nt = head.encode_image(images), head.encode_text(pos), head.encode_text(neg)
+        neg_reps = {k: v[:, None] for k, v in nt.items()}  # one negative slot per caption
+        out = head.negatives_loss(img, txt, neg_reps, torch.ones(len(pos["text_embed"]), 1, dtype=torch.bool),
+                                  ("swap-obj",))
+        loss = out["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def head() -> Grounded:
+    return trained_head()
+
+
+def test_registered_with_its_components_and_negatives():
+    cls = ADAPTERS.get("grounded")
+    assert cls is Grounded
+    assert set(cls.components) == {"entities", "roles"}
+    assert cls.hard_negatives == "all"  # the relation term learns from converses (module docstring)
+    assert "ventity_image_size" in cls.image_keys and "role_predicate_embed" in cls.text_keys
+
+
+def test_untrained_grounding_is_the_base_cosine_and_a_caption_without_relations_scores_no_relation_term():
+    head = Grounded(GroundedConfig(), D)
+    img = head.encode_image(image_batch([((0, box_at(20, 32)), (1, box_at(44, 32)))]))
+    txt = head.encode_text(text_batch([[]]))  # no triplet, no entity
+    txt["entity"][0, 0], txt["entity_valid"][0, 0] = OBJECTS[1], True
+    img, txt = head.trimmed(img, txt)
+    g = head.grounding(txt["entity"], img)
+    assert torch.allclose(g[0, 0, 0, :2], torch.tensor([0.0, 1.0]))  # <phrase, crop>, the geometry term at zero
+    parts = head.parts(img, txt)
+    assert parts["relation"].item() == 0.0
+    assert parts["entity"].item() == pytest.approx(1.0)
+    expected = parts["base"] + head.entity_weight * parts["entity"]
+    assert torch.allclose(head.score(img, txt), expected)
+
+
+def test_trimming_unused_slots_leaves_every_score_unchanged(head):
+    images, pos, neg = training_set(12, seed=5)
+    img, txt = head.encode_image(images), head.encode_text({k: torch.cat([pos[k], neg[k]]) for k in pos})
+    full = head.combine(head.parts(img, txt))  # on all E, P, R slots
+    assert torch.allclose(head.score(img, txt), full, atol=1e-6)
+
+
+def test_features_are_in_image_units():
+    boxes = torch.tensor([[[8.0, 8.0, 24.0, 24.0], [40.0, 8.0, 56.0, 24.0]]])
+    small = box_features(boxes, torch.tensor([[64.0, 64.0]]))
+    large = box_features(boxes * 4, torch.tensor([[256.0, 256.0]]))
+    assert torch.allclose(small, large)
+    pairs = pair_features(small)
+    assert pairs.shape == (1, 2, 2, 12)
+    assert pairs[0, 0, 1, 0].item() == pytest.approx(0.5)   # the second box is half the image to the right
+    assert pairs[0, 1, 0, 0].item() == pytest.approx(-0.5)  # and the first to the left of it
+
+
+def test_only_positions_differ_and_the_converse_caption_scores_lower(head):
+    """Two images holding the same two objects, mirrored; a caption and its converse: the pooled embeddings
+    cannot tell any of them apart, the trained head must."""
+    red, blue = 0, 1
+    left_right = image_batch([((red, box_at(16, 32)), (blue, box_at(48, 32))),
+                              ((red, box_at(48, 32)), (blue, box_at(16, 32)))])
+    top_bottom = image_batch([((red, box_at(32, 14)), (blue, box_at(32, 50))),
+                              ((red, box_at(32, 50)), (blue, box_at(32, 14)))])
+    with torch.no_grad():
+        for images, k in ((left_right, 0), (top_bottom, 2)):  # "left of" / "above" of the hidden meaning
+            captions = text_batch([[(red, k, blue)], [(red, k + 1, blue)], [(blue, k, red)]])
+            s = head.score(head.encode_image(images), head.encode_text(captions))
+            assert images["image_embed"][0].equal(images["image_embed"][1])  # same bag of objects
+            # image 0: red left of (above) blue is true; its converse and the swapped caption are false
+            assert s[0, 0] > s[0, 1] and s[0, 0] > s[0, 2]
+            # image 1, mirrored: the other way round
+            assert s[1, 1] > s[1, 0] and s[1, 2] > s[1, 0]
+            # each caption prefers the image where it holds
+            assert s[0, 0] > s[1, 0] and s[1, 1] > s[0, 1]
+
+
+def test_learned_meanings_follow_the_captions_not_the_names():
+    """The same world with the predicate embeddings permuted (what "left of" says is now said by another vector):
+    the head learns the new assignment to the same accuracy."""
+    global PREDICATES
+    original = PREDICATES
+    accuracy = []
+    try:
+        for perm in ([0, 1, 2, 3], [2, 3, 1, 0]):
+            PREDICATES = original[perm]
+            head = trained_head(steps=200, seed=1)
+            images, pos, neg = training_set(200, seed=9)  # held-out scenes
+            with torch.no_grad():
+                img = head.encode_image(images)
+                sp = head.score(img, head.encode_text(pos)).diagonal()
+                sn = head.score(img, head.encode_text(neg)).diagonal()
+            accuracy.append((sp > sn).float().mean().item())
+    finally:
+        PREDICATES = original
+    assert min(accuracy) > 0.95, accuracy
+    assert abs(accuracy[0] - accuracy[1]) < 0.04, accuracy
+
+
+def test_negatives_loss_trains_only_on_relational_negatives():
+    head = Grounded(GroundedConfig(), D)
+    images, pos, neg = training_set(8, seed=2)
+    img, txt, nt = head.encode_image(images), head.encode_text(pos), head.encode_text(neg)
+    neg_reps = {k: v[:, None] for k, v in nt.items()}
+    valid = torch.ones(8, 1, dtype=torch.bool)
+    assert head.negatives_loss(img, txt, neg_reps, valid, ("replace-att",)) == {}
+    out = head.negatives_loss(img, txt, neg_reps, valid, ("replace-rel",))
+    assert math.isfinite(out["loss"].item()) and out["loss"].item() > 0
+    out["loss"].backward()
+    assert head.pair_code[0].weight.grad.abs().sum() > 0 and head.predicate.weight.grad.abs().sum() > 0
+    assert Grounded(GroundedConfig(relations=False), D).negatives_loss(img, txt, neg_reps, valid,
+                                                                        ("swap-obj",)) == {}
+
+
+def test_paired_relations_equal_the_diagonal_of_the_full_matrix():
+    torch.manual_seed(3)
+    head = Grounded(GroundedConfig(), D)
+    for p in head.parameters():
+        if p.ndim > 1:
+            torch.nn.init.normal_(p, std=0.3)  # away from the zero init, so the geometry terms count
+    images, pos, _ = training_set(16, seed=3)
+    img, txt = head.trimmed(head.encode_image(images), head.encode_text(pos))
+    full = head.relation_triplets(img, txt)
+    n = len(full)
+    assert torch.allclose(full[torch.arange(n), torch.arange(n)], head.relation_triplets(img, txt, paired=True),
+                          atol=1e-5)

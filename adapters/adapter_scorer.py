@@ -30,7 +30,8 @@ from adapters.scoring import CacheReadable, token_keys
 
 def load_annotations(spec) -> dict[str, dict]:
     """Ground-truth boxes by image id and by file name: from a dict (returned as is), a toy-world folder or its
-    ``annotations.json`` (every split), or a Visual-Genome-style ``objects.json``."""
+    ``annotations.json`` (every split, and the scenes of its controlled test, ``controlled.json``, by file name), or
+    a Visual-Genome-style ``objects.json``."""
     if spec is None or isinstance(spec, dict):
         return spec
     path = Path(spec)
@@ -45,6 +46,11 @@ def load_annotations(spec) -> dict[str, dict]:
             out[str(scene["image_id"])] = scene
             if scene.get("file_name"):
                 out.setdefault(os.path.basename(scene["file_name"]), scene)
+        controlled = path.parent / "controlled.json"
+        if controlled.is_file():
+            for entry in json.loads(controlled.read_text(encoding="utf-8")).get("sets", []):
+                for scene in entry.get("scenes", []):
+                    out.setdefault(os.path.basename(scene["file_name"]), scene)
         return out
     from extract.components.regions import load_box_annotations
 

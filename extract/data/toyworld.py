@@ -1,8 +1,9 @@
 """Toy world: procedurally drawn scenes of coloured shapes, the project's embedded default dataset.
 
 ``python -m extract.data.toyworld --out DIR --n N --seed S [--size 64] [--holdout "red circle,blue square"]
-[--splits 0.8,0.1,0.1] [--workers W] [--long-captions] [--config file.yaml]`` or :func:`generate` writes N
-scenes with boxes, relations, captions and SugarCrepe/ARO-style hard negatives.
+[--splits 0.8,0.1,0.1] [--workers W] [--long-captions] [--phrases "left of=above,..."] [--config file.yaml]`` or
+:func:`generate` writes N scenes with boxes, relations, captions and SugarCrepe/ARO-style hard negatives, and a
+What'sUp-style controlled test.
 
 Scenes
     A ``size`` x ``size`` RGB image on a black background holding 1-4 objects. Each object has a
@@ -38,11 +39,14 @@ Captions (``struct`` is the truth, ``text`` is rendered from it by :func:`render
     objects, and the scene has exactly ``count`` objects when ``count`` is given.
     - ``one-object``, one per object: "a small red circle".
     - ``relation``, one when a scene has >= 2 objects: a random ordered pair and one of its
-      predicates, without sizes: "a red circle to the left of a blue square".
+      directions (``CAPTION_PREDICATES``: no caption says "next to", see there), without sizes:
+      "a red circle to the left of a blue square".
     - ``long``, always: "three objects: a small red circle, a large blue square and a small green
-      star; the red circle is to the left of the blue square, the blue square is above the green
-      star" (objects in scene order; one clause per consecutive pair, using the dominant-axis
-      direction if it holds, else "next to").
+      star; the red circle is to the left of the blue square, the green star is below the blue
+      square" (objects in scene order; one clause per consecutive pair whose dominant-axis direction
+      holds, said from either end with even odds, so clause order tells nothing).
+    Replace-rel negatives draw from the four directions too: with them a text-only model sits at chance on
+    replace-rel, swap-obj and swap-att (``train.eval.text_only``; before VERSION 2 it read replace-rel at 61%).
     Caption ids are ``image_id * CAPTION_SLOTS + k`` (k = position in the scene's caption list), so
     they are unique and do not depend on chunking.
 
@@ -69,6 +73,19 @@ Hard negatives (at most one per type per caption, each a mutated struct)
     an object that the scene lacks (not for long captions: they claim to name every object). A
     candidate is kept only if it fails ``satisfies(scene, struct, lenient=True)``, names no
     (colour, shape) twice and, in the train split, mentions no held-out combination.
+
+Controlled test (``controlled.json``, ``images/controlled/``; What'sUp, Kamath et al. EMNLP 2023)
+    N / 20 sets (at least one), each two objects of any colour-shape combinations (held-out ones included and
+    marked ``heldout``) drawn in four images: the first left of, right of, above and below the second, the
+    centres aligned on the other axis so that no other of the four holds even under the lenient rules; each
+    image's caption is a relation caption ("a red circle to the left of a blue square"). Only who is where
+    differs between a set's images and between its captions: four-way caption choice per image, four-way image
+    choice per caption, chance 25 (``train.eval.datasets.read_toyworld_controlled``). Seeded by the world's seed.
+
+Predicate words (``--phrases``)
+    ``--phrases "left of=above,above=to the left of"`` says other words for some predicates in every caption and
+    negative of the world; structs, relations and their truth keep the predicate's meaning. The default world's
+    files are unchanged (``meta.json`` records ``phrases`` only when given).
 
 Splits and hold-out
     Scene i goes to a split by the golden-ratio sequence frac(i * 0.618...) against the cumulative
@@ -109,7 +126,7 @@ from extract.common.cli import Parser, from_namespace, option, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, parse_with_config, positive_int
 
-VERSION = 1
+VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "hexagon")
 COLOURS = {
     "red": (230, 25, 25),
@@ -123,6 +140,13 @@ COLOURS = {
 }
 SIZES = {"small": 0.20, "large": 0.35}  # box side as a fraction of the image side
 PREDICATES = ("left of", "right of", "above", "below", "next to")
+# What captions (and replace-rel negatives) say. "next to" holds in scenes (``relations``) but no caption names it:
+# every flip of the image maps the four directions onto each other and leaves "next to" alone, so with it a caption
+# and its replace-rel negative would differ in how often each predicate appears, a prior that a model reads from
+# the words alone (measured before VERSION 2: 61% on replace-rel without the image). With directions only, each
+# (caption predicate, negative predicate) pair is as likely as the reverse one.
+CAPTION_PREDICATES = ("left of", "right of", "above", "below")
+CONVERSE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 NEGATIVE_TYPES = ("replace-att", "replace-obj", "replace-rel", "swap-att", "swap-obj", "add-obj")
 SPLITS = ("train", "val", "test")
 BACKGROUND = (0, 0, 0)
@@ -145,7 +169,7 @@ LENIENT_NEAR = 0.30
 
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
-_PHRASES = {"left of": "to the left of", "right of": "to the right of",
+_DEFAULT_PHRASES = {"left of": "to the left of", "right of": "to the right of",
             "above": "above", "below": "below", "next to": "next to"}
 _UNIT_POLYGONS = {  # vertices in the unit box, each touching all four sides
     "triangle": ((0.5, 0.0), (1.0, 1.0), (0.0, 1.0)),
@@ -179,6 +203,7 @@ class _Settings:
     holdout: frozenset  # of (colour, shape)
     splits: tuple[float, float, float]
     long_captions: bool = False
+    phrases: tuple = ()  # (predicate, phrase) pairs that replace _DEFAULT_PHRASES' wording (--phrases)
 
     @property
     def sizes(self) -> dict[str, float]:
@@ -211,6 +236,26 @@ def parse_holdout(spec: str | Iterable) -> frozenset:
     if len(combos) == len(COLOURS) * len(SHAPES):
         raise ValueError("holdout names every (colour, shape) combination: nothing left for train")
     return frozenset(combos)
+
+
+def parse_phrases(spec: str | dict | Iterable | None) -> tuple:
+    """``"left of=above,above=to the left of"`` (or a dict / pairs) -> sorted (predicate, phrase) pairs: the words
+    captions use for those predicates instead of the default ones. The meaning stays the predicate's: a world where
+    "above" is said for "left of" tests that a model learns what words mean from the captions. ValueError names the
+    predicates on a bad entry."""
+    if not spec:
+        return ()
+    items = spec.items() if isinstance(spec, dict) else (
+        [part.split("=", 1) if "=" in part else (part, "") for part in spec.split(",")] if isinstance(spec, str)
+        else list(spec))
+    out = {}
+    for predicate, phrase in items:
+        predicate, phrase = str(predicate).strip().lower(), " ".join(str(phrase).split()).lower()
+        if predicate not in PREDICATES or not phrase:
+            raise ValueError(f"--phrases: expected PREDICATE=WORDS entries, PREDICATE one of {', '.join(PREDICATES)};"
+                             f" got {predicate!r}={phrase!r}")
+        out[predicate] = phrase
+    return tuple(sorted(out.items()))
 
 
 def is_toyworld(path: str | os.PathLike | None) -> bool:
@@ -324,34 +369,36 @@ def _join(phrases: list[str]) -> str:
     return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
 
 
-def render(struct: dict) -> str:
-    """The caption text of ``struct`` (grammar: module docstring). Non-long structs hold <= 1 relation."""
+def render(struct: dict, phrases: dict | None = None) -> str:
+    """The caption text of ``struct`` (grammar: module docstring). Non-long structs hold <= 1 relation.
+    ``phrases``: the words of some predicates instead of the default ones (``--phrases``)."""
+    words = {**_DEFAULT_PHRASES, **(phrases or {})}
     objects = struct["objects"]
     if struct.get("dense"):
-        return _render_dense(struct)
+        return _render_dense(struct, words)
     if "count" in struct:
         count = struct["count"]
         text = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
                 + _join([_article(_noun(o)) for o in objects]))
-        clauses = [f"the {_noun(objects[i], False)} is {_PHRASES[p]} the {_noun(objects[j], False)}"
+        clauses = [f"the {_noun(objects[i], False)} is {words[p]} the {_noun(objects[j], False)}"
                    for i, p, j in struct["relations"]]
         return text + ("; " + ", ".join(clauses) if clauses else "")
     if not struct["relations"]:
         return " and ".join(_article(_noun(o)) for o in objects)
     (i, predicate, j), = struct["relations"]
-    text = f"{_article(_noun(objects[i]))} {_PHRASES[predicate]} {_article(_noun(objects[j]))}"
+    text = f"{_article(_noun(objects[i]))} {words[predicate]} {_article(_noun(objects[j]))}"
     extras = [_article(_noun(o)) for k, o in enumerate(objects) if k not in (i, j)]
     return ", and ".join([text] + extras)
 
 
-def _render_dense(struct: dict) -> str:
+def _render_dense(struct: dict, words: dict) -> str:
     """"five objects: a small red circle, ... and a large gray star. the small red circle is to the left of the
-    large blue square, above ... and next to .... the large blue square is ...": every mention names size, colour
+    large blue square, above ... and below .... the large blue square is ...": every mention names size, colour
     and shape; one sentence per run of consecutive relations with the same subject."""
     objects = struct["objects"]
     sentences, run = [], []
     for k, (i, predicate, j) in enumerate(struct["relations"]):
-        run.append(f"{_PHRASES[predicate]} the {_noun(objects[j])}")
+        run.append(f"{words[predicate]} the {_noun(objects[j])}")
         if k + 1 == len(struct["relations"]) or struct["relations"][k + 1][0] != i:
             sentences.append(f"the {_noun(objects[i])} is {_join(run)}.")
             run = []
@@ -369,7 +416,8 @@ def _describe(obj: dict, with_size: bool) -> dict:
 def _relation_struct(scene: dict, rng: np.random.Generator) -> dict | None:
     by_pair: dict[tuple[int, int], list[str]] = {}
     for i, predicate, j in scene["relations"]:
-        by_pair.setdefault((i, j), []).append(predicate)
+        if predicate in CAPTION_PREDICATES:
+            by_pair.setdefault((i, j), []).append(predicate)
     if not by_pair:
         return None
     pairs = sorted(by_pair)
@@ -381,25 +429,26 @@ def _relation_struct(scene: dict, rng: np.random.Generator) -> dict | None:
 
 
 def _primary_predicate(a: Sequence[int], b: Sequence[int], side: int) -> str | None:
-    """The clearest predicate for ``a ? b``: the dominant-axis direction, else next to, else None."""
+    """The clearest predicate for ``a ? b``: the dominant-axis direction if it holds, else None."""
     (ax, ay), (bx, by) = _centre(a), _centre(b)
     if abs(bx - ax) >= abs(by - ay):
         direction = "left of" if bx > ax else "right of"
     else:
         direction = "above" if by > ay else "below"
-    for predicate in (direction, "next to"):
-        if relation_holds(a, predicate, b, side):
-            return predicate
-    return None
+    return direction if relation_holds(a, direction, b, side) else None
 
 
-def _long_struct(scene: dict) -> dict:
+def _long_struct(scene: dict, rng: np.random.Generator) -> dict:
+    """Objects in scene order, one clause per consecutive pair whose dominant direction holds, said from either
+    end with even odds ("the red circle is to the left of the blue square" or "the blue square is to the right of
+    the red circle"): with the subject always the earlier object, a swap-obj negative would give itself away by
+    its order alone."""
     objects = scene["objects"]
     relations = []
     for i in range(len(objects) - 1):
         predicate = _primary_predicate(objects[i]["box"], objects[i + 1]["box"], scene["width"])
         if predicate is not None:
-            relations.append([i, predicate, i + 1])
+            relations.append([i, predicate, i + 1] if rng.random() < 0.5 else [i + 1, CONVERSE[predicate], i])
     return {"objects": [_describe(o, True) for o in objects], "relations": relations,
             "count": len(objects)}
 
@@ -422,15 +471,16 @@ def _dense_struct(scene: dict) -> dict:
             "count": len(objects), "dense": True}
 
 
-def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False) -> list[dict]:
+def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False,
+              phrases: dict | None = None) -> list[dict]:
     structs = [("one-object", {"objects": [_describe(o, True)], "relations": []})
                for o in scene["objects"]]
     relation = _relation_struct(scene, rng)
     if relation is not None:
         structs.append(("relation", relation))
-    structs.append(("long", _dense_struct(scene) if long_captions else _long_struct(scene)))
+    structs.append(("long", _dense_struct(scene) if long_captions else _long_struct(scene, rng)))
     slots = LONG_CAPTION_SLOTS if long_captions else CAPTION_SLOTS
-    return [{"id": scene["image_id"] * slots + k, "kind": kind, "text": render(struct),
+    return [{"id": scene["image_id"] * slots + k, "kind": kind, "text": render(struct, phrases),
              "struct": struct}
             for k, (kind, struct) in enumerate(structs)]
 
@@ -465,7 +515,7 @@ def _replace_obj(struct: dict) -> list[dict]:
 
 def _replace_rel(struct: dict) -> list[dict]:
     return [_with(struct, relation_index=r, relation=[i, q, j])
-            for r, (i, p, j) in enumerate(struct["relations"]) for q in PREDICATES if q != p]
+            for r, (i, p, j) in enumerate(struct["relations"]) for q in CAPTION_PREDICATES if q != p]
 
 
 def _swap_att(struct: dict) -> list[dict]:
@@ -519,14 +569,15 @@ def negative_candidates(scene: dict, struct: dict, neg_type: str,
     return [(c, _acceptable(scene, c, holdout)) for c in _MUTATORS[neg_type](struct)]
 
 
-def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset) -> list[dict]:
+def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset,
+               phrases: dict | None = None) -> list[dict]:
     out = []
     for neg_type in NEGATIVE_TYPES:
         candidates = _MUTATORS[neg_type](caption["struct"])
         # Random order, first acceptable: one uniform pick without testing every candidate.
         for k in rng.permutation(len(candidates)):
             if _acceptable(scene, candidates[k], holdout):
-                out.append({"type": neg_type, "text": render(candidates[k]), "struct": candidates[k]})
+                out.append({"type": neg_type, "text": render(candidates[k], phrases), "struct": candidates[k]})
                 break
     return out
 
@@ -607,10 +658,11 @@ def _build_scene(index: int, settings: _Settings, out_dir: str) -> tuple[dict, l
     scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split,
              "width": settings.size, "height": settings.size, "objects": objects,
              "relations": _relations(objects, settings.size)}
-    scene["captions"] = _captions(scene, rng, settings.long_captions)
+    phrases = dict(settings.phrases)
+    scene["captions"] = _captions(scene, rng, settings.long_captions, phrases)
     items = []
     for caption in scene["captions"]:
-        negatives = _negatives(scene, caption, rng, settings.holdout)
+        negatives = _negatives(scene, caption, rng, settings.holdout, phrases)
         if negatives:
             items.append({"image_id": index, "caption_id": caption["id"], "split": split,
                           "positive": caption["text"], "negatives": negatives})
@@ -621,6 +673,96 @@ def _build_scene(index: int, settings: _Settings, out_dir: str) -> tuple[dict, l
 def _build_chunk(job: tuple[int, int, _Settings, str]) -> list[tuple[dict, list[dict]]]:
     start, stop, settings, out_dir = job
     return [_build_scene(i, settings, out_dir) for i in range(start, stop)]
+
+
+# --------------------------------------------------------------------------- the controlled test
+# What'sUp (Kamath et al., EMNLP 2023, §3: the same two objects photographed in each of four arrangements, four
+# captions per image) in the toy world: who is where is all that differs between a set's four images and between
+# its four captions, so a model that reads the words but not the positions sits at chance (25).
+CONTROLLED_DIRECTIONS = ("left of", "right of", "above", "below")
+CONTROLLED_VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
+CONTROLLED_FILE = "controlled.json"
+
+
+def controlled_count(n: int) -> int:
+    """Sets of the controlled test of an ``n``-scene world: one per 20 scenes (100 sets, 400 images at 2,000)."""
+    return max(1, n // 20)
+
+
+def _controlled_boxes(rng: np.random.Generator, sides: tuple[int, int], predicate: str, size: int) -> list[list[int]]:
+    """Boxes of two objects in ``size`` px where ``first <predicate> second`` holds and, the two centres aligned on
+    the other axis, no other direction holds even under the lenient rules."""
+    horizontal = predicate in ("left of", "right of")
+    clearance = max(1, round(GAP * size))
+    big = max(sides)
+    for _ in range(PLACEMENT_TRIES * 20):
+        along = [int(rng.integers(0, size - side + 1)) for side in sides]
+        start = int(rng.integers(0, size - big + 1))  # the cross axis: both centred on the bigger box's centre
+        across = [start + (big - side) // 2 for side in sides]
+        boxes = []
+        for a, c, side in zip(along, across, sides):
+            boxes.append([a, c, a + side, c + side] if horizontal else [c, a, c + side, a + side])
+        if _gap(*boxes) < clearance or not relation_holds(boxes[0], predicate, boxes[1], size):
+            continue
+        if not any(relation_holds(boxes[0], other, boxes[1], size, lenient=True)
+                   for other in CONTROLLED_DIRECTIONS if other != predicate):
+            return boxes
+    raise RuntimeError(f"no placement of sides {sides} for {predicate!r} in {size} px")  # never at size >= 32
+
+
+def _controlled_set(index: int, settings: _Settings) -> dict:
+    rng = np.random.default_rng(np.random.SeedSequence([settings.seed, index, CONTROLLED_VERSION]))
+    combos = [(c, sh) for c in COLOURS for sh in SHAPES]
+    picks = [combos[k] for k in rng.choice(len(combos), size=2, replace=False)]
+    objects = [{"colour": c, "shape": sh, "size": tuple(SIZES)[rng.integers(len(SIZES))]} for c, sh in picks]
+    sides = tuple(_box_side(o["size"], settings.size, settings.sizes) for o in objects)
+    scenes = []
+    for predicate in CONTROLLED_DIRECTIONS:
+        boxes = _controlled_boxes(rng, sides, predicate, settings.size)
+        struct = {"objects": [_describe(o, False) for o in objects], "relations": [[0, predicate, 1]]}
+        scenes.append({"predicate": predicate, "width": settings.size, "height": settings.size,
+                       "file_name": f"images/controlled/{index:04d}-{predicate.replace(' ', '-')}.png",
+                       "objects": [{**o, "box": b} for o, b in zip(objects, boxes)],
+                       "caption": render(struct, dict(settings.phrases)), "struct": struct})
+    return {"id": index, "objects": objects, "scenes": scenes,
+            "heldout": bool(settings.holdout.intersection(picks))}
+
+
+def generate_controlled(out_dir: str | os.PathLike, settings: _Settings) -> dict:
+    """Write the controlled test of a world with ``settings`` into ``out_dir``: :func:`controlled_count` sets, each
+    two objects (any colour-shape combinations, held-out ones included and marked) drawn in the four arrangements of
+    :data:`CONTROLLED_DIRECTIONS` with their four captions, ``images/controlled/*.png`` and ``controlled.json``
+    (``{"version", "sets": [{"id", "objects", "heldout", "scenes": [{"predicate", "file_name", "objects" (with
+    boxes), "caption", "struct", "width", "height"}]}]}``). Scene k of a set satisfies its own caption and no other
+    of the set's (tested with :func:`relation_holds`). Seeded by the world's seed alone: the same bytes every time."""
+    out = Path(out_dir)
+    (out / "images" / "controlled").mkdir(parents=True, exist_ok=True)
+    sets = [_controlled_set(k, settings) for k in range(controlled_count(settings.n))]
+    for entry in sets:
+        for scene in entry["scenes"]:
+            draw(scene).save(out / scene["file_name"])
+    data = {"version": CONTROLLED_VERSION, "sets": sets}
+    _dump_json(out / CONTROLLED_FILE, data)
+    return data
+
+
+def ensure_controlled(world: str | os.PathLike) -> Path:
+    """The controlled test of an existing toy world (``controlled.json``), written now from its ``meta.json`` when a
+    world made before the test existed lacks it (nothing else in the folder changes)."""
+    world = Path(world)
+    path = world / CONTROLLED_FILE
+    if path.is_file():
+        try:
+            if json.loads(path.read_text()).get("version") == CONTROLLED_VERSION:
+                return path
+        except (OSError, ValueError):
+            pass
+    meta = json.loads((world / "meta.json").read_text())
+    settings = _Settings(n=int(meta["n"]), seed=int(meta["seed"]), size=int(meta["size"]),
+                         holdout=parse_holdout(meta.get("holdout", [])), splits=parse_splits(meta["splits"]),
+                         long_captions=bool(meta.get("long_captions")), phrases=parse_phrases(meta.get("phrases")))
+    generate_controlled(world, settings)
+    return path
 
 
 # --------------------------------------------------------------------------- writing
@@ -651,6 +793,8 @@ def _settings_dict(settings: _Settings) -> dict:
            "splits": list(settings.splits)}
     if settings.long_captions:  # absent when off: a default world's files stay byte-identical
         out["long_captions"] = True
+    if settings.phrases:  # likewise
+        out["phrases"] = dict(settings.phrases)
     return out
 
 
@@ -695,14 +839,16 @@ def _run(settings: _Settings, out: Path, workers: int) -> list[tuple[dict, list[
 
 def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
              holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
-             workers: int | None = None, long_captions: bool = False) -> dict:
+             workers: int | None = None, long_captions: bool = False, phrases=None) -> dict:
     """Write ``n`` toy-world scenes to ``out_dir`` (layout: module docstring) and return a summary.
 
     ``size`` is the image side in px (>= 32); ``holdout`` holds (colour, shape) combinations out of
     the train split (``"red circle,blue square"`` or an iterable); ``splits`` are train/val/test
     fractions; ``workers`` processes (default ``os.cpu_count()``) never change the output;
     ``long_captions``: the long-caption mode (module docstring), 4-8 objects and a dense description
-    of 100-250 CLIP tokens per scene (off: the default world, unchanged).
+    of 100-250 CLIP tokens per scene (off: the default world, unchanged); ``phrases``: other words for some
+    predicates (:func:`parse_phrases`), in captions and negatives alike.
+    It also writes the controlled test (:func:`generate_controlled`).
     The summary holds the settings, ``counts`` (per split: images, captions, negatives,
     heldout_objects; negatives_by_type; objects), ``workers`` and ``seconds``.
     Raises ValueError on invalid settings.
@@ -712,7 +858,8 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
         raise ValueError(f"need n >= 1, seed >= 0 and size >= {MIN_IMAGE_SIZE}; "
                          f"got n={n}, seed={seed}, size={size}")
     settings = _Settings(n=int(n), seed=int(seed), size=int(size), holdout=parse_holdout(holdout),
-                         splits=parse_splits(splits), long_captions=bool(long_captions))
+                         splits=parse_splits(splits), long_captions=bool(long_captions),
+                         phrases=parse_phrases(phrases))
     workers = max(1, int(workers or os.cpu_count() or 1))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -727,6 +874,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
     for split in SPLITS:
         _write_split(out, split, [s for s in scenes if s["split"] == split], settings)
     counts = _counts(scenes, items, settings.holdout)
+    counts["controlled_sets"] = len(generate_controlled(out, settings)["sets"])
     _dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
     return {**core, "out": str(out), "workers": workers, "counts": counts,
             "seconds": time.perf_counter() - started}
@@ -765,8 +913,8 @@ def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: 
     ``holdout``: combinations kept out of its train split, as ``generate``): reused when it is already there (same
     n, seed, mode, holdout and generator version; regenerating would give the same bytes but new mtimes, which a
     feature cache's fingerprint sees), generated when the folder is absent. A toy world with other settings there
-    is replaced only with ``replace`` (else ValueError: someone made it on purpose). ``say`` gets one line saying
-    which."""
+    is replaced only with ``replace`` (else ValueError: someone made it on purpose), one with the same settings from
+    an earlier generator version always. ``say`` gets one line saying which."""
     out = Path(out_dir)
     meta = {}
     if (out / "meta.json").is_file():
@@ -785,7 +933,12 @@ def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: 
             n, seed, VERSION, bool(long_captions), held):
         say(f"toy world: {out} ({n} scenes, seed {seed}{mode}; reused)")
         return out
-    if out.exists() and any(out.iterdir()) and not replace:
+    older = meta.get("version") != VERSION and (meta.get("n"), meta.get("seed"), bool(meta.get("long_captions")),
+                                                 had) == (n, seed, bool(long_captions), held)
+    if older:  # our own world, written by an earlier generator: the same settings give other files now
+        say(f"toy world: {out} was generated by an earlier version of the generator ({meta.get('version')}, now "
+            f"{VERSION}); generating it again")
+    if out.exists() and any(out.iterdir()) and not replace and not older:
         there = (f"a toy world of {meta.get('n')} scenes, seed {meta.get('seed')}"
                  f"{', long captions' if meta.get('long_captions') else ''}"
                  f"{', holding out ' + ', '.join(meta['holdout']) if meta.get('holdout') else ''}") if meta \
@@ -838,9 +991,15 @@ class ToyWorldOptions:
                                       "scene and a dense description of each (100-250 CLIP tokens: a 77-token text "
                                       "encoder truncates it; Long-CLIP's 248 tokens read it whole)")
 
+    phrases: Any = option("", metavar="PREDICATE=WORDS,...",
+                          help='other words for predicates in every caption and negative, e.g. "left of=above,'
+                               'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
+                               'what predicate words mean from captions; default: none)')
+
     def __post_init__(self):
         self.holdout = parse_holdout(self.holdout)
         self.splits = parse_splits(self.splits)
+        self.phrases = parse_phrases(self.phrases)
 
 
 def build_parser() -> Parser:
@@ -869,7 +1028,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
     def job(opts: ToyWorldOptions) -> None:
         print(format_summary(generate(opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
-                                      splits=opts.splits, workers=opts.workers, long_captions=opts.long_captions)))
+                                      splits=opts.splits, workers=opts.workers, long_captions=opts.long_captions,
+                                      phrases=opts.phrases)))
 
     return run_job(job, parse_args(argv))
 

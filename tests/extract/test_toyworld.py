@@ -15,7 +15,7 @@ from extract.data import toyworld as tw
 HOLDOUT = "red circle,blue square"
 HELD = {("red", "circle"), ("blue", "square")}
 N = 200
-DATA_FILES = ["annotations.json", "negatives.json"] + [
+DATA_FILES = ["annotations.json", "negatives.json", tw.CONTROLLED_FILE] + [
     f"{split}{suffix}" for split in tw.SPLITS for suffix in (".csv", "_coco.json")]
 
 
@@ -33,7 +33,8 @@ def _scenes_by_id(annotations):
 
 
 def _all_files(out: Path) -> list[str]:
-    return DATA_FILES + sorted(f"images/{p.name}" for p in (out / "images").iterdir())
+    return DATA_FILES + sorted(f"images/{p.name}" for p in (out / "images").iterdir() if p.is_file()) + sorted(
+        f"images/controlled/{p.name}" for p in (out / "images" / "controlled").iterdir())
 
 
 # --------------------------------------------------------------------------- determinism
@@ -44,7 +45,7 @@ def test_same_seed_gives_byte_identical_files(world, tmp_path, workers):
     out, _, _, _ = world
     tw.generate(tmp_path, N, seed=0, holdout=HOLDOUT, workers=workers)
     assert _all_files(tmp_path) == _all_files(out)
-    assert len(_all_files(out)) == len(DATA_FILES) + N
+    assert len(_all_files(out)) == len(DATA_FILES) + N + 4 * tw.controlled_count(N)
     for name in _all_files(out):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes(), name
     meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (out, tmp_path))
@@ -418,17 +419,19 @@ def long_world(tmp_path_factory):
 
 
 def test_default_mode_is_unchanged_by_the_long_caption_mode(tmp_path):
-    """The default world's bytes are those of the generator before the long-caption mode existed (digest taken
-    from that version), so existing worlds, their feature-cache fingerprints and tests keep their meaning."""
+    """The default world's bytes are pinned (digest of generator VERSION 2, the prior-free captions; the long-caption
+    mode and --phrases leave them alone), so existing worlds, their feature-cache fingerprints and tests keep their
+    meaning: a change to them must come with a VERSION bump, which makes ``ensure`` generate such worlds again."""
+    assert tw.VERSION == 2
     import hashlib
 
     tw.generate(tmp_path, 20, seed=0, workers=1)
     digest = hashlib.sha256()
     for name in ["annotations.json", "negatives.json", "train.csv", "images/000007.png"]:
         digest.update((tmp_path / name).read_bytes())
-    assert digest.hexdigest() == "f6967fbc00379a033371ee7560bd1f29c68f12aeba52b0fda53210056037bfcd"
+    assert digest.hexdigest() == "aa43557fa67a37f554a4ad16ed5f3bd0a5081b1ef175956f896888deb49bfac4"
     meta = json.loads((tmp_path / "meta.json").read_text())
-    assert "long_captions" not in meta and "objects_per_scene" not in tw.load(tmp_path)["meta"]
+    assert "long_captions" not in meta and "phrases" not in meta and "objects_per_scene" not in tw.load(tmp_path)["meta"]
 
 
 def test_long_captions_exceed_77_tokens_and_fit_248(long_world):
@@ -545,3 +548,83 @@ def test_the_embedded_worlds_size_comes_from_plugvlm_toy_n_or_is_refused_in_one_
         done = run(bad)
         assert done.returncode == 1 and "Traceback" not in done.stderr
         assert done.stderr.startswith(f"error: PLUGVLM_TOY_N='{bad}'") and "whole number >= 20" in done.stderr
+
+
+# --------------------------------------------------------------------------- no caption prior, the controlled test
+
+
+def test_captions_name_directions_only_and_long_clauses_run_both_ways(world):
+    _, _, annotations, negatives = world
+    predicates, forward, backward = Counter(), 0, 0
+    for scene in annotations["scenes"]:
+        for caption in scene["captions"]:
+            for i, p, j in caption["struct"]["relations"]:
+                predicates[p] += 1
+                if caption["kind"] == "long":
+                    forward, backward = forward + (i < j), backward + (i > j)
+    assert set(predicates) == set(tw.CAPTION_PREDICATES)  # "next to" holds in scenes, no caption says it
+    assert forward > 50 and backward > 50  # the subject is not always the earlier object
+    replaced = Counter(n["struct"]["relations"][0][1] for item in negatives["items"] for n in item["negatives"]
+                       if n["type"] == "replace-rel" and len(n["struct"]["relations"]) == 1)
+    assert set(replaced) <= set(tw.CAPTION_PREDICATES)
+
+
+def test_every_controlled_scene_satisfies_its_caption_and_violates_the_other_three(world):
+    out, _, _, _ = world
+    data = json.loads((out / tw.CONTROLLED_FILE).read_text())
+    assert data["version"] == tw.CONTROLLED_VERSION and len(data["sets"]) == tw.controlled_count(N)
+    for entry in data["sets"]:
+        scenes = entry["scenes"]
+        assert [s["predicate"] for s in scenes] == list(tw.CONTROLLED_DIRECTIONS)
+        assert len({s["caption"] for s in scenes}) == 4
+        for scene in scenes:
+            a, b = (o["box"] for o in scene["objects"])
+            assert [(o["colour"], o["shape"], o["size"]) for o in scene["objects"]] == \
+                [(o["colour"], o["shape"], o["size"]) for o in entry["objects"]]  # the same two objects
+            for other in scenes:
+                own = other is scene
+                assert tw.relation_holds(a, other["predicate"], b, scene["width"]) == own
+                assert tw.relation_holds(a, other["predicate"], b, scene["width"], lenient=True) == own
+                assert tw.satisfies({**scene, "split": "test"}, other["struct"]) == own
+            image = np.asarray(Image.open(out / scene["file_name"]))
+            assert image.shape == (scene["height"], scene["width"], 3)
+        combos = {(o["colour"], o["shape"]) for o in entry["objects"]}
+        assert entry["heldout"] == bool(combos & HELD)
+
+
+def test_controlled_test_is_added_to_a_world_that_lacks_it(tmp_path):
+    tw.generate(tmp_path, 40, seed=3, workers=1)
+    before = (tmp_path / tw.CONTROLLED_FILE).read_bytes()
+    (tmp_path / tw.CONTROLLED_FILE).unlink()
+    annotations = (tmp_path / "annotations.json").read_bytes()
+    assert tw.ensure_controlled(tmp_path) == tmp_path / tw.CONTROLLED_FILE
+    assert (tmp_path / tw.CONTROLLED_FILE).read_bytes() == before  # the world's seed alone decides it
+    assert (tmp_path / "annotations.json").read_bytes() == annotations
+
+
+def test_phrases_change_the_words_not_the_meaning(tmp_path):
+    swapped = "left of=above,above=to the left of,right of=below,below=to the right of"
+    tw.generate(tmp_path / "plain", 30, seed=1, workers=1)
+    tw.generate(tmp_path / "renamed", 30, seed=1, workers=1, phrases=swapped)
+    plain, renamed = tw.load(tmp_path / "plain"), tw.load(tmp_path / "renamed")
+    assert [c["struct"] for s in plain["scenes"] for c in s["captions"]] == \
+        [c["struct"] for s in renamed["scenes"] for c in s["captions"]]
+    say = {"left of": "above", "above": "to the left of", "right of": "below", "below": "to the right of"}
+    for scene in renamed["scenes"]:
+        for caption in scene["captions"]:
+            assert caption["text"] == tw.render(caption["struct"], say)
+            assert tw.satisfies(scene, caption["struct"])
+    meta = json.loads((tmp_path / "renamed" / "meta.json").read_text())
+    assert meta["phrases"] == say
+    with pytest.raises(ValueError, match="PREDICATE one of"):
+        tw.parse_phrases("leftwards=zorp")
+
+
+def test_ensure_regenerates_a_world_of_an_older_generator(tmp_path, monkeypatch):
+    out = tmp_path / "toy"
+    tw.generate(out, 20, seed=0, workers=1)
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "version": 1}))
+    lines = []
+    tw.ensure(out, 20, 0, say=lines.append)
+    assert "earlier version" in lines[0] and json.loads((out / "meta.json").read_text())["version"] == tw.VERSION

@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from extract.data import toyworld
-from train.eval.datasets import (READERS, SUGARCREPE_FILES, BenchmarkFormatError, read_aro_vg_attribution,
-                              read_aro_vg_relation, read_benchmark, read_sugarcrepe, read_svo_probes,
-                              read_toyworld, read_winoground)
+from train.eval.datasets import (READERS, SUGARCREPE_FILES, WHATSUP_FILES, BenchmarkFormatError, Item,
+                              read_aro_vg_attribution, read_aro_vg_relation, read_benchmark, read_sugarcrepe,
+                              read_svo_probes, read_toyworld, read_whatsup, read_winoground, whatsup_pair_and_set)
 
 
 def _image(path: Path, colour=(200, 30, 30), size=(24, 16)) -> Path:
@@ -282,6 +282,264 @@ def test_svo_probes_missing_column_and_bad_rows(tmp_path):
         assert "svo_probes.csv" in str(err.value) and "line 5" in str(err.value)
 
 
+# --------------------------------------------------------------------------------------------- What'sUp
+# The authors' published download (github.com/amitakamath/whatsup_vlms): the six JSON files next to
+# controlled_images/, controlled_clevr/, val2017/ and vg_images/; Controlled image_path values are written from
+# the authors' working directory ("data/controlled_images/...").
+_WHATSUP_A = [
+    ("mug_left_of_table", ["A mug to the left of a table", "A mug on a table", "A mug under a table",
+                           "A mug to the right of a table"]),
+    ("mug_right_of_table", ["A mug to the right of a table", "A mug on a table", "A mug under a table",
+                            "A mug to the left of a table"]),
+    ("mug_on_table", ["A mug on a table", "A mug under a table", "A mug to the left of a table",
+                      "A mug to the right of a table"]),
+    ("beer-bottle_under_armchair", ["A beer bottle under a armchair", "A beer bottle on a armchair",
+                                    "A beer bottle to the left of a armchair",
+                                    "A beer bottle to the right of a armchair"]),
+]
+_WHATSUP_B = [
+    ("cube_in-front_of_sphere", ["A cube in front of a sphere", "A cube behind a sphere",
+                                 "A cube to the left of a sphere", "A cube to the right of a sphere"]),
+    ("cube_behind_sphere", ["A cube behind a sphere", "A cube in front of a sphere",
+                            "A cube to the left of a sphere", "A cube to the right of a sphere"]),
+    ("cube_left_of_sphere", ["A cube to the left of a sphere", "A cube behind a sphere",
+                             "A cube in front of a sphere", "A cube to the right of a sphere"]),
+]
+_WHATSUP_QA = {
+    "coco_qa_one_obj": [[397133, "A photo of a dog on the left", "A photo of a dog on the right"],
+                        [37777, "A photo of a cup on the top", "A photo of a cup on the bottom"]],
+    "coco_qa_two_obj": [[397133, "A dog to the left of a cat", "A dog to the right of a cat"],
+                        [37777, "A lamp above a table", "A lamp below a table"],
+                        [37777, "A cup below a lamp", "A cup above a lamp"]],
+    "vg_qa_one_obj": [[2315375, "A photo of a man on the right", "A photo of a man on the left"]],
+    "vg_qa_two_obj": [[2315375, "A man in front of a car", "A man behind a car"],
+                      [1, "A cat behind a sofa", "A cat in front of a sofa"],
+                      ["2315375", "A cup on top of a table", "A cup on bottom of a table"]],
+}
+
+
+def _whatsup(root: Path, files=tuple(WHATSUP_FILES)) -> Path:
+    """The published folder layout with tiny real images (4x4 JPEGs under the published names)."""
+    tiny = dict(size=(4, 4))
+    if "controlled_images_dataset" in files:
+        _write_json(root / "controlled_images_dataset.json",
+                    [{"image_path": f"data/controlled_images/{n}.jpeg", "caption_options": c} for n, c in _WHATSUP_A])
+        for n, _ in _WHATSUP_A:
+            _image(root / "controlled_images" / f"{n}.jpeg", **tiny)
+    if "controlled_clevr_dataset" in files:
+        _write_json(root / "controlled_clevr_dataset.json",
+                    [{"image_path": f"data/controlled_clevr/{n}.jpeg", "caption_options": c} for n, c in _WHATSUP_B])
+        for n, _ in _WHATSUP_B:
+            _image(root / "controlled_clevr" / f"{n}.jpeg", (10, 10, 200), **tiny)
+    for stem, rows in _WHATSUP_QA.items():
+        if stem in files:
+            _write_json(root / f"{stem}.json", rows)
+    if any(f.startswith("coco") for f in files):
+        for i in (397133, 37777):
+            _image(root / "val2017" / f"{i:012d}.jpg", **tiny)
+    if any(f.startswith("vg") for f in files):
+        for i in (2315375, 1):
+            _image(root / "vg_images" / f"{i}.jpg", **tiny)
+    return root
+
+
+def test_whatsup_controlled_a(tmp_path):
+    root = _whatsup(tmp_path / "data", ["controlled_images_dataset"])
+    bench = read_whatsup(root / "controlled_images_dataset.json")  # one file; no image_root
+    assert (bench.name, bench.kind, bench.skipped) == ("whatsup", "text", [])
+    assert [i.item_id for i in bench.items] == [f"controlled_images_dataset/{k}" for k in range(4)]
+    for item, (name, captions) in zip(bench.items, _WHATSUP_A):
+        assert item.texts == tuple(captions)  # four options as written, the true one first
+        assert item.images == (str(root / "controlled_images" / f"{name}.jpeg"),)
+        assert item.subtype == "controlled-A" and item.crop is None
+    assert [i.tags for i in bench.items] == [("controlled-A left_of",), ("controlled-A right_of",),
+                                            ("controlled-A on",), ("controlled-A under",)]
+
+
+def test_whatsup_controlled_b(tmp_path):
+    root = _whatsup(tmp_path, ["controlled_clevr_dataset"])
+    bench = read_whatsup(root)  # a folder holding only this file
+    assert [i.item_id for i in bench.items] == [f"controlled_clevr_dataset/{k}" for k in range(3)]
+    assert bench.items[0].texts[0] == "A cube in front of a sphere" and len(bench.items[0].texts) == 4
+    assert bench.items[1].images == (str(root / "controlled_clevr" / "cube_behind_sphere.jpeg"),)
+    assert {i.subtype for i in bench.items} == {"controlled-B"}
+    assert [i.tags for i in bench.items] == [("controlled-B in-front_of",), ("controlled-B behind",),
+                                            ("controlled-B left_of",)]
+
+
+def test_whatsup_coco_spatial(tmp_path):
+    root = _whatsup(tmp_path, ["coco_qa_one_obj", "coco_qa_two_obj"])
+    one = read_whatsup(root / "coco_qa_one_obj.json")
+    assert [i.item_id for i in one.items] == ["coco_qa_one_obj/0", "coco_qa_one_obj/1"]
+    assert one.items[0].texts == ("A photo of a dog on the left", "A photo of a dog on the right")
+    assert one.items[0].images == (str(root / "val2017" / "000000397133.jpg"),)  # zero-padded to 12 digits
+    assert one.items[1].images == (str(root / "val2017" / "000000037777.jpg"),)
+    assert [(i.subtype, i.tags) for i in one.items] == [
+        ("coco-spatial one-object", ("coco-spatial one-object left",)),  # the true caption's last word
+        ("coco-spatial one-object", ("coco-spatial one-object top",))]
+    two = read_whatsup(root / "coco_qa_two_obj.json")
+    assert two.items[1].texts == ("A lamp above a table", "A lamp below a table")
+    assert [i.tags[0] for i in two.items] == ["coco-spatial two-object left", "coco-spatial two-object above",
+                                              "coco-spatial two-object below"]
+
+
+def test_whatsup_gqa_spatial(tmp_path):
+    root = _whatsup(tmp_path, ["vg_qa_one_obj", "vg_qa_two_obj"])
+    bench = read_whatsup(root)
+    assert [i.item_id for i in bench.items] == ["vg_qa_one_obj/0", "vg_qa_two_obj/0", "vg_qa_two_obj/1",
+                                                "vg_qa_two_obj/2"]
+    assert bench.items[0].texts == ("A photo of a man on the right", "A photo of a man on the left")
+    assert bench.items[0].images == (str(root / "vg_images" / "2315375.jpg"),)  # no padding for GQA
+    assert bench.items[2].images == (str(root / "vg_images" / "1.jpg"),)
+    assert bench.items[3].images == bench.items[0].images  # a string id names the same file
+    assert [(i.subtype, i.tags[0]) for i in bench.items] == [
+        ("gqa-spatial one-object", "gqa-spatial one-object right"),
+        ("gqa-spatial two-object", "gqa-spatial two-object front"),
+        ("gqa-spatial two-object", "gqa-spatial two-object behind"),
+        ("gqa-spatial two-object", "gqa-spatial two-object top")]
+
+
+def test_whatsup_folder_reads_every_file_and_skips_missing_images(tmp_path):
+    root = _whatsup(tmp_path)
+    (root / "notes.json").write_text("not a What'sUp file, never read")
+    (root / "controlled_clevr" / "cube_behind_sphere.jpeg").unlink()
+    bench = read_whatsup(root)
+    stems = list(dict.fromkeys(i.item_id.split("/")[0] for i in bench.items))
+    assert stems == list(WHATSUP_FILES)  # the paper's order
+    assert [i.subtype for i in bench.items] == (["controlled-A"] * 4 + ["controlled-B"] * 2
+                                                + ["coco-spatial one-object"] * 2 + ["coco-spatial two-object"] * 3
+                                                + ["gqa-spatial one-object"] + ["gqa-spatial two-object"] * 3)
+    assert [len(i.texts) for i in bench.items] == [4] * 6 + [2] * 9
+    assert bench.skipped == [{"item_id": "controlled_clevr_dataset/1", "reason": "missing image",
+                              "location": f"{root / 'controlled_clevr_dataset.json'}: entry 1",
+                              "image": str(root / "controlled_clevr" / "cube_behind_sphere.jpeg")}]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="controlled_images_dataset.json"):
+        read_whatsup(empty)
+
+
+def test_whatsup_image_paths_with_and_without_image_root(tmp_path):
+    root = _whatsup(tmp_path / "whatsup", ["controlled_images_dataset", "coco_qa_one_obj"])
+    # image_path as written, relative to the JSON's folder, comes before the published folder
+    _image(root / "data" / "controlled_images" / "mug_on_table.jpeg", size=(4, 4))
+    items = {i.item_id: i for i in read_whatsup(root).items}
+    assert items["controlled_images_dataset/2"].images == (str(root / "data/controlled_images/mug_on_table.jpeg"),)
+    assert items["controlled_images_dataset/3"].images == (
+        str(root / "controlled_images/beer-bottle_under_armchair.jpeg"),)
+    # a flat image_root wins where it holds the file (basename for Controlled, the padded name for COCO)
+    flat = tmp_path / "flat"
+    _image(flat / "mug_left_of_table.jpeg", size=(4, 4))
+    _image(flat / "000000037777.jpg", size=(4, 4))
+    items = {i.item_id: i for i in read_whatsup(root, flat).items}
+    assert items["controlled_images_dataset/0"].images == (str(flat / "mug_left_of_table.jpeg"),)
+    assert items["coco_qa_one_obj/1"].images == (str(flat / "000000037777.jpg"),)
+    # train.eval's --image-root is shared by every benchmark of a run (SugarCrepe's COCO folder, say): an image
+    # it lacks is still found in the published layout
+    assert items["coco_qa_one_obj/0"].images == (str(root / "val2017" / "000000397133.jpg"),)
+    # image_root may also be the folder of the published download
+    elsewhere = _write_json(tmp_path / "json_only" / "controlled_images_dataset.json",
+                            json.loads((root / "controlled_images_dataset.json").read_text()))
+    bench = read_whatsup(elsewhere, root)
+    assert bench.skipped == [] and bench.items[3].images == (
+        str(root / "controlled_images/beer-bottle_under_armchair.jpeg"),)
+    # an absolute image_path is used as it is; found nowhere, the missing record names image_root's path
+    _write_json(elsewhere, [{"image_path": str(flat / "mug_left_of_table.jpeg"), "caption_options": list("abcd")},
+                            {"image_path": "data/controlled_images/gone_on_table.jpeg",
+                             "caption_options": list("abcd")}])
+    bench = read_whatsup(elsewhere, tmp_path / "nothing_here")
+    assert bench.items[0].images == (str(flat / "mug_left_of_table.jpeg"),)
+    assert [(s["item_id"], s["image"]) for s in bench.skipped] == [
+        ("controlled_images_dataset/1", str(tmp_path / "nothing_here" / "gone_on_table.jpeg"))]
+
+
+_OPTIONS = ["A mug on a table", "A mug under a table", "A mug to the left of a table", "A mug to the right of a table"]
+
+
+@pytest.mark.parametrize("stem, entry, message", [
+    ("controlled_images_dataset", {"image_path": "data/controlled_images/a_on_b.jpeg",
+                                   "caption_options": _OPTIONS[:3]}, "list of 4 strings.*got 3 values"),
+    ("controlled_images_dataset", {"image_path": "data/controlled_images/a_on_b.jpeg",
+                                   "caption_options": "A mug on a table"}, "list of 4 strings.*got str"),
+    ("controlled_clevr_dataset", {"image_path": "data/controlled_clevr/a_on_b.jpeg",
+                                  "caption_options": [*_OPTIONS[:3], 7]}, "option 3 must be a string"),
+    ("controlled_clevr_dataset", {"image_path": "data/controlled_clevr/a_on_b.jpeg",
+                                  "caption_options": ["", *_OPTIONS[1:]]}, "option 0 is empty"),
+    ("controlled_images_dataset", {"caption_options": _OPTIONS}, "missing key 'image_path'"),
+    ("controlled_images_dataset", {"image_path": "data/controlled_images/a_on_b.jpeg"},
+     "missing key 'caption_options'"),
+    ("controlled_images_dataset", {"image_path": "data/controlled_images/", "caption_options": _OPTIONS},
+     "names no file"),
+    ("controlled_images_dataset", ["data/controlled_images/a_on_b.jpeg", *_OPTIONS], "JSON object"),
+    ("coco_qa_one_obj", {"image_id": 1, "true": "a", "false": "b"}, r"\[image_id, true caption, false caption\]"),
+    ("coco_qa_two_obj", [1, "A dog to the left of a cat"], "got 2 values"),
+    ("coco_qa_two_obj", [1, "a", "b", "c"], "got 4 values"),
+    ("vg_qa_one_obj", [1, "A photo of a man on the left", ["a list"]], "false caption.*must be a string"),
+    ("vg_qa_two_obj", [1, "  ", "A man behind a car"], "true caption.*empty"),
+    ("vg_qa_two_obj", [1.5, "a", "b"], "image_id"),
+    ("coco_qa_one_obj", [True, "a", "b"], "image_id"),
+])
+def test_whatsup_malformed_entry_names_file_and_entry(tmp_path, stem, entry, message):
+    root = _whatsup(tmp_path)
+    good = json.loads((root / f"{stem}.json").read_text())
+    _write_json(root / f"{stem}.json", [good[0]] * 17 + [entry])
+    (root / "val2017").rename(tmp_path / "moved")  # absent images never hide a malformed entry: files come first
+    with pytest.raises(BenchmarkFormatError, match=message) as err:
+        read_whatsup(root)
+    assert f"{stem}.json" in str(err.value) and "entry 17" in str(err.value)
+
+
+def test_whatsup_wrong_top_level_bad_json_and_unknown_file(tmp_path):
+    root = _whatsup(tmp_path, ["controlled_images_dataset", "vg_qa_two_obj"])
+    _write_json(root / "vg_qa_two_obj.json", {"0": [1, "a", "b"]})
+    with pytest.raises(BenchmarkFormatError, match="vg_qa_two_obj.json: expected a JSON list.*got dict"):
+        read_whatsup(root)
+    (root / "vg_qa_two_obj.json").write_text('[\n [1, "a",\n oops]\n]\n')
+    with pytest.raises(BenchmarkFormatError, match="vg_qa_two_obj.json: line 3"):
+        read_whatsup(root)
+    renamed = _write_json(tmp_path / "whatsup_a.json", [])
+    with pytest.raises(BenchmarkFormatError, match="whatsup_a.json.*controlled_images_dataset.json"):
+        read_whatsup(renamed)
+    with pytest.raises(FileNotFoundError):
+        read_whatsup(tmp_path / "coco_qa_one_obj.json")
+
+
+def _controlled(subset: str, name: str) -> Item:
+    return Item(f"x/{name}", (f"/data/images/{name}.jpeg",), ("a", "b", "c", "d"), subset)
+
+
+def test_whatsup_pair_and_set_accuracy():
+    """The authors' Controlled_Images.evaluate_scores by hand: groups (first word, last word), pairs left/right
+    and on/under (A) or in-front/behind (B), sets all four; denominators n/2 and n/4."""
+    a = [("mug_left_of_table", True), ("mug_right_of_table", True), ("mug_on_table", True),
+         ("mug_under_table", True),      # (mug, table): 2 pairs, 1 set
+         ("cup_left_of_chair", True), ("cup_right_of_chair", False), ("cup_on_chair", True),
+         ("cup_under_chair", True)]      # (cup, chair): on/under only, no set
+    b = [("cube_left_of_sphere", True), ("cube_right_of_sphere", True), ("cube_in-front_of_sphere", True),
+         ("cube_behind_sphere", False)]  # left/right only, no set
+    items = [_controlled("controlled-A", n) for n, _ in a] + [_controlled("controlled-B", n) for n, _ in b]
+    correct = [ok for _, ok in a + b]
+    qa = Item("coco_qa_one_obj/0", ("/x/000000000001.jpg",), ("t", "f"), "coco-spatial one-object")
+    scores = whatsup_pair_and_set([*items, qa], [*correct, False])  # other subsets are ignored
+    assert scores == {"controlled-A": {"individual": 87.5, "pair": 75.0, "set": 50.0, "n": 8},
+                      "controlled-B": {"individual": 75.0, "pair": 50.0, "set": 0.0, "n": 4}}
+    # their denominators count the items given, so a group short of an image still divides by n/2 and n/4
+    short = whatsup_pair_and_set(items[8:11], [True, True, True])
+    assert short["controlled-B"]["pair"] == pytest.approx(100 / 1.5) and short["controlled-B"]["set"] == 0.0
+    with pytest.raises(ValueError, match="2 items but 1"):
+        whatsup_pair_and_set(items[:2], [True])
+    with pytest.raises(ValueError, match="mug.jpeg"):
+        whatsup_pair_and_set([_controlled("controlled-A", "mug")], [True])
+
+
+def test_whatsup_pair_and_set_on_read_items(tmp_path):
+    root = _whatsup(tmp_path, ["controlled_images_dataset"])
+    items = read_whatsup(root).items  # (mug, table) x3 and (beer-bottle, armchair) x1
+    scores = whatsup_pair_and_set(items, [True, True, False, True])
+    assert scores["controlled-A"] == {"individual": 75.0, "pair": 50.0, "set": 0.0, "n": 4}
+
+
+
 # --------------------------------------------------------------------------------------------- toy world
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -345,9 +603,12 @@ def test_toyworld_missing_image_and_bad_negatives(world, tmp_path):
 # --------------------------------------------------------------------------------------------- dispatch
 def test_read_benchmark_dispatches_through_the_registry(tmp_path, world):
     assert set(READERS) == {"sugarcrepe", "aro-vg-relation", "aro-vg-attribution", "winoground", "svo-probes",
-                            "toyworld"}
+                            "toyworld", "toyworld-controlled", "whatsup"}
     data, coco = _sugarcrepe(tmp_path)
     assert read_benchmark("sugarcrepe", data, image_root=coco).items == read_sugarcrepe(data, coco).items
+    whatsup = _whatsup(tmp_path / "whatsup")
+    assert read_benchmark("whatsup", whatsup).items == read_whatsup(whatsup).items
+    assert read_benchmark("whatsup", whatsup, image_root=coco).items == read_whatsup(whatsup, coco).items
     assert read_benchmark("toyworld", world, split="val").items == read_toyworld(world, "val").items
     for name in READERS:  # every reader takes (path, image_root=...): an absent file is the only complaint
         with pytest.raises(FileNotFoundError):
@@ -388,3 +649,16 @@ def test_swaps_between_two_objects_of_one_shape_get_their_own_row(world):
         objects = structs[(item.item_id, "test")]["objects"]
         one_shape = item.subtype == "swap-att" and len(objects) == 2 and objects[0]["shape"] == objects[1]["shape"]
         assert (SAME_SHAPE_SWAP in item.tags) == one_shape
+
+
+def test_toyworld_controlled_sets_are_four_way_items(world):
+    from train.eval.datasets import read_toyworld_controlled
+
+    data = json.loads((world / "controlled.json").read_text())
+    bench = read_benchmark("toyworld-controlled", world)
+    assert bench == read_toyworld_controlled(world)
+    assert bench.kind == "set" and len(bench.items) == len(data["sets"]) and not bench.skipped
+    for item, entry in zip(bench.items, data["sets"]):
+        assert item.images == tuple(str((world / s["file_name"]).resolve()) for s in entry["scenes"])
+        assert item.texts == tuple(s["caption"] for s in entry["scenes"])  # caption k belongs to image k
+        assert item.subtype == "four-way" and item.tags == (("held-out four-way",) if entry["heldout"] else ())

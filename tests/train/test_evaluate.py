@@ -34,12 +34,17 @@ def report(world, tmp_path_factory):
 
 def test_reports_are_written(report):
     out, rep = report
-    assert set(rep["results"]) == {"tiny:none"}
+    assert list(rep["results"]) == ["tiny:none", "text only (tiny:none)"]  # the model, then the text-only floor
     res = rep["results"]["tiny:none"]
     assert {"retrieval", "zeroshot", "compositional", "linear_probe"} <= set(res)
+    assert set(res["compositional"]) == {"toyworld", "toyworld-controlled"}
+    floor = rep["results"]["text only (tiny:none)"]
+    assert set(floor) >= {"compositional", "text_only_fit"} and "retrieval" not in floor
+    assert floor["compositional"]["toyworld-controlled"]["per_type"]["all"]["text"] == 25.0  # blind: one of four
     assert rep["config"]["data"]
     md = (out / "results.md").read_text()
     assert "retrieval T2I R@1" in md and "zero-shot top-1" in md and "toyworld all" in md
+    assert "toyworld-controlled all text" in md and "toyworld-controlled all group" in md
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -107,7 +112,7 @@ def test_side_by_side_and_malformed_benchmark_fails_before_models(world, tmp_pat
     assert main(["--data", str(world), "--tasks", "compositional", "--model", "tiny", "--model", "tiny",
                  "--pretrained", "none", "--pretrained", "none", "--out", str(out)]) == 0
     header = (out / "results.md").read_text().splitlines()[0]
-    assert header.count("tiny:none") == 2
+    assert header == "| metric | tiny:none | text only (tiny:none) | tiny:none' |"
 
 
 def test_retrieval_from_the_feature_cache_matches_live_encoding(world, report, tmp_path):
@@ -306,7 +311,8 @@ def test_side_by_side_deltas_and_per_query_figures(world, tmp_path):
     from train.eval.evaluate import EvaluateOptions, evaluate, headline
 
     rep = evaluate(EvaluateOptions(model=["tiny", "tiny"], pretrained=["none", "none"], data=str(world),
-                                   tasks="retrieval,zeroshot,compositional", out=str(tmp_path), bootstrap=200))
+                                   tasks="retrieval,zeroshot,compositional", out=str(tmp_path), bootstrap=200,
+                                   text_only=False))
     first, second = rep["table"]["columns"]
     assert rep["table"]["reference"] == first == "tiny:none" and second == "tiny:none'"
     flat = headline(rep["results"][first])

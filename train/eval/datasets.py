@@ -4,10 +4,13 @@ Every reader returns a :class:`Benchmark` of :class:`Item` objects; the scorer (
 item into a score matrix ``s [len(images), len(texts)]`` and decides correctness from ``Benchmark.kind``:
 
 - ``"text"``  -- one image; ``texts[0]`` is the true caption, ``texts[1:]`` false ones. Correct iff the true
-  caption outscores every false one (ARO VG-Relation / VG-Attribution, SugarCrepe, the toy world).
+  caption outscores every false one (ARO VG-Relation / VG-Attribution, SugarCrepe, What'sUp, the toy world).
 - ``"image"`` -- one text ``texts[0]``; ``images[0]`` is the true image, ``images[1:]`` false ones. Correct
   iff the true image outscores every false one (SVO-Probes).
 - ``"group"`` -- Winoground's 2x2: images ``(i0, i1)``, texts ``(c0, c1)``; c0 matches i0, c1 matches i1.
+- ``"set"``   -- n images and n texts, text k true of image k alone (the toy world's What'sUp-style controlled
+  sets): the share of images that pick their own text of the n, of texts that pick their own image, and whether
+  all of both do (``train.eval.evaluate.item_correct``).
   Text score: each image prefers its own caption; image score: each caption prefers its own image; group
   score: both (Thrush et al. 2022, sec. 3.3).
 
@@ -29,6 +32,14 @@ Sources of the formats (read from the benchmarks' own loaders and data cards):
   Understanding"; github.com/google-deepmind/svo_probes): ``svo_probes.csv`` with ``sentence, pos_triplet,
   neg_triplet, subj_neg, verb_neg, obj_neg, pos_url, neg_url, pos_image_id, neg_image_id``. Images are
   published only as URLs; we read local copies named by image id.
+- What'sUp (Kamath, Hessel & Chang, EMNLP 2023, "What's 'up' with vision-language models? Investigating their
+  struggle with spatial reasoning"; github.com/amitakamath/whatsup_vlms, ``dataset_zoo/aro_datasets.py``):
+  Controlled-A ``controlled_images_dataset.json`` and Controlled-B ``controlled_clevr_dataset.json``, JSON lists
+  of ``{"image_path", "caption_options": [4 strings]}`` (the first option true; images in ``controlled_images/``
+  / ``controlled_clevr/``, ``image_path`` written relative to the authors' working directory, e.g.
+  ``data/controlled_images/mug_on_table.jpeg``); COCO-spatial ``coco_qa_{one,two}_obj.json`` and GQA-spatial
+  ``vg_qa_{one,two}_obj.json``, JSON lists of ``[image_id, true caption, false caption]`` (images
+  ``val2017/<image_id zero-padded to 12>.jpg`` / ``vg_images/<image_id>.jpg``).
 - The toy world (``extract.data.toyworld``): ``negatives.json`` and ``{split}_coco.json``.
 
 Bad input contract
@@ -44,13 +55,14 @@ Bad input contract
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 __all__ = [
     "ARO_ATTRIBUTION_KEYS",
@@ -61,6 +73,7 @@ __all__ = [
     "READERS",
     "SUGARCREPE_FILES",
     "SVO_COLUMNS",
+    "WHATSUP_FILES",
     "WINOGROUND_KEYS",
     "read_aro_vg_attribution",
     "read_aro_vg_relation",
@@ -68,7 +81,10 @@ __all__ = [
     "read_sugarcrepe",
     "read_svo_probes",
     "read_toyworld",
+    "read_toyworld_controlled",
+    "read_whatsup",
     "read_winoground",
+    "whatsup_pair_and_set",
 ]
 
 # SugarCrepe's seven files, in the order of the paper's table.
@@ -106,9 +122,12 @@ class Benchmark:
     """A benchmark's loadable items plus one record per excluded item."""
 
     name: str                        # a key of READERS
-    kind: str                        # "text" | "image" | "group" (module docstring)
+    kind: str                        # "text" | "image" | "group" | "set" (module docstring)
     items: list[Item]
     skipped: list[dict] = field(default_factory=list)  # {"item_id", "reason", "location", "image"}
+    #: figures a benchmark's authors compute over several items (What'sUp's pair and set accuracies):
+    #: (the scored items, each one's correctness) -> {row: {metric: value}}; added to the report by train.eval
+    summarize: Callable[[list[Item], list[bool]], dict] | None = None
 
 
 # --------------------------------------------------------------------------------------------- parsing helpers
@@ -202,16 +221,21 @@ def _finish(name: str, kind: str, pending: Iterable[_Pending], degenerate: Itera
 
 
 # --------------------------------------------------------------------------------------------- SugarCrepe
-def _sugarcrepe_files(path: Path) -> list[Path]:
+def _published_files(path: Path, stems: Iterable[str], name: str) -> list[Path]:
+    """A benchmark's JSON files: those of ``stems`` present in folder ``path`` (in that order), or ``path`` itself."""
     if path.is_dir():
-        files = [path / f"{stem}.json" for stem in SUGARCREPE_FILES if (path / f"{stem}.json").is_file()]
+        files = [path / f"{stem}.json" for stem in stems if (path / f"{stem}.json").is_file()]
         if not files:
-            raise FileNotFoundError(f"no SugarCrepe files in {path}: expected any of "
-                                    f"{', '.join(s + '.json' for s in SUGARCREPE_FILES)}")
+            raise FileNotFoundError(f"no {name} files in {path}: expected any of "
+                                    f"{', '.join(s + '.json' for s in stems)}")
         return files
     if not path.is_file():
         raise FileNotFoundError(f"benchmark file not found: {path}")
     return [path]
+
+
+def _sugarcrepe_files(path: Path) -> list[Path]:
+    return _published_files(path, SUGARCREPE_FILES, "SugarCrepe")
 
 
 def read_sugarcrepe(path_or_dir: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Benchmark:
@@ -422,7 +446,235 @@ def read_svo_probes(path: str | os.PathLike, image_root: str | os.PathLike | Non
     return _finish("svo-probes", "image", pending)
 
 
+# --------------------------------------------------------------------------------------------- What'sUp
+#: What'sUp's six files (stem -> subset name), in the order of the paper's tables; Controlled-A / -B hold four
+#: captions per image, the four QA files two (the authors' loader, ``dataset_zoo/aro_datasets.py``).
+WHATSUP_FILES = {
+    "controlled_images_dataset": "controlled-A",
+    "controlled_clevr_dataset": "controlled-B",
+    "coco_qa_one_obj": "coco-spatial one-object",
+    "coco_qa_two_obj": "coco-spatial two-object",
+    "vg_qa_one_obj": "gqa-spatial one-object",
+    "vg_qa_two_obj": "gqa-spatial two-object",
+}
+# The image folder of each subset in the published download (the loader's image_dir).
+_WHATSUP_IMAGE_DIRS = {
+    "controlled-A": "controlled_images",
+    "controlled-B": "controlled_clevr",
+    "coco-spatial one-object": "val2017",
+    "coco-spatial two-object": "val2017",
+    "gqa-spatial one-object": "vg_images",
+    "gqa-spatial two-object": "vg_images",
+}
+_WHATSUP_CONTROLLED_OPTIONS = 4
+_WHATSUP_QA_ROW = "[image_id, true caption, false caption]"
+# Controlled-A / -B: the two pairs of opposite prepositions (the second word of an image's file name) whose
+# both images must be right for a pair to count (the loader's evaluate_scores).
+_WHATSUP_PAIRS = {
+    "controlled-A": (("left", "right"), ("on", "under")),
+    "controlled-B": (("left", "right"), ("in-front", "behind")),
+}
+
+
+def _whatsup_files(path: Path) -> list[Path]:
+    files = _published_files(path, WHATSUP_FILES, "What'sUp")
+    if not path.is_dir() and path.stem not in WHATSUP_FILES:
+        # The name is what tells the layout (4 captions or 2) and the image folder, as in the authors' loader.
+        raise _fail(path, "", f"not one of What'sUp's files ({', '.join(s + '.json' for s in WHATSUP_FILES)}); "
+                              "its name says which subset and layout it holds")
+    return files
+
+
+def _whatsup_controlled_preposition(subset: str, name: str) -> str:
+    """The loader's preposition of a Controlled image, from its file name (first match wins, as there)."""
+    if "left_of" in name:
+        return "left_of"
+    if "right_of" in name:
+        return "right_of"
+    if subset == "controlled-A":
+        return "on" if "_on_" in name else "under"
+    return "in-front_of" if "_in-front_of_" in name else "behind"
+
+
+def _whatsup_qa_preposition(subset: str, caption: str) -> str:
+    """The loader's preposition of a COCO_QA / VG_QA row, from its true caption (substring tests, first match
+    wins, as there): one-object, the caption's last word; two-object, left / right / above / else below (COCO),
+    left / right / front / behind / else top (GQA)."""
+    if subset.endswith("one-object"):
+        return caption.split()[-1]
+    if "left of" in caption:
+        return "left"
+    if "right of" in caption:
+        return "right"
+    if subset.startswith("coco"):
+        return "above" if "above" in caption else "below"
+    if "front of" in caption:
+        return "front"
+    return "behind" if "behind" in caption else "top"
+
+
+def _whatsup_controlled_entry(file: Path, where: str, raw: Any) -> tuple[str, str, tuple[str, ...]]:
+    entry = _object(file, where, raw)
+    image_path = _text(file, where, entry, "image_path")
+    if "caption_options" not in entry:
+        raise _fail(file, where, "missing key 'caption_options'")
+    options = entry["caption_options"]
+    if not isinstance(options, list) or len(options) != _WHATSUP_CONTROLLED_OPTIONS:
+        got = f"{len(options)} values" if isinstance(options, list) else type(options).__name__
+        raise _fail(file, where, f"'caption_options' must be a list of {_WHATSUP_CONTROLLED_OPTIONS} strings "
+                                 f"(the true caption first), got {got}")
+    for k, option in enumerate(options):
+        if not isinstance(option, str):
+            raise _fail(file, where, f"'caption_options' option {k} must be a string, got {type(option).__name__}")
+        if not option.strip():
+            raise _fail(file, where, f"'caption_options' option {k} is empty")
+    name = image_path.split("/")[-1]  # the loader's own split: the names carry the prepositions and the groups
+    if not name.strip():
+        raise _fail(file, where, f"'image_path' names no file: {image_path!r}")
+    return image_path, name, tuple(options)
+
+
+def _whatsup_qa_row(file: Path, where: str, raw: Any, subset: str) -> tuple[str, tuple[str, str]]:
+    if not isinstance(raw, list) or len(raw) != 3:
+        got = f"{len(raw)} values" if isinstance(raw, list) else type(raw).__name__
+        raise _fail(file, where, f"expected a {_WHATSUP_QA_ROW} list, got {got}")
+    image_id, *captions = raw
+    if isinstance(image_id, bool) or not isinstance(image_id, (int, str)) or (
+            isinstance(image_id, str) and not image_id.strip()):
+        raise _fail(file, where, f"image_id (value 0) must be an integer or a non-empty string, got {image_id!r}")
+    for k, (role, caption) in enumerate(zip(("true", "false"), captions), start=1):
+        if not isinstance(caption, str):
+            raise _fail(file, where, f"the {role} caption (value {k}) must be a string, got {type(caption).__name__}")
+        if not caption.strip():
+            raise _fail(file, where, f"the {role} caption (value {k}) is empty")
+    # The loader's file names: COCO ids zero-padded to 12 digits (COCO's own names), Visual Genome ids as they are.
+    name = f"{str(image_id).zfill(12)}.jpg" if subset.startswith("coco") else f"{image_id}.jpg"
+    return name, (captions[0], captions[1])
+
+
+def _whatsup_image(file: Path, subset: str, name: str, written: str | None,
+                   image_root: str | os.PathLike | None) -> str:
+    """The first existing candidate; none existing, the one to report (``image_root / name``, else the
+    published layout ``<JSON folder>/<image folder>/name``)."""
+    folder = _WHATSUP_IMAGE_DIRS[subset]
+    published = file.parent / folder / name
+    candidates = []
+    if image_root is not None:
+        root = Path(image_root).expanduser()
+        candidates += [root / name, root / folder / name]
+    if written is not None:  # Controlled: the loader opens image_path as written, from its working directory
+        path = Path(written).expanduser()
+        candidates.append(path if path.is_absolute() else file.parent / path)
+    candidates.append(published)
+    for candidate in candidates:
+        if candidate.is_file():
+            return _abspath(candidate)
+    return _abspath(candidates[0] if image_root is not None else published)
+
+
+def read_whatsup(path_or_dir: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Benchmark:
+    """What'sUp from one of its JSON files, or from a folder holding any of :data:`WHATSUP_FILES`.
+
+    One "text" item per entry, ``texts[0]`` the true caption (Controlled-A / -B: the four ``caption_options``
+    as written; COCO-/GQA-spatial: ``(true caption, false caption)``), so the accuracy is the paper's per-image
+    ("individual") accuracy; :func:`whatsup_pair_and_set` gives Controlled's pair and set accuracies.
+    ``subtype`` = the subset (a value of :data:`WHATSUP_FILES`), ``tags = ("<subset> <preposition>",)`` with the
+    authors' loader's preposition labels (Controlled-A ``left_of / right_of / on / under``, from the image's
+    file name; Controlled-B ``left_of / right_of / in-front_of / behind``; one-object QA: the true caption's last
+    word; two-object COCO ``left / right / above / below``, two-object GQA ``left / right / front / behind /
+    top``), ``item_id`` = ``"<file stem>/<entry index>"``.
+
+    Image: the first that exists of ``image_root / name`` and ``image_root / <image folder> / name`` (when
+    ``image_root`` is given), then, for Controlled, ``image_path`` as written (absolute, or relative to the JSON's
+    folder), then the published layout ``<JSON folder>/<image folder>/name``; where none exists the item is
+    skipped as a missing image naming ``image_root / name`` (or the published path). ``name`` is
+    ``basename(image_path)`` (Controlled), ``<image_id zero-padded to 12>.jpg`` (COCO-spatial) or
+    ``<image_id>.jpg`` (GQA-spatial); the image folders are ``controlled_images``, ``controlled_clevr``,
+    ``val2017`` and ``vg_images``. So the published download works without ``image_root``, and with the one
+    ``--image-root`` that ``train.eval`` shares among all benchmarks of a run. All files are validated before
+    any image is checked (module docstring).
+    """
+    root = Path(path_or_dir).expanduser()
+    parsed = []  # (file, subset, index, name, image_path as written or None, texts, preposition)
+    for file in _whatsup_files(root):
+        subset = WHATSUP_FILES[file.stem]
+        data = _load_json(file)
+        if not isinstance(data, list):
+            raise _fail(file, "", f"expected a JSON list of test cases, got {type(data).__name__}")
+        for index, raw in enumerate(data):
+            where = f"entry {index}"
+            if subset.startswith("controlled"):
+                written, name, texts = _whatsup_controlled_entry(file, where, raw)
+                preposition = _whatsup_controlled_preposition(subset, name)
+            else:
+                written = None
+                name, texts = _whatsup_qa_row(file, where, raw, subset)
+                preposition = _whatsup_qa_preposition(subset, texts[0])
+            parsed.append((file, subset, index, name, written, texts, preposition))
+    pending = []
+    for file, subset, index, name, written, texts, preposition in parsed:
+        image = _whatsup_image(file, subset, name, written, image_root)
+        item = Item(f"{file.stem}/{index}", (image,), texts, subset, tags=(f"{subset} {preposition}",))
+        pending.append(_Pending(item, f"{file}: entry {index}"))
+    return dataclasses.replace(_finish("whatsup", "text", pending), summarize=whatsup_pair_and_set)
+
+
+def whatsup_pair_and_set(items: Iterable[Item], correct: Iterable[bool]) -> dict[str, dict[str, float]]:
+    """Controlled-A / -B's pair and set accuracies, computed as the authors' ``Controlled_Images.evaluate_scores``
+    does, from :func:`read_whatsup`'s items and whether each was right (a parallel sequence of bools).
+
+    Each subset's images are grouped by (the first ``_``-separated word of the image's file name, the last word
+    without its extension): ``mug_left_of_table.jpeg`` -> ``("mug", "table")``, its slot the second word
+    (``left``; Controlled-A's slots ``left, right, on, under``, Controlled-B's ``left, right, in-front, behind``),
+    later items overwriting earlier ones of the same slot, as their dict does. A group scores one pair for
+    ``left`` and ``right`` both right and one for ``on`` and ``under`` (A) / ``in-front`` and ``behind`` (B) both
+    right, and one set when all four are right. Their denominators: ``pair = 100 * pairs / (n / 2)``, ``set = 100 *
+    sets / (n / 4)``, n the subset's items given (on the full subsets, 412 and 408 images, every group holds four;
+    items skipped as missing images lower n and can leave groups short). ``individual`` is the plain per-image
+    accuracy (what :func:`read_whatsup`'s rows show). Items of other subsets are ignored.
+
+    Returns ``{subset: {"individual", "pair", "set", "n"}}`` for each Controlled subset among the items. Raises
+    ValueError when the two lengths differ or a file name has fewer than three ``_``-separated words.
+    """
+    items, correct = list(items), list(correct)
+    if len(items) != len(correct):
+        raise ValueError(f"{len(items)} items but {len(correct)} correctness values")
+    groups: dict[str, dict[tuple[str, str], dict[str, bool]]] = {}
+    right: dict[str, list[bool]] = {}
+    for item, ok in zip(items, correct):
+        pairs = _WHATSUP_PAIRS.get(item.subtype)
+        if pairs is None:
+            continue
+        name = os.path.basename(item.images[0])
+        words = name.split("_")
+        if len(words) < 3:
+            raise ValueError(f"{item.item_id}: image file name {name!r} is not <object>_<preposition>_<object>.<ext>")
+        key = (words[0], os.path.splitext(words[-1])[0])  # their [:-5] drops the published names' ".jpeg"
+        slots = groups.setdefault(item.subtype, {}).setdefault(key, {s: False for pair in pairs for s in pair})
+        slots[words[1]] = bool(ok)
+        right.setdefault(item.subtype, []).append(bool(ok))
+    out = {}
+    for subset, by_key in groups.items():
+        n = len(right[subset])
+        pairs = sum(all(slots[s] for s in pair) for slots in by_key.values() for pair in _WHATSUP_PAIRS[subset])
+        sets = sum(sum(slots.values()) == 4 for slots in by_key.values())
+        out[subset] = {"individual": 100 * sum(right[subset]) / n, "pair": 100 * pairs / (n / 2),
+                       "set": 100 * sets / (n / 4), "n": n}
+    return out
+
+
 # --------------------------------------------------------------------------------------------- toy world
+def _listed(file: Path, key: str, label: str) -> Iterator[tuple[str, dict]]:
+    """(where, entry) for each entry of the list ``key`` of the JSON object in ``file`` ("<label> <index>")."""
+    data = _load_json(file)
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise _fail(file, "", f"expected an object with an {key!r} list" if key[0] in "aeiou" else
+                    f"expected an object with a {key!r} list")
+    for index, raw in enumerate(data[key]):
+        where = f"{label} {index}"
+        yield where, _object(file, where, raw)
+
+
 def _names_any(caption: str, combinations: list[str]) -> bool:
     """Whether ``caption`` names one of the "colour shape" combinations (toy captions put size before colour)."""
     words = caption.lower().replace(",", " ").replace(";", " ").replace(".", " ").split()
@@ -458,13 +710,8 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
     meta_file = world / "meta.json"
     heldout = _load_json(meta_file).get("holdout", []) if meta_file.is_file() else []
     neg_file = world / "negatives.json"
-    data = _load_json(neg_file)
-    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
-        raise _fail(neg_file, "", "expected an object with an 'items' list")
     pending = []
-    for index, raw in enumerate(data["items"]):
-        where = f"entry {index}"
-        entry = _object(neg_file, where, raw)
+    for where, entry in _listed(neg_file, "items", "entry"):
         if _text(neg_file, where, entry, "split") != split:
             continue
         image_id = _identifier(neg_file, where, entry, "image_id")
@@ -488,6 +735,34 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
     return _finish("toyworld", "text", pending)
 
 
+def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = None,
+                             image_root: str | os.PathLike | None = None) -> Benchmark:
+    """The toy world's controlled test (``controlled.json``, :func:`extract.data.toyworld.generate_controlled`): one
+    "set" item per set, ``images`` its four scenes and ``texts`` their four captions in the same order (caption k
+    true of image k alone), ``subtype`` ``four-way``, tagged ``held-out four-way`` when it names a combination the
+    world held out of training. ``split`` is accepted for symmetry with :func:`read_toyworld` and ignored: the sets
+    are an evaluation set of their own, drawn from every combination."""
+    world = Path(world_dir).expanduser()
+    root = Path(image_root).expanduser() if image_root is not None else world
+    file = world / "controlled.json"
+    pending = []
+    for index, (where, entry) in enumerate(_listed(file, "sets", "set")):
+        scenes = entry.get("scenes")
+        if not isinstance(scenes, list) or len(scenes) < 2:
+            raise _fail(file, where, "'scenes' must be a list of at least two scenes")
+        images, texts = [], []
+        for k, scene_raw in enumerate(scenes):
+            scene = _object(file, f"{where}, scene {k}", scene_raw)
+            images.append(_abspath(root / _text(file, f"{where}, scene {k}", scene, "file_name")))
+            texts.append(_text(file, f"{where}, scene {k}", scene, "caption"))
+        if len(set(texts)) != len(texts):
+            raise _fail(file, where, "two scenes of a set share a caption")
+        tags = ("held-out four-way",) if entry.get("heldout") else ()
+        pending.append(_Pending(Item(f"controlled/{entry.get('id', index)}", tuple(images), tuple(texts), "four-way",
+                                     tags=tags), f"{file}: {where}"))
+    return _finish("toyworld-controlled", "set", pending)
+
+
 #: the toy world's row of swap-att items between two objects of the same shape ("a red circle left of a blue
 #: circle" / "a blue circle left of a red circle"): only colour and side tell them apart
 SAME_SHAPE_SWAP = "swap-att [same shape]"
@@ -509,6 +784,8 @@ READERS: dict[str, Callable[..., Benchmark]] = {
     "winoground": read_winoground,
     "svo-probes": read_svo_probes,
     "toyworld": read_toyworld,
+    "toyworld-controlled": read_toyworld_controlled,
+    "whatsup": read_whatsup,
 }
 
 

@@ -8,15 +8,21 @@ re-implements a method's scoring. Data:
   zero-shot on its single-object scenes (class = "colour shape"), a linear probe on object counts (train
   split -> evaluated split), and the hard negatives per type.
 - ``--retrieval-data SOURCE`` (CSV/TSV, COCO JSON, webdataset: any extract data source), ``--zeroshot-data``
-  (image folder or ``filepath,label`` CSV, ``--labels`` for class names), ``--benchmark NAME=PATH``
-  (``sugarcrepe``, ``aro-vg-relation``, ``aro-vg-attribution``, ``winoground``, ``svo-probes``; images under
-  ``--image-root``) and ``--probe-data`` (a classification set, split into train / test by ``--probe-test``).
+  (image folder or ``filepath,label`` CSV, ``--labels`` for class names), ``--benchmark NAME=PATH`` (NAME a key
+  of ``train.eval.datasets.READERS``: ``sugarcrepe``, ``aro-vg-relation``, ``aro-vg-attribution``, ``winoground``,
+  ``svo-probes``, ``whatsup``, ...; images under ``--image-root``) and ``--probe-data`` (a classification set,
+  split into train / test by ``--probe-test``).
+- On a toy world the compositional task also reads its controlled test (``toyworld-controlled``: four arrangements
+  of two objects, four-way choices both ways, chance 25) and, unless ``--no-text-only``, adds the text-only floor
+  as a model of its own (``train.eval.text_only``: the first model's text tower and a probe fitted on the train
+  split's captions vs their negatives), the row every binding figure is read against.
 
 A benchmark item whose image is missing is excluded and counted; a malformed benchmark file stops the run
 before any model is loaded, naming the file and line.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -43,6 +49,12 @@ from train.eval.zeroshot import (TEMPLATE_SETS, ClassificationSet, class_represe
                             read_classification, topk_accuracy)
 
 TASKS = ("retrieval", "zeroshot", "compositional", "linear_probe")
+
+
+def _benchmark_names() -> list[str]:
+    from train.eval.datasets import READERS
+
+    return list(READERS)
 
 
 @dataclass
@@ -75,10 +87,13 @@ class EvaluateOptions(SourceOptions, BoxOptions):
     templates: str = option("imagenet80", choices=sorted(TEMPLATE_SETS), group="data",
                             help="prompt templates for real data (the toy world uses its own caption style)")
     benchmark: list = option(default_factory=list, action="append", metavar="NAME=PATH", group="data",
-                             help="a compositional benchmark file / folder, NAME one of sugarcrepe, aro-vg-relation, "
-                                  "aro-vg-attribution, winoground, svo-probes (repeatable)")
+                             help="a compositional benchmark file / folder, NAME one of "
+                                  + ", ".join(_benchmark_names()) + " (repeatable)")
     image_root: str | None = option(None, group="data", help="folder relative image paths start from "
                                                             "(--retrieval-data CSV/COCO and --benchmark files)")
+    text_only: bool = option(True, action=argparse.BooleanOptionalAction, group="data",
+                             help="on a toy world: add the text-only floor (the first model's text tower and a probe "
+                                  "fitted on the train split's captions vs their hard negatives; train/eval/text_only.py)")
     probe_data: str | None = option(None, help="classification set for the linear probe", group="data")
     probe_test: float = option(0.3, type=fraction, help="held-out fraction of --probe-data", group="data")
     out: str = option("runs/eval", help="report folder: results.{json,md,png}, config.json", group="run")
@@ -177,7 +192,11 @@ def load_tasks(args: EvaluateOptions) -> dict:
     if "compositional" in args.tasks:
         found = []
         if world:
+            from extract.data.toyworld import ensure_controlled
+
             found.append(bm.read_toyworld(world, split=args.split))
+            ensure_controlled(world)  # a world generated before the controlled test existed gets it now
+            found.append(bm.read_toyworld_controlled(world))
         for entry in args.benchmark:
             if "=" not in entry:
                 raise ValueError(f"--benchmark {entry!r}: expected NAME=PATH with NAME one of {', '.join(bm.READERS)}")
@@ -337,7 +356,12 @@ def item_correct(kind: str, s: torch.Tensor, s_t2i: torch.Tensor | None = None) 
     non-finite wrong candidate never beats a finite true one.
 
     ``s_t2i`` (directional scorers): the text->image matrix, used where texts choose between images ("image"
-    items, Winoground's image score); ``s`` is then the image->text matrix."""
+    items, Winoground's image score); ``s`` is then the image->text matrix.
+
+    A "set" item (n images, n captions, caption k true of image k alone) gives shares instead of booleans: ``text``
+    the share of its images that rank their own caption first of the n, ``image`` the share of its captions that rank
+    their own image first, ``group`` 1 when every one of both does (Winoground's group score over the set); every
+    set has the same n, so their mean over items is the per-image / per-caption accuracy (chance 1/n)."""
     s_t2i = s if s_t2i is None else s_t2i
 
     def first(scores, positive, dim) -> bool:
@@ -351,6 +375,12 @@ def item_correct(kind: str, s: torch.Tensor, s_t2i: torch.Tensor | None = None) 
         text = first(s[:2, :2], [0, 1], 1)  # each image prefers its caption
         image = first(s_t2i[:2, :2], [0, 1], 0)  # each caption prefers its image
         return {"text": text, "image": image, "group": text and image}
+    if kind == "set":  # n images, n captions, c_k true of i_k only (What'sUp's controlled sets): shares, not all-or-none
+        n = s.shape[0]
+        rows = positive_ranks(s[:, :n], torch.arange(n), 1)[0] == 1        # each image picks its caption of the n
+        cols = positive_ranks(s_t2i[:, :n], torch.arange(n), 0)[0] == 1    # each caption picks its image of the n
+        text, image = rows.float().mean().item(), cols.float().mean().item()
+        return {"text": text, "image": image, "group": float(bool(rows.all() and cols.all()))}
     raise ValueError(f"unknown benchmark kind {kind!r}")
 
 
@@ -415,8 +445,13 @@ def run_compositional(scorer, bench, batch_size: int, per_query: PerQuery | None
                 member = np.array([sub in groups for _, groups, _ in scored])
                 per_query.add(f"{bench.name} {sub}{suffix}", family, ok if sub == "all" else
                               np.where(member, ok, np.nan))
-    return {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
-            "excluded_items": bench.skipped[:50], "nonfinite_scores": n_bad, "n_scores": n_scores}
+    out = {"kind": bench.kind, "per_type": table, "excluded": len(bench.skipped) + unreadable,
+           "excluded_items": bench.skipped[:50], "nonfinite_scores": n_bad, "n_scores": n_scores}
+    if bench.summarize is not None and scored:  # e.g. What'sUp's pair and set accuracies, as its authors count them
+        kept = [item for item in bench.items if all(row_of.get(ref_index[(p, item.crop)]) is not None
+                                                    for p in item.images)]
+        out["summary"] = bench.summarize(kept, [bool(c.get("acc", c.get("group"))) for _, _, c in scored])
+    return out
 
 
 def run_linear_probe(scorer, train_set: ClassificationSet, test_set: ClassificationSet, batch_size: int,
@@ -508,6 +543,10 @@ def headline(results: dict) -> dict[str, float]:
             for metric, v in row.items():
                 if metric != "n":
                     flat[f"{name} {sub}" + ("" if metric == "acc" else f" {metric}")] = v
+        for sub, row in (c.get("summary") or {}).items():
+            for metric, v in row.items():
+                if metric not in ("n", "individual"):
+                    flat[f"{name} {sub} {metric}"] = v
     p = results.get("linear_probe")
     if p and "top1" in p:
         flat["linear probe top-1"] = p["top1"]
@@ -721,6 +760,12 @@ def evaluate(opts: EvaluateOptions) -> dict:
         all_results[label] = res
         per_query[label] = queries
         columns.setdefault(opts.columns[k].format(name=scorer.name) if opts.columns else label, []).append(label)
+        if k == 0 and opts.text_only and opts.data and tasks.get("compositional"):
+            floor = text_only_floor(scorer, opts, tasks)
+            if floor is not None:
+                name, res, queries = floor
+                all_results[name], per_query[name] = res, queries
+                columns.setdefault(name, []).append(name)
     config = dataclasses.asdict(opts)
     table = comparison(all_results, columns, per_query, opts.bootstrap, opts.seed)
     text = markdown(all_results, table)
@@ -732,6 +777,27 @@ def evaluate(opts: EvaluateOptions) -> dict:
     png = bar_plot(all_results, out / "results.png", table)
     reports = [out / "results.json", out / "results.md"] + ([png] if png else [])
     return {**report, "markdown": text, "reports": [str(p) for p in reports], "per_query": per_query}
+
+
+def text_only_floor(scorer, opts: EvaluateOptions, tasks: dict) -> tuple[str, dict, PerQuery] | None:
+    """The text-only floor next to ``scorer`` (the first model) on the toy world's benchmarks
+    (``train.eval.text_only``): (its name, its results, its per-query values), or None for a scorer without a text
+    tower of its own to fit it on."""
+    from train.eval.text_only import fit_text_only
+
+    backbone = getattr(scorer, "backbone", None)
+    if backbone is None or not hasattr(backbone, "encode_texts"):
+        return None
+    base = scorer.name.split(" + ")[0]
+    started = time.perf_counter()
+    floor, fit = fit_text_only(backbone, opts.data, f"text only ({base})")
+    queries = PerQuery()
+    res = {"compositional": {b.name: run_compositional(floor, b, opts.batch_size, per_query=queries)
+                             for b in tasks["compositional"] if b.name.startswith("toyworld")},
+           "text_only_fit": fit}
+    res["seconds"] = time.perf_counter() - started
+    res["warnings"] = []
+    return floor.name, res, queries
 
 
 def main(argv: Sequence[str] | None = None) -> int:

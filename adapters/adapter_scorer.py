@@ -25,6 +25,7 @@ import torch
 
 from adapters.heads.base import AdapterHead, Reps, to_tensors
 from adapters.checkpoint import CheckpointError, load_adapter
+from adapters.live_memo import MEMO, pixels_digest, scope_key
 from adapters.scoring import CacheReadable, token_keys
 
 
@@ -72,12 +73,14 @@ class LiveExtractor:
     """
 
     def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
-                 detector: str | None = None):
+                 detector: str | None = None, weights_sha256: str | None = None):
         from extract.data.sources import ToyWorldSource
         from extract.pipeline import ShardBuilder, ExtractionComponents
 
         args = argparse.Namespace(**{**_extract_defaults(), **extraction_args})
         args.workers, args.annotations = 0, None
+        if args.crop_scale is None:  # a cache from before --crop-scale existed: its crops were tight
+            args.crop_scale = 1.0
         if isinstance(args.components, str):
             args.components = [c for c in args.components.split(",") if c]
         self.annotations = load_annotations(annotations)
@@ -101,6 +104,11 @@ class LiveExtractor:
         self.components = ExtractionComponents(args, _Boxes(self.annotations or {}), backbone.device)
         self.builder = ShardBuilder(backbone, self.components, args)
         self.backbone = backbone
+        # what decides the arrays, for the process's memory of them (adapters/live_memo.py); without the weights'
+        # digest there is no telling two backbones apart, so nothing is remembered
+        self.scope = None if weights_sha256 is None else scope_key(
+            weights=weights_sha256, backbone=backbone.describe(), settings=self.settings(),
+            annotations=_annotations_token(annotations))
         self._file_ids = {}
         for key, entry in (self.annotations or {}).items():
             if isinstance(entry, dict) and "image_id" in entry and "file_name" in entry:
@@ -119,10 +127,18 @@ class LiveExtractor:
 
     @torch.no_grad()
     def image_arrays(self, images: Sequence, ids: Sequence[str]) -> dict[str, np.ndarray]:
-        """PIL images (RGB) with their ids -> per-image arrays as cached (fp16 features, bool masks)."""
-        tensors = torch.stack([self.backbone.preprocess(im) for im in images])
-        raws = [np.asarray(im) for im in images] if self.needs_pixels else [None] * len(images)
-        return self.builder.image_batch(tensors, raws, [self.image_id(i) for i in ids])
+        """PIL images (RGB) with their ids -> per-image arrays as cached (fp16 features, bool masks); an image this
+        process extracted the same way before (same id and pixels) is not extracted again."""
+        def compute(positions: list[int]) -> dict[str, np.ndarray]:
+            chosen = [images[k] for k in positions]
+            tensors = torch.stack([self.backbone.preprocess(im) for im in chosen])
+            raws = [np.asarray(im) for im in chosen] if self.needs_pixels else [None] * len(chosen)
+            return self.builder.image_batch(tensors, raws, [self.image_id(ids[k]) for k in positions])
+
+        if self.scope is None:
+            return compute(list(range(len(images))))
+        keys = [f"{self.image_id(i)}|{pixels_digest(im)}" for im, i in zip(images, ids)]
+        return MEMO.get_many(self.scope + ":image", keys, compute, _join)
 
     @torch.no_grad()
     def tensor_arrays(self, images: torch.Tensor, ids: Sequence[str]) -> dict[str, np.ndarray]:
@@ -134,8 +150,31 @@ class LiveExtractor:
 
     @torch.no_grad()
     def text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Captions -> per-caption arrays as cached."""
-        return self.builder.caption_batch(list(texts))[0]
+        """Captions -> per-caption arrays as cached; a caption this process extracted the same way before is not
+        extracted again."""
+        texts = list(texts)
+        if self.scope is None:
+            return self.builder.caption_batch(texts)[0]
+        return MEMO.get_many(self.scope + ":text", texts,
+                             lambda positions: self.builder.caption_batch([texts[k] for k in positions])[0], _join)
+
+
+def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    from extract.pipeline import concat_rows  # zero-pads trailing dims that differ (token lengths), as the cache
+
+    return concat_rows(parts)
+
+
+def _annotations_token(spec) -> str:
+    """Where ground-truth boxes come from, as part of a memory scope: a file or folder by path and modification
+    times, a dict by identity (no two scorers share it), none."""
+    if spec is None:
+        return "none"
+    if isinstance(spec, dict):
+        return f"dict:{id(spec)}"
+    path = Path(spec).resolve()
+    files = [path / "annotations.json", path / "controlled.json"] if path.is_dir() else [path]
+    return f"{path}:" + ",".join(str(f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
 def _settings_diff(trained: dict, live: dict) -> list[str]:
@@ -196,7 +235,7 @@ class AdapterScorer(CacheReadable):
                                   f"{what} has {ours[:16]}...: pass the original weights (--pretrained PATH)")
         box_source = (extraction["settings"].get("boxes") or {}).get("source")
         extractor = LiveExtractor(backbone, extraction["args"], box_source=box_source, annotations=annotations,
-                                  detector=detector)
+                                  detector=detector, weights_sha256=ours)
         diff = _settings_diff(extraction["settings"], extractor.settings())
         if diff and detector is None:
             print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))

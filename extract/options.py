@@ -55,10 +55,12 @@ class ExtractOptions(SourceOptions):
     sam_points: int = option(16, type=positive_int, group="components", help="SAM2 prompt grid: points per side")
     sam_iou_thresh: float = option(0.8, type=fraction, group="components", help="SAM2 predicted-IoU filter")
     sam_stability_thresh: float = option(0.9, type=fraction, group="components", help="SAM2 stability-score filter")
-    crop_scale: float = option(1.0, type=at_least_one, group="components",
-                               help="entity crops are centred on a black square this many times their longer side "
-                                    "before the backbone sees them, so an object fills 1/scale of the crop as "
-                                    "objects do in training images (1: the tight crop, ComAlign's)")
+    crop_scale: float | None = option(None, type=at_least_one, group="components",
+                                      help="entity crops are centred on a black square this many times their longer "
+                                           "side before the backbone sees them, so an object fills 1/scale of the "
+                                           "crop as objects do in the images the backbone was trained on (1: the "
+                                           "tight crop, ComAlign's; default: the backbone's, 1 for open_clip models, "
+                                           "3 for the toy-world bases, extract/models/backbones.json)")
     max_entities: int = option(10, type=positive_int, group="components",
                                help="entity components per image and per caption (ComAlign: 10)")
     max_relations: int = option(10, type=positive_int, group="components",

@@ -46,6 +46,9 @@ from extract.common.source_args import open_options
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
 PIPELINE_VERSION = 2  # 2: ventity_image_size
+#: distinct entity / relation / role phrases whose embeddings a shard builder keeps (a phrase is embedded on its own,
+#: so it has one embedding whatever caption it came from)
+PHRASE_MEMO = 100_000
 
 # --------------------------------------------------------------------------------------------- setup
 @dataclass
@@ -242,6 +245,7 @@ class ShardBuilder:
         from extract.components.regions import preprocess_geometry
 
         self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
+        self._phrases: dict[str, np.ndarray] = {}  # phrase -> its text-tower embedding (_embed_phrases)
 
     def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str]) -> dict[str, np.ndarray]:
         feats = self.bb.encode_images(images)
@@ -353,17 +357,21 @@ class ShardBuilder:
         return out, stats
 
     def _embed_phrases(self, texts: list[list[str]], cap: int) -> tuple[np.ndarray, np.ndarray]:
-        """Embed each distinct phrase once (captions repeat "red circle" constantly), then scatter."""
-        unique = sorted({t for row in texts for t in row})
-        index = {t: k for k, t in enumerate(unique)}
+        """Embed each distinct phrase once (captions repeat "red circle" constantly: once per builder, across its
+        batches, up to PHRASE_MEMO phrases), then scatter."""
+        table = self._phrases
+        new = sorted({t for row in texts for t in row} - set(table))
+        for i in range(0, len(new), 512):
+            chunk = new[i:i + 512]
+            table.update(zip(chunk, self.bb.encode_texts(chunk).embedding.cpu().numpy()))
         d = self.bb.embed_dim
-        table = np.concatenate([self.bb.encode_texts(unique[i:i + 512]).embedding.cpu().numpy()
-                                for i in range(0, len(unique), 512)]) if unique else np.zeros((0, d), np.float32)
         emb = np.zeros((len(texts), cap, d), np.float16)
         valid = np.zeros((len(texts), cap), bool)
         for r, row in enumerate(texts):
             for j, t in enumerate(row[:cap]):
-                emb[r, j], valid[r, j] = table[index[t]], True
+                emb[r, j], valid[r, j] = table[t], True
+        while len(table) > PHRASE_MEMO:  # oldest first (dicts keep insertion order)
+            del table[next(iter(table))]
         return emb, valid
 
 
@@ -457,6 +465,8 @@ def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
     comps = ExtractionComponents(args, source, ranks.device)
     if backbone is None:
         backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
+    if args.crop_scale is None:  # the backbone's own (how large objects are in the images it was trained on)
+        args.crop_scale = backbone.spec.crop_scale
     data = data_fingerprint(source)
     settings = {"pipeline": PIPELINE_VERSION, "backbone": backbone.describe(hash_weights=True), "data": data,
                 "shard_size": args.shard_size if isinstance(source, IndexedSource) else "per-input-shard",

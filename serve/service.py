@@ -35,7 +35,7 @@ RECALL_LIMIT = 5000
 #: the toy world's hard-negative types, in the order the probe offers them (attribute binding first)
 PROBE_TYPES = ("swap-att", "swap-obj", "replace-att", "replace-rel", "replace-obj", "add-obj")
 #: the types whose examples show one the served model gets right and one it gets wrong (binding is the point)
-GRADED_TYPES = ("swap-att", "swap-obj")
+GRADED_TYPES = ("swap-att", "swap-obj", "replace-rel")
 #: hard-negative pairs scored per graded type, looking for one right and one wrong (bounds the app's start-up)
 GRADE_CANDIDATES = 12
 

@@ -14,20 +14,23 @@ excludes 0). The frozen bases are compared with each other the same way, and the
 that matter for binding (:func:`binding_table`). ``--seeds N`` trains every adapter N times (mean ± sd over seeds;
 the interval is that of the seed-averaged difference).
 
-``--full`` is the long run (57 minutes on 2 CPU cores with ``--base tiny --seeds 3``, measured): each method where its
-paper makes its claim, on the last base. It also trains a small YOLO on the toy world's train split
-(``extract.components.toy_detector``) and adds ComAlign on those detected boxes and on random boxes next to its ground-truth
-ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
+``--full`` is the long run: each method where its paper makes its claim, on the last base. It also trains a small YOLO
+on the toy world's train split (``extract.components.toy_detector``) and adds ComAlign and the grounded head on those
+detected boxes, and ComAlign on random boxes, next to their ground-truth ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
 loss), and it builds a long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens:
 ``extract.data.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
 captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
 (``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
 
-It ends by serving the best adapter over every base (the highest held-out T2I R@1, chosen on the validation split,
-not the test split; with several seeds, the method with the best mean and its best seed): ``serve.index`` builds
-the search index of the test split with it, one example query shows the first-stage hits next to the adapter's own
-re-ranking, and the caption probe's graded swaps (``serve.service.grade_examples``) show one the served model gets right
-and one it gets wrong.
+It ends by serving the adapter that binds best over every base (the mean of swap-att, swap-obj and replace-rel on
+the validation split, not the test split: :data:`SELECTION`): ``serve.index`` builds the search index of the test split
+with it, one example query shows the first-stage hits next to the adapter's own re-ranking, and the caption probe's
+graded swaps (``serve.service.grade_examples``: attribute swaps, object swaps, replaced relations) show one the served
+model gets right and, if any, one it gets wrong.
+
+Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
+fitted on the training captions against their negatives, no image), and the binding table the controlled test
+(``toyworld-controlled``: four arrangements of the same two objects, four-way choices both ways, chance 25).
 
 Everything lands in ``--out``: ``toyworld/``, ``base/`` (one base to pre-train; ``bases/<base>/`` for several: the
 pre-trained backbone, open_clip-loadable ``model.safetensors`` + ``model.json``, and its last checkpoint),
@@ -86,10 +89,10 @@ class DemoOptions:
     device: str | None = option(None, help="torch device (default: cuda when available, else cpu)")
     workers: int = option(2, type=nonnegative_int, help="data-loading worker processes")
     full: bool = option(False, action="store_true",
-                        help="the long run: also ComAlign on detected boxes (a YOLO trained on the toy world) and on "
-                             "random boxes, the PowerCLIP head with its CLIP term alone (the control of its powerset "
-                             "loss), and SmartCLIP on a long-caption toy world (frozen, --unfreeze with 248 tokens, "
-                             "trained on short captions only); 57 min on 2 CPU cores with --seeds 3")
+                        help="the long run: also ComAlign and the grounded relation head on detected boxes (a YOLO "
+                             "trained on the toy world), ComAlign on random boxes, the PowerCLIP head with its CLIP "
+                             "term alone (the control of its powerset loss), and SmartCLIP on a long-caption toy world "
+                             "(frozen, --unfreeze with 248 tokens, trained on short captions only)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -131,10 +134,22 @@ def _pretrain_base(opts: DemoOptions, world: Path, out: Path) -> str:
 EXAMPLE_QUERY = "a purple circle to the right of a red circle"
 
 
+#: what "binds best" means when the demo picks the model it serves: the mean of these held-out (validation) figures,
+#: who has which attribute and who is where (the test split never chooses)
+SELECTION = ("toyworld swap-att", "toyworld swap-obj", "toyworld replace-rel")
+
+
+def binding_score(val: dict | None) -> float | None:
+    """The mean of :data:`SELECTION` in an adapter run's held-out figures (None without them)."""
+    figures = [val[k] for k in SELECTION if k in (val or {})]
+    return sum(figures) / len(figures) if figures else None
+
+
 def best_adapter(methods: dict) -> str | None:
-    """The method with the highest held-out (validation) T2I R@1 in ``compare``'s results; None without any."""
-    scored = {m: r["val"]["retrieval T2I R@1"] for m, r in methods.items()
-              if r.get("checkpoint") and "retrieval T2I R@1" in (r.get("val") or {})}
+    """The method that binds best on the validation split (:func:`binding_score`; the higher held-out T2I R@1 breaks
+    a tie) in ``compare``'s results; None without any."""
+    scored = {m: (binding_score(r["val"]), r["val"].get("retrieval T2I R@1", 0.0)) for m, r in methods.items()
+              if r.get("checkpoint") and binding_score(r.get("val")) is not None}
     return max(scored, key=scored.get) if scored else None
 
 
@@ -162,8 +177,9 @@ def toy_detector(opts: DemoOptions, world: Path, out: Path) -> dict:
 
 
 def full_variants(methods: list[str], detector: str | None) -> list:
-    """The long run's extra columns. ComAlign on boxes a user can have, next to its ground-truth column: a
-    detector's, and random ones (the control: components that know nothing of the objects). The PowerCLIP head
+    """The long run's extra columns. ComAlign and the grounded relation head on boxes a user can have, next to their
+    ground-truth columns: a detector's, and (ComAlign) random ones (the control: components that know nothing of the
+    objects). The PowerCLIP head
     with its CLIP term alone (``lam`` 0, the control: what the powerset loss adds is the difference)."""
     from train.adapter.compare import Variant
 
@@ -171,6 +187,8 @@ def full_variants(methods: list[str], detector: str | None) -> list:
     if "comalign" in methods and detector:
         out += [Variant("detector boxes", "comalign", {"extract_options": {"boxes": "yolo", "detector": detector}}),
                 Variant("random boxes", "comalign", {"extract_options": {"boxes": "random"}})]
+    if "grounded" in methods and detector:  # who is where from the boxes a user can have
+        out.append(Variant("detector boxes", "grounded", {"extract_options": {"boxes": "yolo", "detector": detector}}))
     if "powerclip" in methods:
         out.append(Variant("CLIP loss only", "powerclip", {"head_config": {"lam": 0.0}}))
     return out
@@ -210,14 +228,16 @@ def serve_best(opts: DemoOptions, results: dict[str, dict], world: Path, out: Pa
     from serve.query import table
     from serve.search import Searcher
 
-    best = {(base, m): r["methods"][m]["val"]["retrieval T2I R@1"] for base, r in results.items()
-            for m in [best_adapter(r["methods"])] if m is not None}
+    best = {(base, m): (binding_score(r["methods"][m]["val"]), r["methods"][m]["val"].get("retrieval T2I R@1", 0.0))
+            for base, r in results.items() for m in [best_adapter(r["methods"])] if m is not None}
     if not best:
         step("serving skipped: no adapter with held-out figures")
         return None
     base, method = max(best, key=best.get)
     checkpoint = results[base]["methods"][method]["checkpoint"]
-    step(f"serving {base} + {method}, the best held-out T2I R@1: its index of the test split -> {out / 'index'}")
+    step(f"serving {base} + {method}, the best binding on the validation split (mean of "
+         f"{', '.join(k.split(' ', 1)[1] for k in SELECTION)}: {best[(base, method)][0]:.1f}): its index of the test "
+         f"split -> {out / 'index'}")
     manifest = build_index(IndexOptions(model=checkpoint, data=str(world), out=str(out / "index"), kind="flat",
                                         cache_dir=str(out / "adapters" / "cache"), device=opts.device,
                                         workers=opts.workers, seed=opts.seed))
@@ -245,12 +265,24 @@ def bases_of(opts: DemoOptions) -> list[str]:
     return bases
 
 
-#: the binding table's columns: (heading, train.eval.evaluate metric); a column no row has is left out
-BINDING_COLUMNS = (("T2I R@1", "retrieval T2I R@1"), ("I2T R@1", "retrieval I2T R@1"),
-                   ("replace-obj", "toyworld replace-obj"), ("swap-att", "toyworld swap-att"),
+#: the binding table's columns: (heading, train.eval.evaluate metric); a column no row has is left out. Who has which
+#: attribute (swap-att, and its same-shape subset where only colour and side tell the two apart), who is where
+#: (swap-obj, replace-rel, and the controlled four-way test: a set's four arrangements of two objects, each image
+#: choosing its caption of the four, each caption its image, group = the whole set right), what is there
+BINDING_COLUMNS = (("swap-att", "toyworld swap-att"), ("same-shape swap-att", "toyworld swap-att [same shape]"),
                    ("swap-obj", "toyworld swap-obj"), ("replace-rel", "toyworld replace-rel"),
-                   ("held-out replace-obj", "toyworld held-out replace-obj"),
-                   ("held-out swap-att", "toyworld held-out swap-att"))
+                   ("4-way: caption", "toyworld-controlled all text"),
+                   ("4-way: image", "toyworld-controlled all image"),
+                   ("4-way: group", "toyworld-controlled all group"),
+                   ("replace-obj", "toyworld replace-obj"))
+#: the second table: the same on combinations no model saw in training, and what binding must not cost (retrieval)
+HELDOUT_COLUMNS = (("held-out swap-att", "toyworld held-out swap-att"),
+                   ("held-out swap-obj", "toyworld held-out swap-obj"),
+                   ("held-out replace-rel", "toyworld held-out replace-rel"),
+                   ("held-out 4-way: caption", "toyworld-controlled held-out four-way text"),
+                   ("held-out 4-way: image", "toyworld-controlled held-out four-way image"),
+                   ("T2I R@1", "retrieval T2I R@1"), ("I2T R@1", "retrieval I2T R@1"),
+                   ("T2I mAP", "retrieval T2I mAP"), ("I2T mAP", "retrieval I2T mAP"))
 
 
 def _cell(m: dict | None, reference: bool) -> str:
@@ -265,21 +297,20 @@ def _cell(m: dict | None, reference: bool) -> str:
     return f"{m['mean']:.1f}{sd}{' *' if m.get('significant') else ''}"
 
 
-def binding_table(tables: dict[str, dict], versus: dict | None = None) -> str:
+def binding_table(tables: dict[str, dict], versus: dict | None = None, columns=BINDING_COLUMNS) -> str:
     """One row per base and per base + adapter (``tables``: base -> the ``table`` of its train.eval.evaluate
-    results.json) over :data:`BINDING_COLUMNS`; ``versus`` (the bases' own comparison) adds a row per base after
-    the first: its difference from the first with the paired interval."""
-    keys = [(h, k) for h, k in BINDING_COLUMNS if any(k in col for t in tables.values() for col in
-                                                         t["metrics"].values())]
+    results.json; its text-only floor included) over ``columns``; ``versus`` (the bases' own comparison) adds a row
+    per base after the first: its difference from the first with the paired interval."""
+    keys = [(h, k) for h, k in columns if any(k in col for t in tables.values() for col in t["metrics"].values())]
     lines = ["| model | " + " | ".join(h for h, _ in keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for t in tables.values():
-        for name, metrics in t["metrics"].items():
-            cells = [_cell(metrics.get(k), name == t["reference"]) for _, k in keys]
+        for name, metrics in t["metrics"].items():  # the base and the text-only floor with their own intervals
+            cells = [_cell(metrics.get(k), name in (t["reference"], t.get("floor"))) for _, k in keys]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if versus:
         first = versus["reference"]
         for name, metrics in versus["metrics"].items():
-            if name == first:
+            if name in (first, versus.get("floor")):
                 continue
             cells = []
             for _, k in keys:
@@ -354,11 +385,12 @@ def demo(opts: DemoOptions) -> dict:
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
     variants, detector = [], None
-    if opts.full and "comalign" in methods:
-        step("a detector for ComAlign: YOLOv8n trained from scratch on the toy world's train split")
+    if opts.full and ("comalign" in methods or "grounded" in methods):
+        step("a detector for ComAlign and the grounded head: YOLOv8n trained from scratch on the toy world's train "
+             "split")
         detector = toy_detector(opts, world, out / "toy-detector")
     elif opts.full:
-        step("detector skipped: ComAlign is not among --methods")
+        step("detector skipped: neither ComAlign nor grounded is among --methods")
     if opts.full:  # the long run's extra columns go to the last base, the strongest by default
         variants = full_variants(methods, detector["weights"] if detector else None)
     results, tables = {}, {}
@@ -369,7 +401,9 @@ def demo(opts: DemoOptions) -> dict:
         copts = CompareOptions(data=str(world), out=str(out / "adapters" / (b if several else "")), base=b,
                                pretrained=weights[b], methods=methods, variants=extra, epochs=opts.epochs,
                                batch_size=opts.batch_size, seed=opts.seed, seeds=opts.seeds, workers=opts.workers,
-                               device=opts.device, cache_dir=str(out / "adapters" / "cache"))
+                               device=opts.device, cache_dir=str(out / "adapters" / "cache"),
+                               # the held-out split once, after training: the demo reads the final figures only
+                               overrides={"eval_every": 0})
         for key, *_ in columns(copts):  # the demo retrains its adapters each time: its own earlier runs make way
             shutil.rmtree(Path(copts.out) / key, ignore_errors=True)
         results[b] = compare(copts)
@@ -388,9 +422,10 @@ def demo(opts: DemoOptions) -> dict:
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
+              "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
               "seconds": time.perf_counter() - started}
     (out / "demo_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out / "binding.md").write_text((report["markdown"] or "") + "\n")
+    (out / "binding.md").write_text((report["markdown"] or "") + "\n\n" + (report["markdown_heldout"] or "") + "\n")
     return report
 
 
@@ -402,9 +437,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = report["adapters"]
         if report.get("markdown"):
             print(f"\nbinding: frozen base vs base + adapter (toy world test split, adapters trained with {seeds}; "
-                  "retrieval R@1 and hard-negative accuracy, %, chance 50; base: [95% bootstrap interval over test "
-                  "images]; adapter: mean ± sd over seeds, * its difference from its base excludes 0):")
+                  "accuracy %: a caption against its hard negative, chance 50;\n  4-way: the controlled test, "
+                  "chance 25, group: a set's four images and captions all right; text only: the base's text tower "
+                  "without the image, the floor;\n  base and text only: [95% bootstrap interval over test images]; "
+                  "adapter: mean ± sd over seeds, * its difference from its base excludes 0):")
             print(report["markdown"])
+            print("\non colour-shape combinations no model saw in training (held-out), and retrieval (R@1, mAP, %):")
+            print(report["markdown_heldout"])
         if len(results) == 1 and next(iter(results.values())).get("markdown"):
             print(f"\nfrozen base vs base + adapter, every figure (toy world test split, adapters trained with "
                   f"{seeds}; retrieval R@k, multi-positive any-true R@k and mAP, hard-negative accuracy, %):")

@@ -134,14 +134,16 @@ class Grounded(AdapterHead):
 
     Config = GroundedConfig
     components = ("entities", "roles")
-    #: each object on a black canvas 3x its side: the toy bases ground a phrase in a tight 13-22 px crop blown up
-    #: to 128 px 83% of the time, in the canvas crop 100% (train/README, "Grounded relations")
-    extract_options: dict = {"crop_scale": 3.0}
+    extract_options: dict = {}
     image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size")
     text_keys = ("text_embed", "entity_embed", "entity_valid", "role_subject_embed", "role_predicate_embed",
                  "role_object_embed", "role_valid")
     #: NegCLIP's hard negatives unless the run says otherwise: the relation term learns from converses
     hard_negatives = "all"
+    #: the head's learning rate (train.adapter's default for it): its small MLPs start from zero or from nothing and
+    #: have the geometry to learn in the demo's 265 steps; at 5e-4 they had not (swap-obj 84-91, replace-rel 81-91 on
+    #: the shipped bases, the controlled test 52-62), at 2e-3 they have (100, 100, 100; one seed, measured)
+    head_lr = 2e-3
 
     def __init__(self, config: GroundedConfig, embed_dim: int):
         super().__init__(config, embed_dim)
@@ -280,38 +282,71 @@ class Grounded(AdapterHead):
                 "relation_weight": self.relation_weight.detach(),
                 "temperature": self.log_temperature.exp().detach()}
 
-    def paired_relations(self, image_reps: Reps, text_reps: Reps) -> tuple[Tensor, Tensor]:
-        """For image n with text n (both [b, ...]): (log P(all of the text's triplets hold) [b], has a triplet and
-        the image two boxes [b])."""
+    def paired_parts(self, image_reps: Reps, text_reps: Reps) -> dict[str, Tensor]:
+        """:meth:`parts` of image n with text n only (both [N, ...]): each [N], and ``has_relation`` [N] (the text
+        has a triplet and the image two boxes)."""
         img, txt = self.trimmed(image_reps, text_reps)
-        held = self.relation_triplets(img, txt, paired=True)                                # [b, R]
-        usable = txt["role_valid"] & (img["box_valid"].sum(1) >= 2)[:, None]
-        return (held * usable).sum(-1), usable.any(-1)
+        box_ok = img["box_valid"]
+        g = self.grounding(txt["entity"], img, paired=True)                                 # [N, P, E]
+        best = g.masked_fill(~box_ok[:, None], NEG).max(-1).values * box_ok.any(1)[:, None]
+        ok = txt["entity_valid"].float()
+        out = {"base": (img["base"] * txt["base"]).sum(-1), "entity": (best * ok).sum(-1) / ok.sum(-1).clamp_min(1)}
+        usable = txt["role_valid"] & (box_ok.sum(1) >= 2)[:, None]
+        if self.config.relations:
+            held = self.relation_triplets(img, txt, paired=True)                            # [N, R]
+            out["relation"] = (held * usable).sum(-1) / txt["role_valid"].float().sum(-1).clamp_min(1)
+            out["relation_sum"] = (held * usable).sum(-1)   # log P(all of the text's triplets hold)
+        else:
+            out["relation"] = out["relation_sum"] = torch.zeros_like(out["base"])
+        out["has_relation"] = usable.any(-1)
+        return out
 
     def negatives_loss(self, image_reps: Reps, text_reps: Reps, negative_reps: Reps, negative_valid: Tensor,
                        types: tuple[str, ...], rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
-        """The relation term's own objective (``train.adapter.negatives.NegativeLoss`` calls it): binary
-        cross-entropy on P(the caption's triplets hold in its image), 1 for each caption, 0 for its swap-obj and
-        replace-rel negatives (:data:`RELATION_NEGATIVES`: the types that change who is where and nothing else;
-        a replace-att negative names something absent, which grounding, a softmax over the boxes, cannot say).
-        In the contrastive softmax a relation that holds of every pair costs nothing once the sigmoid saturates;
-        here the converse must score low, so the predicate has to read the geometry."""
-        slots = [k for k, t in enumerate(types) if t in RELATION_NEGATIVES]
-        if not self.config.relations or self.config.relation_loss == 0 or not slots:
-            return {}
-        pos, pos_ok = self.paired_relations(image_reps, text_reps)
-        terms, counts = [-(pos * pos_ok).sum()], [pos_ok.sum()]
-        for k in slots:
-            neg, neg_ok = self.paired_relations(image_reps, {name: v[:, k] for name, v in negative_reps.items()})
-            neg_ok = neg_ok & negative_valid[:, k].bool()
-            terms.append(-(_log1mexp(neg) * neg_ok).sum())
-            counts.append(neg_ok.sum())
-        count = torch.stack(counts).sum().float()
-        if world_size > 1:  # sum over the global count, times world_size: DDP's mean is the global mean
-            count = count.clone()
-            dist.all_reduce(count)
-        loss = torch.stack(terms).sum() / count.clamp_min(1) * world_size
-        return {"loss": self.config.relation_loss * loss, "relation_bce": loss}
+        """How this head takes its hard negatives (``train.adapter.negatives.NegativeLoss`` calls it in place of
+        NegCLIP's extra columns):
+
+        - each image chooses its own caption among it and that caption's K negatives, cross-entropy over the K + 1
+          scores S (NegCLIP's term restricted to the image's own negatives: the others of the batch name other
+          scenes, which the batch's contrastive loss already covers, and scoring every image against every
+          negative of the batch would cost K times the batch loss);
+        - the relation term's own objective (``relation_loss``): binary cross-entropy on P(the caption's triplets
+          hold in its image), 1 for each caption, 0 for its swap-obj and replace-rel negatives
+          (:data:`RELATION_NEGATIVES`: the types that change who is where and nothing else; a replace-att negative
+          names something absent, which grounding, a softmax over the boxes, cannot say). In a softmax a relation
+          that holds of every pair costs nothing once its sigmoid saturates; here the converse must score low, so
+          the predicate has to read the geometry.
+
+        Sums over the local items divided by the global count, times world_size: DDP's mean is the global mean."""
+        scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
+        pos = self.paired_parts(image_reps, text_reps)
+        k = negative_valid.shape[1]
+        negs = [self.paired_parts(image_reps, {name: v[:, j] for name, v in negative_reps.items()}) for j in range(k)]
+        valid = negative_valid.bool()
+        logits = torch.stack([self.combine(pos)] + [self.combine(n) for n in negs], 1) * scale     # [b, 1 + K]
+        logits = logits.masked_fill(torch.cat([torch.zeros_like(valid[:, :1]), ~valid], 1), float("-inf"))
+        has_neg = valid.any(1)
+        ce = F.cross_entropy(logits.float(), torch.zeros(len(logits), dtype=torch.long, device=logits.device),
+                             reduction="none")
+        terms = {"choice": ((ce * has_neg).sum(), has_neg.sum())}
+        slots = [j for j, t in enumerate(types) if t in RELATION_NEGATIVES]
+        if self.config.relations and self.config.relation_loss > 0 and slots:
+            bce, count = -(pos["relation_sum"] * pos["has_relation"]).sum(), pos["has_relation"].sum()
+            for j in slots:
+                ok = negs[j]["has_relation"] & valid[:, j]
+                bce, count = bce - (_log1mexp(negs[j]["relation_sum"]) * ok).sum(), count + ok.sum()
+            terms["relation_bce"] = (bce, count)
+        out, total = {}, logits.new_zeros(())
+        for name, (value, count) in terms.items():
+            count = count.float()
+            if world_size > 1:
+                count = count.clone()
+                dist.all_reduce(count)
+            term = value / count.clamp_min(1) * world_size
+            weight = self.config.relation_loss if name == "relation_bce" else 1.0
+            total, out[name] = total + weight * term, term
+        out["hard_negatives"] = out.pop("choice")
+        return {"loss": total, **out}
 
 
 def _log1mexp(x: Tensor) -> Tensor:

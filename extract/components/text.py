@@ -83,7 +83,7 @@ class SpacyModelNotFoundError(OSError):
 
 
 #: parses kept per process (:meth:`TextComponentExtractor.parse`), the least recently used dropped first (a Doc is 5-10 KB)
-PARSE_CACHE = 10_000
+PARSE_CACHE = 40_000
 _PARSES: dict[int, OrderedDict] = {}
 
 

@@ -98,6 +98,7 @@ class BackboneSpec:
     quick_gelu: bool = False
     requires_file: bool = False
     hint: str | None = None
+    crop_scale: float = 1.0  # entity crops: the square's side / the object's (backbones.json "crop_scale")
 
 
 def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
@@ -117,7 +118,8 @@ def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
     tag = (shipped or alias.get("pretrained")) if pretrained is None else pretrained
     return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
                         quick_gelu=bool(alias.get("quick_gelu", False)),
-                        requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"))
+                        requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"),
+                        crop_scale=float(alias.get("crop_scale", 1.0)))
 
 
 def trained_holdout(base: str, pretrained: str | None = None) -> list[str]:

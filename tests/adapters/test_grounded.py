@@ -201,30 +201,36 @@ def test_learned_meanings_follow_the_captions_not_the_names():
     assert abs(accuracy[0] - accuracy[1]) < 0.04, accuracy
 
 
-def test_negatives_loss_trains_only_on_relational_negatives():
+def test_negatives_loss_trains_the_relation_term_only_on_relational_negatives():
     head = Grounded(GroundedConfig(), D)
     images, pos, neg = training_set(8, seed=2)
     img, txt, nt = head.encode_image(images), head.encode_text(pos), head.encode_text(neg)
     neg_reps = {k: v[:, None] for k, v in nt.items()}
     valid = torch.ones(8, 1, dtype=torch.bool)
-    assert head.negatives_loss(img, txt, neg_reps, valid, ("replace-att",)) == {}
+    attribute = head.negatives_loss(img, txt, neg_reps, valid, ("replace-att",))
+    assert set(attribute) == {"loss", "hard_negatives"}  # the choice among the own negatives only
     out = head.negatives_loss(img, txt, neg_reps, valid, ("replace-rel",))
-    assert math.isfinite(out["loss"].item()) and out["loss"].item() > 0
-    out["loss"].backward()
+    assert set(out) == {"loss", "hard_negatives", "relation_bce"}
+    assert math.isfinite(out["loss"].item()) and out["relation_bce"].item() > 0
+    out["relation_bce"].backward()
     assert head.pair_code[0].weight.grad.abs().sum() > 0 and head.predicate.weight.grad.abs().sum() > 0
-    assert Grounded(GroundedConfig(relations=False), D).negatives_loss(img, txt, neg_reps, valid,
-                                                                        ("swap-obj",)) == {}
+    control = Grounded(GroundedConfig(relations=False), D)
+    assert "relation_bce" not in control.negatives_loss(img, txt, neg_reps, valid, ("swap-obj",))
+    # an invalid negative slot takes no part: the choice is then among the positive alone
+    none = head.negatives_loss(img, txt, neg_reps, torch.zeros(8, 1, dtype=torch.bool), ("swap-att",))
+    assert none["hard_negatives"].item() == 0.0
 
 
-def test_paired_relations_equal_the_diagonal_of_the_full_matrix():
+def test_paired_parts_equal_the_diagonal_of_the_full_matrices():
     torch.manual_seed(3)
     head = Grounded(GroundedConfig(), D)
     for p in head.parameters():
         if p.ndim > 1:
             torch.nn.init.normal_(p, std=0.3)  # away from the zero init, so the geometry terms count
     images, pos, _ = training_set(16, seed=3)
-    img, txt = head.trimmed(head.encode_image(images), head.encode_text(pos))
-    full = head.relation_triplets(img, txt)
-    n = len(full)
-    assert torch.allclose(full[torch.arange(n), torch.arange(n)], head.relation_triplets(img, txt, paired=True),
-                          atol=1e-5)
+    img, txt = head.encode_image(images), head.encode_text(pos)
+    full = head.parts(*head.trimmed(img, txt))
+    paired = head.paired_parts(img, txt)
+    for name in ("base", "entity", "relation"):
+        assert torch.allclose(full[name].diagonal(), paired[name], atol=1e-5), name
+    assert torch.allclose(head.score(img, txt).diagonal(), head.combine(paired), atol=1e-5)

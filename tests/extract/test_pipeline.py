@@ -111,7 +111,9 @@ def test_toyworld_cache_matches_direct_computation(world, reference):
         assert img["ventity_valid"][row].sum() == n
         np.testing.assert_allclose(img["ventity_boxes"][row, :n], boxes[:n])
         assert img["vrelation_valid"][row].sum() == min(n * (n - 1) // 2, 10)
-        crops = crop_regions(images[row], boxes[:n], bb.preprocess)
+        # the crop scale is the backbone's when not given (the tiny configs: 3, an object fills a third of its crop)
+        assert cache.settings["boxes"]["crop_scale"] == bb.spec.crop_scale == 3.0
+        crops = crop_regions(images[row], boxes[:n], bb.preprocess, scale=bb.spec.crop_scale)
         np.testing.assert_allclose(img["ventity_embed"][row, :n], bb.encode_images(crops).embedding.half().numpy(),
                                    atol=2e-3)
         # PowerCLIP-R masks: the per-image seeded stream, whatever the shard or batch

@@ -475,3 +475,17 @@ def test_pair_rows_list_pairs_as_relation_boxes_does():
     _, _, pairs = relation_boxes(boxes, np.ones(4), top_n=5)
     assert pair_rows(4, 5).tolist() == pairs.tolist()
     assert pair_rows(2, 3).tolist() == [[0, 1], [0, 1], [0, 1]] and pair_rows(1, 2).tolist() == [[0, 0], [0, 0]]
+
+
+def test_crop_scale_puts_the_object_on_a_canvas_it_fills_a_third_of():
+    image = Image.new("RGB", (64, 64))
+    image.paste((200, 10, 10), (20, 20, 30, 30))  # a 10 x 10 red square
+    seen = []
+    crop_regions(image, [[20, 20, 30, 30]], lambda im: seen.append(im) or torch.zeros(3, 4, 4), scale=3.0)
+    canvas = np.asarray(seen[0])
+    assert canvas.shape == (30, 30, 3)
+    red = np.argwhere(canvas[..., 0] == 200)
+    assert red.min(0).tolist() == [10, 10] and red.max(0).tolist() == [19, 19]  # centred, the rest black
+    assert (canvas[..., 0] > 0).sum() == 100
+    with pytest.raises(ValueError, match="scale must be >= 1"):
+        crop_regions(image, [[20, 20, 30, 30]], lambda im: torch.zeros(3, 4, 4), scale=0.5)

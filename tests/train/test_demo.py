@@ -9,7 +9,7 @@ import pytest
 
 from adapters.registry import ADAPTERS
 from extract.models.backbone import trained_holdout
-from train.demo import DEFAULT_BASES, bases_of, main, parse_args
+from train.demo import DEFAULT_BASES, bases_of, binding_score, main, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
@@ -41,25 +41,35 @@ def test_demo_end_to_end(logged_demo, capsys):
     held = trained_holdout("toy-clip")
     assert len(held) == 4 and report["holdout"] == held == trained_holdout("toy-negclip")
     assert json.loads((out / "toyworld" / "meta.json").read_text())["holdout"] == held
-    for base in DEFAULT_BASES:  # one full table per base: the frozen base, then every registered adapter
+    # one full table per base: the frozen base, its text-only floor, then every registered adapter
+    columns = {base: [base, f"text only ({base})", *(f"{base} + {m}" for m in ADAPTERS.names())]
+               for base in DEFAULT_BASES}
+    for base in DEFAULT_BASES:
         results = json.loads((out / "adapters" / base / "results.json").read_text())
-        assert list(results["results"]) == [base, *(f"{base} + {m}" for m in ADAPTERS.names())]
+        assert list(results["results"]) == columns[base]
     lines = report["markdown"].splitlines()
-    assert "swap-att" in lines[0] and "held-out swap-att" in lines[0] and "T2I R@1" in lines[0]
+    assert all(h in lines[0] for h in ("swap-att", "same-shape swap-att", "swap-obj", "replace-rel", "4-way: caption",
+                                       "4-way: image", "4-way: group"))
+    heldout = report["markdown_heldout"].splitlines()
+    assert all(h in heldout[0] for h in ("held-out swap-att", "held-out 4-way: caption", "T2I R@1", "I2T mAP"))
     rows = [line.split(" | ")[0][2:] for line in lines[2:]]
-    assert rows == [name for base in DEFAULT_BASES for name in [base, *(f"{base} + {m}" for m in ADAPTERS.names())]] \
-        + ["toy-negclip − toy-clip (frozen)"]
-    assert printed.count(report["markdown"]) == 1 and (out / "binding.md").read_text().strip() == report["markdown"]
+    assert rows == [name for base in DEFAULT_BASES for name in columns[base]] + ["toy-negclip − toy-clip (frozen)"]
+    assert rows == [line.split(" | ")[0][2:] for line in heldout[2:]]
+    assert printed.count(report["markdown"]) == 1 and printed.count(report["markdown_heldout"]) == 1
+    assert (out / "binding.md").read_text().strip() == report["markdown"] + "\n\n" + report["markdown_heldout"]
     # the bases' own comparison: the same frozen figures as each base's column in its table
     versus = report["bases_compared"]["metrics"]
     first = json.loads((out / "adapters" / "toy-clip" / "results.json").read_text())["table"]["metrics"]["toy-clip"]
     assert versus["toy-clip"]["toyworld swap-att"]["mean"] == pytest.approx(first["toyworld swap-att"]["mean"])
-    # it ends serving the adapter best on the validation split over both bases: an index of the test split and
-    # one query whose hits carry both stages' ranks and scores, and the printed table is the one `serve.query` prints
+    # it ends serving the adapter that binds best on the validation split over both bases: an index of the test split
+    # and one query whose hits carry both stages' ranks and scores, and the printed table is the one `serve.query`
+    # prints
     served = report["served"]
-    val = {(b, m): r["val"]["retrieval T2I R@1"] for b, res in report["adapters"].items()
+    val = {(b, m): (binding_score(r["val"]), r["val"]["retrieval T2I R@1"]) for b, res in report["adapters"].items()
            for m, r in res["methods"].items()}
     assert val[(served["base"], served["method"])] == max(val.values())
+    assert f"the best binding on the validation split (mean of swap-att, swap-obj, replace-rel: " \
+           f"{val[(served['base'], served['method'])][0]:.1f})" in printed
     from serve.search import Searcher
 
     searcher = Searcher.open(out / "index")
@@ -92,7 +102,8 @@ def test_a_base_without_weights_is_pre_trained_first_and_reused(tmp_path, capsys
     assert len([p for p in (out / "base" / "checkpoints").iterdir() if p.is_dir()]) == 1
     # one base: its table where it always was, printed in full after the binding table
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
-    assert columns == [f"tiny:{out / 'base' / 'model.safetensors'}", "tiny + comalign"]
+    base = f"tiny:{out / 'base' / 'model.safetensors'}"
+    assert columns == [base, f"text only ({base})", "tiny + comalign"]
     assert printed.count("frozen base vs base + adapter, every figure") == 1 and printed.count("| metric |") == 1
     assert main(argv) == 0  # the same settings: the toy world and the base are reused, not redone
     printed = capsys.readouterr().out
@@ -113,7 +124,7 @@ def test_demo_log_reads_well(logged_demo):
     warnings = Counter(line for line in lines if "warning" in line.lower() or "No pretrained weights" in line)
     assert not [w for w, n in warnings.items() if n > 1], warnings
     assert "No pretrained weights loaded" not in log
-    assert sum(line.startswith("| model |") for line in lines) == 1
+    assert sum(line.startswith("| model |") for line in lines) == 2  # the binding table and the held-out one
 
 
 def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
@@ -137,15 +148,15 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
-    assert columns[1:] == ["tiny + comalign", "tiny + smartclip", "tiny + comalign (detector boxes)",
-                           "tiny + comalign (random boxes)"]
+    assert columns[1].startswith("text only (") and columns[2:] == [
+        "tiny + comalign", "tiny + smartclip", "tiny + comalign (detector boxes)", "tiny + comalign (random boxes)"]
     from extract.cache import FeatureCache
 
     boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")
              for p in (out / "adapters" / "cache").glob("*/manifest.json")}
     assert {"gt", "yolo", "random"} <= boxes
     long_run = json.loads((out / "long-captions" / "results.json").read_text())
-    assert list(long_run["results"])[1:] == ["tiny + smartclip", "tiny fine-tuned + smartclip (248 tokens)",
+    assert list(long_run["results"])[2:] == ["tiny + smartclip", "tiny fine-tuned + smartclip (248 tokens)",
                                              "tiny + smartclip (trained on short captions)"]
     assert json.loads((out / "long-captions" / "toyworld" / "meta.json").read_text())["long_captions"] is True
     assert printed.count("SmartCLIP on long captions (") == 1 and printed.count("| metric |") == 2

@@ -215,6 +215,9 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
                                 help="abort after this many non-finite steps in a row")
     eval_batch_size: int = option(1024, type=positive_int, group="run",
                                   help="held-out evaluation: rows encoded at once")
+    eval_every: int = option(1, type=nonnegative_int, group="run",
+                             help="held-out evaluation every N epochs, logged and in history.json (0: only the "
+                                  "final one, after the last epoch and the inference fit)")
     final_eval: bool = option(True, action=argparse.BooleanOptionalAction, group="run",
                               help="write the frozen base vs base + adapter table on the test split (default: on)")
     eval_tasks: str = option("retrieval,compositional", group="run", help="train.eval tasks of the final table")
@@ -1095,10 +1098,12 @@ def save_state(run: Run) -> bool:
 
 
 def end_epoch(run: Run, epoch: int) -> None:
-    """Held-out figures after ``epoch`` (rank 0; with --unfreeze the split re-encoded by the backbone as it is now),
-    logged and added to history.json; then the training state at the next epoch's start."""
+    """Held-out figures after ``epoch`` when ``--eval-every`` says so, and after the last one (rank 0; with --unfreeze
+    the split re-encoded by the backbone as it is now), logged and added to history.json; then the training state at
+    the next epoch's start."""
     opts, env, data, state = run.opts, run.env, run.data, run.state
-    if env.is_main:
+    due = opts.eval_every > 0 and ((epoch + 1) % opts.eval_every == 0 or epoch + 1 == opts.epochs)
+    if env.is_main and due:
         if data.live is not None:
             data.val = data.live.heldout(opts.extract_batch_size, _workers(opts))
         metrics = _flat_metrics(evaluate_heldout(run.model.head, data.val, env.ctx.device, opts.eval_batch_size))
@@ -1106,6 +1111,8 @@ def end_epoch(run: Run, epoch: int) -> None:
         run.logs.scalars("val", metrics, state.step)
         env.say(f"epoch {epoch + 1}/{opts.epochs}: {data.val.name}: {_summary_line(metrics)}")
         (env.out / "history.json").write_text(json.dumps(state.history, indent=2) + "\n")
+    elif data.live is not None:
+        data.val = None  # encoded by an earlier backbone: the final evaluation encodes it again
     state.epoch, state.batch = epoch + 1, 0
     save_state(run)
 
@@ -1116,7 +1123,7 @@ def finish(run: Run, summary: dict) -> dict:
     opts, env, data, model = run.opts, run.env, run.data, run.model
     head, device, out = model.head, env.ctx.device, env.out
     model.trained.eval()
-    if data.live is not None and data.val is None:  # resumed after the last epoch's evaluation
+    if data.live is not None and data.val is None:  # resumed after the last epoch's evaluation, or none was due
         data.val = data.live.heldout(opts.extract_batch_size, _workers(opts))
     image_reps, text_reps = encode_heldout(head, data.val, device, opts.eval_batch_size)
     fitted = head.fit_inference(image_reps, text_reps, data.val.caption_image)

@@ -133,10 +133,11 @@ class NegativeLoss:
     ``weight`` x the extra-column cross-entropy (module docstring) to the head's loss.
 
     A head that defines ``negatives_loss(image_reps, text_reps, negative_reps, negative_valid, types, rank=,
-    world_size=)`` also gets
-    that term, ``weight`` x it: each local image with its own caption (``text_reps``, [b, ...]) and that caption's
-    K negatives (``negative_reps`` [b, K, ...], ``negative_valid`` [b, K], slot k of type ``types[k]``), for a
-    head whose score has a part that only its own negatives can train (``adapters/heads/grounded.py``)."""
+    world_size=)`` takes its negatives its own way instead: that term, ``weight`` x it, replaces the extra columns.
+    It gets each local image with its own caption (``text_reps``, [b, ...]) and that caption's K negatives
+    (``negative_reps`` [b, K, ...], ``negative_valid`` [b, K], slot k of type ``types[k]``): for a head whose score
+    has a part that only its own negatives can train, or that is too costly to score against every negative of the
+    batch (``adapters/heads/grounded.py``)."""
 
     def __init__(self, head, weight: float, types: tuple[str, ...] = ()):
         self.head, self.weight, self.types = head, float(weight), tuple(types)
@@ -160,13 +161,6 @@ class NegativeLoss:
         out = dict(self.head.loss(image_reps, own, rank=rank, world_size=world_size))
         if "neg_valid" not in text_reps:
             return out
-        g = lambda x: gather_any(x, rank, world_size)  # noqa: E731
-        texts = {k: g(v) for k, v in own.items()}
-        negatives = {k[len(PREFIX):]: g(v.flatten(0, 1)) for k, v in text_reps.items() if k.startswith(PREFIX)}
-        term = extra_columns_loss(self.head.logits(image_reps, texts), self.head.logits(image_reps, negatives),
-                                  g(text_reps["neg_valid"].flatten()), rank, world_size)
-        out["hard_negatives"] = term.detach()
-        out["loss"] = out["loss"] + self.weight * term
         own_term = getattr(self.head, "negatives_loss", None)
         if own_term is not None:
             local = {k[len(PREFIX):]: v for k, v in text_reps.items() if k.startswith(PREFIX)}
@@ -177,4 +171,12 @@ class NegativeLoss:
                     out["loss"] = out["loss"] + self.weight * value
                 else:
                     out[name] = value.detach()
+            return out
+        g = lambda x: gather_any(x, rank, world_size)  # noqa: E731
+        texts = {k: g(v) for k, v in own.items()}
+        negatives = {k[len(PREFIX):]: g(v.flatten(0, 1)) for k, v in text_reps.items() if k.startswith(PREFIX)}
+        term = extra_columns_loss(self.head.logits(image_reps, texts), self.head.logits(image_reps, negatives),
+                                  g(text_reps["neg_valid"].flatten()), rank, world_size)
+        out["hard_negatives"] = term.detach()
+        out["loss"] = out["loss"] + self.weight * term
         return out

@@ -734,6 +734,7 @@ def evaluate(opts: EvaluateOptions) -> dict:
     all_results: dict[str, dict] = {}
     per_query: dict[str, PerQuery] = {}
     columns: dict[str, list[str]] = {}
+    floor_name = None
     for k, (model, pretrained) in enumerate(zip(opts.model, opts.pretrained)):
         started = time.perf_counter()
         scorer = load_scorer(model, pretrained, device=device, detector=opts.detector,
@@ -763,11 +764,13 @@ def evaluate(opts: EvaluateOptions) -> dict:
         if k == 0 and opts.text_only and opts.data and tasks.get("compositional"):
             floor = text_only_floor(scorer, opts, tasks)
             if floor is not None:
-                name, res, queries = floor
-                all_results[name], per_query[name] = res, queries
-                columns.setdefault(name, []).append(name)
+                floor_name, res, queries = floor
+                all_results[floor_name], per_query[floor_name] = res, queries
+                columns.setdefault(floor_name, []).append(floor_name)
     config = dataclasses.asdict(opts)
     table = comparison(all_results, columns, per_query, opts.bootstrap, opts.seed)
+    if floor_name is not None:
+        table["floor"] = floor_name  # the text-only column: read against chance, not as a model
     text = markdown(all_results, table)
     report = {"config": config, "results": all_results, "table": table}
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

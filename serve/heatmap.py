@@ -31,6 +31,11 @@ bilinearly between patch centres and mapped back through the preprocess's resize
 the model saw it; pixels the crop cut away read 0 (the model never saw them). ``PhraseMap.peak`` keeps the
 largest un-normalised score, since a min-max map always has a hot spot, even for a phrase that is not there.
 
+Grounded relation scorers (a head with ``explain_score``, :mod:`adapters.heads.grounded`): :meth:`Heatmapper.explain`
+gives the score's parts (base, entity and relation terms with their weights) and, for every relation of the query,
+where its subject and its object were grounded (the box the soft grounding weighs most, and that weight), which
+:meth:`Heatmapper.maps` puts on the subject's and the object's phrase, next to P(the relation holds).
+
 ComAlign scorers (anything whose head scores entity / relation component sets with fine-grained matching, see
 :mod:`adapters.heads.comalign`): :meth:`Heatmapper.explain` recomputes the text->image score of eq. 10 from
 its parts -- for every text entity / relation component, the image component (a box: ground truth or
@@ -103,7 +108,7 @@ class PhraseMap:
 class ComponentMatch:
     """One text component of a ComAlign query and the image component that wins its max in FGM (eq. 2-4).
 
-    kind: "entity" | "relation"; index: its slot among the caption's components of that kind; text: the component
+    kind: "entity" | "relation" (| "subject" | "object": grounded heads); index: its slot among the caption's components of that kind; text: the component
     as embedded ("small red circle", "red circle to the left of blue square"); score: max over the image's valid
     components of that kind of <t, v> (0 when the image has none: eq. 3's empty-set convention); image_index /
     box: the winner's slot and box (original px), None when there is none.
@@ -430,7 +435,9 @@ class Heatmapper:
         texts = self._text_embeddings(text, phrases, whole)
         feats = self.image_features(self.backbone.preprocess(pil)[None])
         explanation = self.explain(pil, text, image_id=image_id) if explain else None
-        won = {m.text.lower(): m for m in explanation.components if m.kind == "entity"} if explanation else {}
+        # the box each phrase won: its entity component's, or, in a relation, where its subject / object was grounded
+        won = {m.text.lower(): m for kind in ("entity", "subject", "object") for m in
+               (explanation.components if explanation else ()) if m.kind == kind and m.box is not None}
         rows, cols = self.backbone.grid
         out = {}
         for method in methods:
@@ -520,9 +527,13 @@ class Heatmapper:
 
     # -- ComAlign -----------------------------------------------------------------------------------
     def explains(self) -> bool:
-        """True when the scorer's head scores entity / relation sets by fine-grained matching (ComAlign) and its
-        extractor gives the image components' boxes: :meth:`explain` then returns its score's parts."""
+        """True when the scorer's head can say which box each part of a query won -- ComAlign's fine-grained
+        matching of entity / relation sets, or a head with ``explain_score`` (the grounded relation head: where the
+        subject and the object of each relation were grounded) -- and its extractor gives the boxes: :meth:`explain`
+        then returns its score's parts."""
         head, extractor = getattr(self.scorer, "head", None), getattr(self.scorer, "extractor", None)
+        if head is not None and extractor is not None and hasattr(head, "explain_score"):
+            return True
         if head is None or extractor is None or not hasattr(head, "similarities") or not hasattr(head, "fusion_t2i"):
             return False
         keys = set(getattr(head, "image_keys", ())) | set(getattr(head, "text_keys", ()))
@@ -542,6 +553,8 @@ class Heatmapper:
         image_reps = scorer.encode_arrays(arrays, "image")
         text_reps = scorer.encode_texts([text])
         comp = scorer.extractor.components.text.extract([text])[0]
+        if hasattr(scorer.head, "explain_score"):
+            return self._explain_grounded(scorer, comp, arrays, image_reps, text_reps)
         names = {"entity": [p.text for p in comp.entities[:scorer.extractor.args.max_entities]],
                  "relation": [r.text for r in comp.relations[:scorer.extractor.args.max_relations]]}
         matches, terms = [], {}
@@ -568,6 +581,22 @@ class Heatmapper:
         terms["base"] = float(image_reps["base"][0] @ text_reps["base"][0])
         weights = dict(zip(T2I_WEIGHTS, scorer.head.fusion_t2i.tolist()))
         return ScoreExplanation(matches, terms, weights)
+
+    @staticmethod
+    def _explain_grounded(scorer, comp, arrays, image_reps, text_reps) -> ScoreExplanation:
+        """:meth:`explain` for a head with ``explain_score`` (adapters/heads/grounded.py): its parts, named by the
+        query's parse (entity phrases; each relation's subject, object and the relation itself)."""
+        parts = scorer.head.explain_score(image_reps, text_reps)
+        args = scorer.extractor.args
+        relations = comp.relations[:args.max_relations]
+        names = {"entity": [p.text for p in comp.entities[:args.max_entities]],
+                 "subject": [r.subject.text for r in relations], "object": [r.object.text for r in relations],
+                 "relation": [r.text for r in relations]}
+        boxes = arrays["ventity_boxes"][0]
+        matches = [ComponentMatch(kind, slot, names[kind][slot], score, j,
+                                  None if j is None else tuple(float(c) for c in boxes[j]))
+                   for kind, slot, score, j in parts["components"]]
+        return ScoreExplanation(matches, parts["terms"], parts["weights"])
 
     # -- display ------------------------------------------------------------------------------------
     def overlay(self, image, maps: list[PhraseMap]) -> tuple[Image.Image, list[tuple[np.ndarray, str]]]:

@@ -346,7 +346,10 @@ def demo(opts: DemoOptions) -> dict:
     started = time.perf_counter()
     bases = bases_of(opts)
     several = len(bases) > 1
-    step = Steps(4 + len(bases) + several + (2 if opts.full else 0))
+    methods = opts.methods
+    if isinstance(methods, str):
+        methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    step = Steps(4 + len(bases) + several + (1 + ("smartclip" in methods) if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
     infos = {}
@@ -381,9 +384,6 @@ def demo(opts: DemoOptions) -> dict:
         step("pre-training skipped: " + ("using the given weights" if opts.pretrained else "the bases come with "
                                          "weights"))
 
-    methods = opts.methods
-    if isinstance(methods, str):
-        methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
     variants, detector = [], None
     if opts.full and ("comalign" in methods or "grounded" in methods):
         step("a detector for ComAlign and the grounded head: YOLOv8n trained from scratch on the toy world's train "
@@ -414,7 +414,7 @@ def demo(opts: DemoOptions) -> dict:
         step(f"the frozen bases compared: {', '.join(bases[1:])} against {bases[0]}")
         versus = compare_bases(opts, bases, weights, world, out / "bases-compared")["table"]
     long_result = None
-    if opts.full:
+    if opts.full and "smartclip" in methods:
         step(f"SmartCLIP on long captions: a long-caption toy world ({opts.n} scenes of 4-8 objects)")
         long_result = long_captions(replace(opts, base=bases[-1]), weights[bases[-1]], world,
                                     out / "long-captions")
@@ -467,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"probe: python -m serve --index {served['index']}")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "
             "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
-            + (", long-captions/results.{json,md,png}" if opts.full else ""))
+            + (", long-captions/results.{json,md,png}" if report.get("long_captions") else ""))
 
     return run_job(job, parse_args(argv))
 

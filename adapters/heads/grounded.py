@@ -282,6 +282,35 @@ class Grounded(AdapterHead):
                 "relation_weight": self.relation_weight.detach(),
                 "temperature": self.log_temperature.exp().detach()}
 
+    @torch.no_grad()
+    def explain_score(self, image_reps: Reps, text_reps: Reps) -> dict:
+        """The score of one image and one text (reps of one item each) from its parts, for serving's heatmaps:
+        ``components``: (kind, slot, score, box slot or None) for each text entity (its best box and grounding g),
+        each triplet's subject and object (the box the soft grounding puts most weight on, and that weight) and the
+        triplet itself (P(it holds), no box); ``terms`` base / entity / relation and ``weights`` (1, w_E, w_R), whose
+        weighted sum is :meth:`score`."""
+        img, txt = self.trimmed(image_reps, text_reps)
+        box_ok = img["box_valid"][0]
+        parts = self.paired_parts(image_reps, text_reps)
+        out = []
+        if box_ok.any():
+            g = self.grounding(txt["entity"], img, paired=True)[0].masked_fill(~box_ok[None], NEG)   # [P, E]
+            for slot in txt["entity_valid"][0].nonzero().flatten().tolist():
+                out.append(("entity", slot, float(g[slot].max()), int(g[slot].argmax())))
+        tau = self.log_temperature.exp().clamp(1e-3, 1.0)
+        held = self.relation_triplets(img, txt, paired=True)[0] if self.config.relations else None
+        for slot in txt["role_valid"][0].nonzero().flatten().tolist():
+            for role in ("subject", "object"):
+                if box_ok.any():
+                    g = self.grounding(txt[role][:, slot:slot + 1], img, paired=True)[0, 0].masked_fill(~box_ok, NEG)
+                    a = torch.softmax(g / tau, -1)
+                    out.append((role, slot, float(a.max()), int(a.argmax())))
+            if held is not None and parts["has_relation"][0]:
+                out.append(("relation", slot, float(held[slot].exp()), None))
+        terms = {k: float(parts[k][0]) for k in ("base", "entity", "relation")}
+        weights = {"base": 1.0, "entity": float(self.entity_weight), "relation": float(self.relation_weight)}
+        return {"components": out, "terms": terms, "weights": weights}
+
     def paired_parts(self, image_reps: Reps, text_reps: Reps) -> dict[str, Tensor]:
         """:meth:`parts` of image n with text n only (both [N, ...]): each [N], and ``has_relation`` [N] (the text
         has a triplet and the image two boxes)."""

@@ -228,6 +228,35 @@ def test_comalign_boxes_explain_its_text_to_image_score(tmp_path_factory):
         assert annotations[1][0].shape == (64, 64) and annotations[1][0].max() == 1
 
 
+def test_a_relation_query_shows_where_its_subject_and_object_were_grounded(tmp_path_factory):
+    """The grounded relation head: each phrase of "A <predicate> B" carries the box its role was grounded in (the
+    annotated box of that object), the explanation lists subject, object and P(relation holds), and its terms give
+    the head's own score exactly."""
+    from fixtures.toy import toy_root, trained_grounded
+
+    root = toy_root(tmp_path_factory)
+    scorer = load_scorer(str(trained_grounded(root)), annotations=root / "world")
+    mapper = hm.Heatmapper(scorer)
+    assert mapper.explains()
+    scenes = [s for s in toyworld.load(root / "world")["scenes"] if len(s["objects"]) >= 2][:3]
+    for scene in scenes:
+        path = str(root / "world" / scene["file_name"])
+        a, b = scene["objects"][:2]
+        text = f"a {a['colour']} {a['shape']} to the left of a {b['colour']} {b['shape']}"
+        maps, ex = mapper.explained_maps(path, text, method="raw")
+        image = Image.open(path).convert("RGB")
+        score = scorer.score(scorer.encode_pil([image], [path]), scorer.encode_texts([text]))[0, 0]
+        assert ex.score == pytest.approx(float(score), abs=1e-5)
+        kinds = {m.kind: m for m in ex.components}
+        assert {"entity", "subject", "object", "relation"} <= set(kinds)
+        assert kinds["relation"].box is None and 0 <= kinds["relation"].score <= 1
+        assert [m.phrase for m in maps] == [f"a {a['colour']} {a['shape']}", f"a {b['colour']} {b['shape']}"]
+        assert (maps[0].box_kind, maps[1].box_kind) == ("subject", "object")
+        assert maps[0].box == tuple(float(v) for v in a["box"]) and maps[1].box == tuple(float(v) for v in b["box"])
+        _, annotations = mapper.overlay(path, maps)
+        assert "subject box, score" in annotations[1][1] and "object box, score" in annotations[3][1]
+
+
 # --------------------------------------------------------------------------------------------- the measurement
 @pytest.fixture(scope="module")
 def brief_filip(tmp_path_factory):

@@ -55,7 +55,7 @@ def test_boxes_random_is_an_extraction_box_source(tmp_path):
                         boxes="random", max_entities=3, max_relations=2, region_seed=5, workers=0)
     assert cache.settings["boxes"] == {"source": "random",
                                        "detector": {"kind": "random", "count": 3, "seed": 5, "min_side": 0.1},
-                                       "crop_scale": 1.0}
+                                       "crop_scale": 3.0}  # the tiny base's own (extract/models/backbones.json)
     rows = np.arange(len(cache.image_ids()))
     assert cache.gather("ventity_valid", rows).all() and cache.gather("vrelation_valid", rows).all()
     pairs = cache.gather("vrelation_pairs", rows)

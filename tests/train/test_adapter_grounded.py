@@ -19,7 +19,7 @@ def _train(root, name: str, phrases: str | None) -> dict:
     toyworld.generate(world, n=600, seed=3, workers=1, phrases=phrases)
     out = root / f"run-{name}"
     assert main(["--method", "grounded", "--base", "toy-negclip", "--data", str(world), "--out", str(out),
-                 "--cache-dir", str(root / "cache"), "--workers", "0", "--epochs", "4", "--batch-size", "64",
+                 "--cache-dir", str(root / "cache"), "--workers", "0", "--epochs", "12", "--batch-size", "64",
                  "--eval-every", "0", "--eval-tasks", "compositional"]) == 0
     table = json.loads((out / "eval" / "results.json").read_text())["table"]["metrics"]
     return table["toy-negclip + grounded"]
@@ -29,9 +29,11 @@ def _train(root, name: str, phrases: str | None) -> dict:
 def test_renamed_predicates_are_learned_as_well(tmp_path):
     """The same world, its predicates said with each other's words in every caption and negative: the head, whose
     predicates are whatever the captions make of them, reads who is where as well as with the usual words (within the
-    noise of ~60 test images), while the frozen base's text tower, trained on the usual words, has nothing to read."""
+    noise of ~60 test images and 30 controlled sets). On this small world the renamed one needs the longer training
+    (12 epochs): the base's own cosine, which knows the usual words, pulls the other way until the relation term is
+    sure (at 8 epochs its controlled caption choice read ~89 against 100)."""
     plain, renamed = _train(tmp_path, "plain", None), _train(tmp_path, "renamed", SWAPPED)
     for row in RELATION_ROWS:
         a, b = plain[row]["mean"], renamed[row]["mean"]
-        assert min(a, b) >= 80, (row, a, b)
-        assert abs(a - b) <= 10, (row, a, b)
+        assert min(a, b) >= 95, (row, a, b)
+        assert abs(a - b) <= 5, (row, a, b)

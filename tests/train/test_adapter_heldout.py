@@ -41,7 +41,8 @@ def test_cached_evaluation_equals_the_live_final_table(run):
     assert attach_toyworld_negatives(held, root / "world", "test", extractor) > 0
     cached = ev.headline(evaluate_heldout(head, held, "cpu"))
     table = json.loads((out / "eval" / "results.json").read_text())["results"]["tiny + comalign"]
-    live = ev.headline(table)
+    # the final table also reads the controlled test, which the held-out evaluation has no cache of
+    live = {k: v for k, v in ev.headline(table).items() if not k.startswith("toyworld-controlled ")}
     assert set(live) == set(cached)
     for k in cached:
         assert live[k] == pytest.approx(cached[k], abs=1e-9), k

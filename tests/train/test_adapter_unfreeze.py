@@ -107,9 +107,9 @@ def test_epochs_are_evaluated_and_the_final_table_compares_the_frozen_base(run):
     assert all("retrieval T2I R@1" in h and "toyworld all" in h for h in history)
     assert history[1] != history[2]  # re-encoded by the backbone as it trained
     results = json.loads((run / "eval" / "results.json").read_text())["results"]
-    assert list(results) == ["tiny", "tiny fine-tuned + smartclip"]
-    for res in results.values():
-        assert res["retrieval"]["images"] == 6 and "toyworld" in res["compositional"]
+    assert list(results) == ["tiny", "text only (tiny)", "tiny fine-tuned + smartclip"]  # the text-only floor too
+    for name in ("tiny", "tiny fine-tuned + smartclip"):
+        assert results[name]["retrieval"]["images"] == 6 and "toyworld" in results[name]["compositional"]
     assert results["tiny"] != results["tiny fine-tuned + smartclip"]
 
 

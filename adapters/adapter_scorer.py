@@ -40,7 +40,9 @@ def load_annotations(spec) -> dict[str, dict]:
         path = path / "annotations.json"
     if not path.is_file():
         raise FileNotFoundError(f"annotations {spec}: no such file or toy-world folder")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    from extract.common.json_memo import read_json
+
+    data = read_json(path)
     if isinstance(data, dict) and isinstance(data.get("scenes"), list):  # a toy world
         out = {}
         for scene in data["scenes"]:
@@ -49,7 +51,7 @@ def load_annotations(spec) -> dict[str, dict]:
                 out.setdefault(os.path.basename(scene["file_name"]), scene)
         controlled = path.parent / "controlled.json"
         if controlled.is_file():
-            for entry in json.loads(controlled.read_text(encoding="utf-8")).get("sets", []):
+            for entry in read_json(controlled).get("sets", []):
                 for scene in entry.get("scenes", []):
                     out.setdefault(os.path.basename(scene["file_name"]), scene)
         return out

@@ -253,12 +253,24 @@ class ShardBuilder:
         if "patches" in self.want:
             out["patch_tokens"] = feats.patches.half().cpu().numpy()
         if "regions" in self.want:
-            out.update(self._regions(raws, image_ids))
+            sizes = [None if r is None else (r.shape[1], r.shape[0]) for r in raws]
+            out.update(self.region_arrays(image_ids, sizes, raws))
         if self.c.box_source:
             out.update(self._visual_components(raws, image_ids))
         return out
 
-    def _regions(self, raws, image_ids) -> dict[str, np.ndarray]:
+    @property
+    def region_needs_pixels(self) -> bool:
+        """True when the region masks are computed from the decoded image (a segmenter's), not only from its id
+        and size (random boxes, ground-truth boxes)."""
+        return "regions" in self.want and self.args.regions == "sam2"
+
+    def region_arrays(self, image_ids: Sequence[str], sizes: Sequence, raws: Sequence | None = None
+                      ) -> dict[str, np.ndarray]:
+        """``region_masks`` [B, M, rows, cols] and ``region_valid`` [B, M] on the backbone's patch grid: seeded
+        random boxes (per image id), ground-truth boxes of images of ``sizes`` ((width, height) each) or, with a
+        segmenter, its masks of the decoded images ``raws`` (HxWx3). No backbone forward: ``--unfreeze`` computes
+        them per batch from the data (train/adapter/live.py), the cache once."""
         from extract.components.regions import annotation_for, boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
 
         a, grid, (input_size, mode) = self.args, self.bb.grid, self.geometry
@@ -268,15 +280,14 @@ class ShardBuilder:
             if a.regions == "random":
                 _, mk = random_grid_boxes(grid, m, _image_seed(a.region_seed, image_id))
             else:
-                raw = raws[i]
-                size = (raw.shape[1], raw.shape[0])
+                size = tuple(int(v) for v in sizes[i])
                 if a.regions == "gt":
                     boxes, _ = gt_boxes(annotation_for(self.c.annotations, image_id))
                     mk = boxes_to_grid_masks(boxes, size, input_size, grid, resize_mode=mode)
                 else:
                     from PIL import Image
 
-                    found = self.c.segmenter.generate(Image.fromarray(raw))
+                    found = self.c.segmenter.generate(Image.fromarray(raws[i]))
                     mk = masks_to_grid(found.masks, size, input_size, grid, resize_mode=mode)
                 mk = mk[mk.any(axis=(1, 2))][:m]  # masks outside the centre crop are dropped
             masks[i, : len(mk)] = mk
@@ -351,10 +362,22 @@ class ShardBuilder:
                     out[f"role_{role}_embed"], out["role_valid"] = self._embed_phrases(
                         [[triple[k] for triple in row] for row in packed["role_text"]], a.max_relations)
             if "tree" in self.want:
-                out["leaf_tokens"] = packed["leaf_tokens"][:, :, :max(length, 1)]
-                out["node_leaves"] = packed["node_leaves"]
-                out["n_leaves"], out["n_nodes"] = packed["n_leaves"], packed["n_nodes"]
+                out.update(_tree(packed, length))
         return out, stats
+
+    def tree_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """The phrase trees of ``texts`` as cached (``leaf_tokens`` [B, P, l], ``node_leaves`` [B, K, P],
+        ``n_leaves``, ``n_nodes``; l: the batch's longest caption), without the text tower: ``--unfreeze``
+        computes them per batch (train/adapter/live.py)."""
+        from extract.components.text import pack
+
+        if "tree" not in self.want or self.c.text is None:
+            raise ValueError("tree_arrays needs the 'tree' component")
+        a, texts = self.args, list(texts)
+        tok = self.bb.tokenize(texts)
+        packed = pack(self.c.text.extract(texts, tok), self.bb.context_length, a.max_entities, a.max_relations,
+                      a.max_leaves, a.max_nodes)
+        return _tree(packed, int(tok.attention_mask.sum(1).max()) if texts else 0)
 
     def _embed_phrases(self, texts: list[list[str]], cap: int) -> tuple[np.ndarray, np.ndarray]:
         """Embed each distinct phrase once (captions repeat "red circle" constantly: once per builder, across its
@@ -373,6 +396,12 @@ class ShardBuilder:
         while len(table) > PHRASE_MEMO:  # oldest first (dicts keep insertion order)
             del table[next(iter(table))]
         return emb, valid
+
+
+def _tree(packed: dict, length: int) -> dict[str, np.ndarray]:
+    """The cached tree arrays of packed text components, leaf tokens trimmed to the batch's ``length``."""
+    return {"leaf_tokens": packed["leaf_tokens"][:, :, :max(length, 1)], "node_leaves": packed["node_leaves"],
+            "n_leaves": packed["n_leaves"], "n_nodes": packed["n_nodes"]}
 
 
 def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -216,6 +216,12 @@ class PowerCLIPHead(AdapterHead):
     #: the cache's region defaults (random boxes, M = 10) are the paper's PowerCLIP-R setting (§5.1); pass
     #: ``--regions sam2`` (PowerCLIP-S) or ``gt`` to the extraction for the others.
     extract_options: ClassVar[dict] = {}
+    #: ``--unfreeze``: the head *and* the backbone trained with the powerset loss, as in the paper, where eq. 16
+    #: trains the encoder that makes the patch tokens the regions pool (§3.1, §3.4); on the cache it cannot reach them
+    #: (module docstring). The backbone's patch / token states are computed with gradients, the region masks and
+    #: phrase trees per batch from the data (train.adapter.live.DataArrays), the backbone at ``backbone_lr``.
+    supports_unfreeze: ClassVar[bool] = True
+    backbone_lr: ClassVar[float] = 1e-5
 
     def __init__(self, config: PowerCLIPHeadConfig, embed_dim: int):
         super().__init__(config, embed_dim)

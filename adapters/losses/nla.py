@@ -464,11 +464,22 @@ class PowerCLIPLoss(torch.nn.Module):
 
     def forward(self, image_features, text_features, logit_scale, regions, region_mask, nodes, node_mask,
                 node_sizes=None) -> dict[str, Tensor]:
-        from adapters.losses.contrastive import clip_loss, gather, local_rows, triplet_rows
+        from adapters.losses.contrastive import clip_loss
 
         cfg, r, w = self.cfg, self.rank, self.world_size
         contrastive = clip_loss(image_features, text_features, logit_scale, rank=r, world_size=w,
                                 local_loss=self.local_loss, gather_with_grad=self.gather_with_grad)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.lam != 0):
+            # lam = 0 (the CLIP-only control): the powerset term is computed for the log only, outside the graph, so
+            # the gradient is CLIP's alone (a 0 x term would still back-propagate, and 0 x inf is nan)
+            triplet = self._triplet(regions, region_mask, nodes, node_mask, node_sizes)
+        loss = contrastive + cfg.lam * triplet if cfg.lam != 0 else contrastive
+        return {"loss": loss, "clip": contrastive.detach(), "triplet": triplet.detach()}
+
+    def _triplet(self, regions, region_mask, nodes, node_mask, node_sizes) -> Tensor:
+        from adapters.losses.contrastive import gather, local_rows, triplet_rows
+
+        cfg, r, w = self.cfg, self.rank, self.world_size
         g = lambda x: gather(x, r, w, with_grad=self.gather_with_grad)  # noqa: E731
         if node_sizes is None:
             node_sizes = torch.ones(node_mask.shape, device=nodes.device)
@@ -483,6 +494,5 @@ class PowerCLIPLoss(torch.nn.Module):
             pos = torch.arange(len(all_regions), device=regions.device)
             rows = combined_similarity(all_regions, all_rmask, all_nodes, all_nmask, cfg, all_sizes)
             cols = rows.T
-        triplet = (triplet_rows(rows, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard)
-                   + triplet_rows(cols, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard))
-        return {"loss": contrastive + cfg.lam * triplet, "clip": contrastive.detach(), "triplet": triplet.detach()}
+        return (triplet_rows(rows, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard)
+                + triplet_rows(cols, pos, cfg.margin, hardest=cfg.hardest, semihard=cfg.semihard))

@@ -85,6 +85,10 @@ class SpacyModelNotFoundError(OSError):
 #: parses kept per process (:meth:`TextComponentExtractor.parse`), the least recently used dropped first (a Doc is 5-10 KB)
 PARSE_CACHE = 40_000
 _PARSES: dict[int, OrderedDict] = {}
+#: captions' components kept per process and settings (:meth:`TextComponentExtractor.extract`; a few KB each): the
+#: demo turned the same ~20k texts (captions, hard negatives) into components ~67k times, 23 s of its 7 min
+COMPONENTS_CACHE = 60_000
+_COMPONENTS: dict[tuple, OrderedDict] = {}
 
 
 @lru_cache(maxsize=None)
@@ -398,9 +402,23 @@ class TextComponentExtractor:
             if tokenized.spans.shape[0] != len(captions):
                 raise ValueError(f"tokenized holds {tokenized.spans.shape[0]} captions, got {len(captions)}")
             spans = tokenized.spans.numpy()
-        docs = self.parse(captions)
-        return [self._components(_Caption(text, doc, self.ids, None if spans is None else spans[b]))
-                for b, (text, doc) in enumerate(zip(captions, docs))]
+        # components are a function of the text, its parse (the text and the pipeline) and its token spans: each
+        # (text, spans) is turned into components once per process and these settings
+        memo = _COMPONENTS.setdefault((id(self.nlp), self.max_entities, self.max_relations, self.max_leaves,
+                                       self.max_nodes), OrderedDict())
+        keys = [(text, None if spans is None else spans[b].tobytes()) for b, text in enumerate(captions)]
+        todo = [b for b, key in enumerate(keys) if key not in memo]
+        found = dict.fromkeys(keys)
+        for key in found:
+            found[key] = memo.get(key)
+        for b, doc in zip(todo, self.parse([captions[b] for b in todo])):
+            found[keys[b]] = self._components(_Caption(captions[b], doc, self.ids, None if spans is None else spans[b]))
+        for key, value in found.items():  # least recently used first out
+            memo[key] = value
+            memo.move_to_end(key)
+        while len(memo) > COMPONENTS_CACHE:
+            memo.popitem(last=False)
+        return [found[key] for key in keys]
 
     def parse(self, captions: Sequence[str]) -> list:
         """spaCy's parse of each caption, each distinct text parsed once per process: an evaluation scores the same

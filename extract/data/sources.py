@@ -563,7 +563,9 @@ class ToyWorldSource(COCOSource):
 
 
 def _scenes(path: Path, split: str) -> dict[str, dict]:
-    scenes = json.loads(_existing_file(path, "toy world annotations").read_text(encoding="utf-8"))["scenes"]
+    from extract.common.json_memo import read_json
+
+    scenes = read_json(_existing_file(path, "toy world annotations"))["scenes"]
     return {str(scene["image_id"]): scene for scene in scenes if scene.get("split") == split}
 
 

@@ -286,11 +286,20 @@ class FrozenBackbone(nn.Module):
         return text.transformer, text.ln_final, text.text_projection, getattr(text, "cls_emb", None) is not None
 
     def train(self, mode: bool = True):  # noqa: D401 - frozen on purpose (unless unfrozen)
-        return super().train(mode and self.trainable)
+        super().train(mode and self.trainable)
+        # BatchNorm (the ResNet towers) keeps its pre-trained statistics when fine-tuned ("frozen BN", as detectors
+        # fine-tune their backbones), its scale and shift still train: a fine-tune's batch statistics would be those
+        # of each process's share of the batch, so two processes would train another model than one (measured:
+        # every weight apart by ~2 steps), and small batches would make them noisy
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+        return self
 
     def unfreeze(self) -> "FrozenBackbone":
         """Make every weight trainable (full fine-tuning): gradients on, and ``.train()`` now switches the
-        model to train mode (dropout, patch dropout as configured). ``encode_*`` stay gradient-free."""
+        model to train mode (dropout, patch dropout as configured; BatchNorm keeps its statistics: :meth:`train`).
+        ``encode_*`` stay gradient-free."""
         self.trainable = True
         self.model.requires_grad_(True)
         return self

@@ -75,7 +75,7 @@ def _align(cleaned: str, text: str, lower: bool) -> list[int]:
 
 
 #: tokenisations kept per process (:func:`_encoded`), the least recently used dropped first (about 2 KB each)
-ENCODE_CACHE = 20_000
+ENCODE_CACHE = 60_000
 _ENCODED: OrderedDict = OrderedDict()
 
 

@@ -426,8 +426,14 @@ def test_each_text_is_parsed_once_per_process_and_the_reuse_changes_nothing(ex, 
     again = ex.extract(texts + ["a green star above a yellow hexagon"])
     assert parsed == ["a green star above a yellow hexagon"]  # only the new text, once
     assert again[:3] == first
+    monkeypatch.setattr(tc, "_COMPONENTS", {})  # components made anew from the kept parses: no parse, same output
+    assert ex.extract(texts) == first and len(parsed) == 1
     monkeypatch.setattr(tc, "_PARSES", {})
+    monkeypatch.setattr(tc, "_COMPONENTS", {})
     assert ex.extract(texts) == first and parsed[1:] == texts[:2]  # parsed anew, each distinct text once
     monkeypatch.setattr(tc, "PARSE_CACHE", 1)
+    monkeypatch.setattr(tc, "COMPONENTS_CACHE", 2)
+    monkeypatch.setattr(tc, "_COMPONENTS", {})
     ex.extract(texts)
     assert len(tc._PARSES[id(ex.nlp)]) == 1  # bounded: the least recently used parses go first
+    assert sum(len(m) for m in tc._COMPONENTS.values()) == 2  # and components'

@@ -336,8 +336,8 @@ def test_heads_that_cannot_train_through_the_backbone_are_refused_by_name(capsys
     assert e.value.code == 2
     err = capsys.readouterr().err
     supported = [n for n in ADAPTERS.names() if unfreeze_support(ADAPTERS.get(n)) is None]
-    assert supported == ["smartclip"]
-    assert "'comalign'" in err and "supports_unfreeze" in err and "support --unfreeze: smartclip" in err
+    assert supported == ["powerclip", "smartclip"]
+    assert "'comalign'" in err and "supports_unfreeze" in err and "support --unfreeze: powerclip, smartclip" in err
     for bad, message in ((["--context-length", "248"], "only applies with --unfreeze"),
                          (["--unfreeze", "--cache", "c"], "--cache"),
                          (["--unfreeze", "--extract-precision", "fp16"], "fp32")):

@@ -902,7 +902,7 @@ def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
     backbone is stretched or trained."""
     from train.adapter.live import prepare_live
 
-    live = prepare_live(opts, env.backbone, env.base_info["describe"])
+    live = prepare_live(opts, env.backbone, env.base_info["describe"], ADAPTERS.get(opts.method))
     val = live.heldout(opts.extract_batch_size, _workers(opts)) if env.is_main and not opts.resume else None
     negatives = None
     if opts.hard_negatives != "none":  # tokenized per batch: the backbone being trained encodes them
@@ -912,7 +912,8 @@ def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
         drawn = draw_negatives(live.train.texts, live.train_rows, parse_types(opts.hard_negatives), seed=opts.seed,
                                forbid=heldout_of(live.world) if live.world is not None else frozenset())
         env.say(drawn.summary(len(live.train_rows)))
-        negatives = LiveNegatives(drawn, env.backbone.tokenizer, env.backbone.context_length)
+        negatives = LiveNegatives(drawn, env.backbone.tokenizer, env.backbone.context_length,
+                                  text_arrays=live.data_arrays.texts if live.data_arrays else None)
     return TrainData(live.train_rows, live.caption_image, live.extraction, f"live {live.train.name}",
                      final_table_data(opts), live=live, val=val, negatives=negatives)
 
@@ -1015,7 +1016,8 @@ def train_epoch(run: Run, epoch: int) -> None:
         from train.adapter.live import batch_loader
 
         loader = iter(batch_loader(data.live.train, [mine(b) for b in batches[state.batch:]], env.backbone,
-                                   _workers(opts)))
+                                   _workers(opts), keep_pixels=bool(data.live.data_arrays
+                                                                    and data.live.data_arrays.needs_pixels)))
     keys = list(dict.fromkeys([*head_cls.image_keys, *head_cls.text_keys]))
     trained = model.trained
     if data.negatives is not None:
@@ -1244,9 +1246,11 @@ def _live_batch(batch: dict, live, ctx: AdapterRun, warn) -> tuple[dict, dict, n
         raise ValueError("a whole training batch of undecodable images: check the data with python -m "
                          "extract.data.check (its report lists them)")
     batch = take(batch, n)
-    images = {"pixels": batch["pixels"].to(ctx.device)}
-    texts = {"ids": batch["ids"].to(ctx.device), "attention_mask": batch["attention_mask"].to(ctx.device)}
-    return images, texts, batch["rows"].numpy()
+    rows = batch["rows"].numpy()
+    from_data = live.batch_arrays(rows, batch["sizes"], batch["raws"])  # region masks, trees (heads that read them)
+    images = {"pixels": batch["pixels"], **from_data[0]}
+    texts = {"ids": batch["ids"], "attention_mask": batch["attention_mask"], **from_data[1]}
+    return {k: v.to(ctx.device) for k, v in images.items()}, {k: v.to(ctx.device) for k, v in texts.items()}, rows
 
 
 def _save_rank_rng(state_path: Path, rank: int) -> None:

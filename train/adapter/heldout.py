@@ -94,11 +94,12 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
 
 def _toyworld_truth(heldout: HeldOut, world, split: str):
     from adapters.eval.multipositive import toyworld_truth
+    from extract.common.json_memo import read_json
 
     caption_ids = getattr(heldout.cache, "caption_ids", None)
     if caption_ids is None:
         return None
-    scenes = {str(s["image_id"]): s for s in json.loads((Path(world) / "annotations.json").read_text())["scenes"]
+    scenes = {str(s["image_id"]): s for s in read_json(Path(world) / "annotations.json")["scenes"]
               if s.get("split") == split}
     image_ids, all_captions = heldout.cache.image_ids(), caption_ids()
     try:

@@ -46,6 +46,10 @@ from extract.models.tokens import tokenize_with_spans
 
 #: arrays a backbone forward produces (``extract.models.backbone``), i.e. what a head trained through it may read
 LIVE_KEYS = frozenset({"image_embed", "patch_tokens", "text_embed", "token_embed", "token_mask"})
+#: arrays that come from the data alone, no backbone forward (``extract.pipeline.ShardBuilder.region_arrays`` /
+#: ``tree_arrays``): computed per batch, exactly as the cache computes them (:class:`DataArrays`)
+DATA_IMAGE_KEYS = frozenset({"region_masks", "region_valid"})
+DATA_TEXT_KEYS = frozenset({"leaf_tokens", "node_leaves", "n_leaves", "n_nodes"})
 
 
 # --------------------------------------------------------------------------------------------- which heads
@@ -54,9 +58,10 @@ def unfreeze_support(head_cls) -> str | None:
     if not head_cls.supports_unfreeze:
         return f"{head_cls.__name__} does not set supports_unfreeze = True"
     needed = set(head_cls.image_keys) | set(head_cls.text_keys)
-    if needed - LIVE_KEYS:
-        return (f"it reads {sorted(needed - LIVE_KEYS)}, which a backbone forward does not produce "
-                f"(only {sorted(LIVE_KEYS)})")
+    known = LIVE_KEYS | DATA_IMAGE_KEYS | DATA_TEXT_KEYS
+    if needed - known:
+        return (f"it reads {sorted(needed - known)}, which neither a backbone forward nor the data alone gives "
+                f"(only {sorted(known)})")
     return None
 
 
@@ -132,10 +137,12 @@ def live_splits(args, world: Path | None) -> tuple[Pairs, np.ndarray, Pairs]:
 
 
 class PairDataset(Dataset):
-    """Caption row -> ``(row, preprocessed image, caption)``, or a :class:`Skip` for an undecodable image."""
+    """Caption row -> ``(row, preprocessed image, caption, (width, height), decoded pixels or None)``, or a
+    :class:`Skip` for an undecodable image. The pixels come along only with ``keep_pixels`` (a segmenter's
+    regions need them)."""
 
-    def __init__(self, pairs: Pairs, transform):
-        self.pairs, self.transform = pairs, transform
+    def __init__(self, pairs: Pairs, transform, keep_pixels: bool = False):
+        self.pairs, self.transform, self.keep_pixels = pairs, transform, keep_pixels
 
     def __len__(self) -> int:
         return len(self.pairs.texts)
@@ -146,12 +153,15 @@ class PairDataset(Dataset):
             sample = self.pairs.source.load(record)
         except BadImage as e:
             return Skip.from_error("image", record.image_id, record.location, e)
-        return int(row), self.transform(sample.image), self.pairs.texts[row]
+        image = sample.image
+        return (int(row), self.transform(image), self.pairs.texts[row], image.size,
+                np.asarray(image) if self.keep_pixels else None)
 
 
 class PairCollate:
     """Stack images, tokenize captions (in the worker): ``{"rows" [B], "pixels" [B, 3, H, W], "ids" [B, L],
-    "attention_mask" [B, l], "truncated" [B], "skips": [Skip]}`` with ``l`` the longest caption of the batch
+    "attention_mask" [B, l], "truncated" [B], "sizes" [B, 2] (each image's (width, height)), "raws" (decoded
+    pixels, or Nones), "skips": [Skip]}`` with ``l`` the longest caption of the batch
     (the cache trims token arrays the same way; ``ids`` keep the full context, which the text tower's
     position embeddings and causal mask are sized for)."""
 
@@ -163,11 +173,12 @@ class PairCollate:
         skips = [x for x in items if isinstance(x, Skip)]
         if not good:
             return {"rows": torch.zeros(0, dtype=torch.long), "skips": skips}
-        tok = tokenize_with_spans(self.tokenizer, [t for _, _, t in good], self.context_length)
+        tok = tokenize_with_spans(self.tokenizer, [g[2] for g in good], self.context_length)
         length = int(tok.attention_mask.sum(1).max())
-        return {"rows": torch.tensor([r for r, _, _ in good]), "pixels": torch.stack([x for _, x, _ in good]),
+        return {"rows": torch.tensor([g[0] for g in good]), "pixels": torch.stack([g[1] for g in good]),
                 "ids": tok.ids, "attention_mask": tok.attention_mask[:, :length], "truncated": tok.truncated,
-                "skips": skips}
+                "sizes": torch.tensor([g[3] for g in good], dtype=torch.long).reshape(-1, 2),
+                "raws": [g[4] for g in good], "skips": skips}
 
 
 def _loader_generator() -> torch.Generator:
@@ -176,16 +187,50 @@ def _loader_generator() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def batch_loader(pairs: Pairs, batches: Sequence[np.ndarray], backbone, workers: int) -> DataLoader:
+def batch_loader(pairs: Pairs, batches: Sequence[np.ndarray], backbone, workers: int,
+                 keep_pixels: bool = False) -> DataLoader:
     """One epoch's (local) batches of caption rows, decoded and tokenized by ``workers`` processes, in order."""
-    return DataLoader(PairDataset(pairs, backbone.preprocess), batch_sampler=[b.tolist() for b in batches],
+    return DataLoader(PairDataset(pairs, backbone.preprocess, keep_pixels), batch_sampler=[b.tolist() for b in batches],
                       num_workers=workers, collate_fn=PairCollate(backbone.tokenizer, backbone.context_length),
                       generator=_loader_generator())
 
 
 def take(batch: dict, n: int) -> dict:
     """The first ``n`` pairs of a loaded batch (ranks trim to the smallest local batch after a skipped image)."""
-    return {k: (v[:n] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    return {k: (v[:n] if isinstance(v, (torch.Tensor, list)) and k != "skips" else v) for k, v in batch.items()}
+
+
+class DataArrays:
+    """The arrays a head reads that come from the data alone (:data:`DATA_IMAGE_KEYS`, :data:`DATA_TEXT_KEYS`:
+    region masks, phrase trees), computed per batch by the extraction's own code (``ShardBuilder.region_arrays`` /
+    ``tree_arrays`` of the run's live extractor), so ``--unfreeze`` trains on exactly what the cache would hold
+    (tests/train/test_adapter_live_powerclip.py compares them). Trees are parsed in this process, whose parse
+    memo (extract/components/text.py) spares every epoch after the first."""
+
+    def __init__(self, builder, head_cls):
+        self.builder = builder
+        self.image_keys = [k for k in head_cls.image_keys if k in DATA_IMAGE_KEYS]
+        self.text_keys = [k for k in head_cls.text_keys if k in DATA_TEXT_KEYS]
+
+    def __bool__(self) -> bool:
+        return bool(self.image_keys or self.text_keys)
+
+    @property
+    def needs_pixels(self) -> bool:
+        return bool(self.image_keys) and self.builder.region_needs_pixels
+
+    def images(self, image_ids: Sequence[str], sizes, raws: Sequence | None = None) -> dict[str, torch.Tensor]:
+        if not self.image_keys:
+            return {}
+        sizes = [tuple(int(v) for v in s) for s in (sizes.tolist() if torch.is_tensor(sizes) else sizes)]
+        out = self.builder.region_arrays(list(image_ids), sizes, raws)
+        return {k: torch.from_numpy(out[k]) for k in self.image_keys}
+
+    def texts(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        if not self.text_keys:
+            return {}
+        out = self.builder.tree_arrays(list(texts))
+        return {k: torch.from_numpy(np.ascontiguousarray(out[k])) for k in self.text_keys}
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -207,9 +252,10 @@ class LiveModel(nn.Module):
         self.directional = head.directional
 
     def image_arrays(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The head's image arrays (``image_keys``) for ``{"pixels": [B, 3, H, W]}``, with autograd."""
+        """The head's image arrays (``image_keys``) for ``{"pixels": [B, 3, H, W]}``, with autograd; the arrays that
+        come from the data (:class:`DataArrays`) are taken from the batch as they are."""
         feats = self.backbone.image_features(batch["pixels"])
-        arrays = {"image_embed": feats.embedding}
+        arrays = {"image_embed": feats.embedding, **{k: batch[k] for k in DATA_IMAGE_KEYS if k in batch}}
         if "patch_tokens" in self.head.image_keys:
             arrays["patch_tokens"] = feats.patches
         return {k: arrays[k] for k in self.head.image_keys}
@@ -218,7 +264,8 @@ class LiveModel(nn.Module):
         """The head's caption arrays (``text_keys``) for ``{"ids": [B, L], "attention_mask": [B, l]}``."""
         mask = batch["attention_mask"].to(self.backbone.device)
         embedding, tokens = self.backbone.token_features(batch["ids"], mask)
-        arrays = {"text_embed": embedding, "token_embed": tokens[:, :mask.shape[1]], "token_mask": mask}
+        arrays = {"text_embed": embedding, "token_embed": tokens[:, :mask.shape[1]], "token_mask": mask,
+                  **{k: batch[k] for k in DATA_TEXT_KEYS if k in batch}}
         return {k: arrays[k] for k in self.head.text_keys}
 
     def encode_image(self, batch: dict[str, torch.Tensor]):
@@ -342,6 +389,7 @@ class LiveData:
     negatives_world: Path | None
     extractor: object
     extraction: dict
+    data_arrays: DataArrays | None = None   # region masks / trees per batch, for heads that read them
     report: SkipReport = field(default_factory=SkipReport)
     _skipped: set = field(default_factory=set)
 
@@ -357,6 +405,15 @@ class LiveData:
             self.report.add(s)
         return new
 
+    def batch_arrays(self, rows: np.ndarray, sizes, raws) -> tuple[dict, dict]:
+        """(image, caption) arrays from the data for the training caption ``rows`` whose images have ``sizes`` /
+        ``raws`` (:class:`DataArrays`); empty without such a head."""
+        if not self.data_arrays:
+            return {}, {}
+        images = [self.train.records[int(i)] for i in self.caption_image[np.asarray(rows)]]
+        return (self.data_arrays.images([r.image_id for r in images], sizes, raws),
+                self.data_arrays.texts([self.train.texts[int(r)] for r in rows]))
+
 
 def extraction_args(args, world: Path | None) -> dict:
     """The resolved ``python -m extract`` options of this run's components (what a cache's ``config.json`` holds),
@@ -367,8 +424,9 @@ def extraction_args(args, world: Path | None) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(options), default=str))
 
 
-def prepare_live(args, backbone, base_describe: dict) -> LiveData:
-    """Splits (:func:`live_splits`), the live extractor and the extraction description the checkpoint stores."""
+def prepare_live(args, backbone, base_describe: dict, head_cls=None) -> LiveData:
+    """Splits (:func:`live_splits`), the live extractor, the extraction description the checkpoint stores and (for
+    ``head_cls`` reading region masks or trees) what computes them per batch."""
     from adapters.adapter_scorer import LiveExtractor
     from extract.data.toyworld import is_toyworld
 
@@ -380,4 +438,6 @@ def prepare_live(args, backbone, base_describe: dict) -> LiveData:
                   "settings": {"backbone": base_describe, **extractor.settings(),
                                "summary": f"{args.base} on {train.name}: live ({','.join(args.components)})"}}
     negatives_world = world if not args.val_data else (Path(args.val_data) if is_toyworld(args.val_data) else None)
-    return LiveData(train, train_rows, train.caption_image, val, world, negatives_world, extractor, extraction)
+    data_arrays = DataArrays(extractor.builder, head_cls) if head_cls is not None else None
+    return LiveData(train, train_rows, train.caption_image, val, world, negatives_world, extractor, extraction,
+                    data_arrays or None)

@@ -103,8 +103,11 @@ class LiveNegatives:
     """``--unfreeze``'s negatives: tokenized per batch, so the backbone being trained encodes them at every step
     (NegCLIP fine-tunes the whole model this way, §4 of Yuksekgonul et al. 2023)."""
 
-    def __init__(self, drawn: DrawnNegatives, tokenizer, context_length: int):
+    def __init__(self, drawn: DrawnNegatives, tokenizer, context_length: int, text_arrays=None):
         self.drawn, self.tokenizer, self.context_length = drawn, tokenizer, context_length
+        #: texts -> {key: [n, ...] tensor}: the caption arrays that come from the data (phrase trees), for heads
+        #: that read them (train.adapter.live.DataArrays.texts)
+        self.text_arrays = text_arrays
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -122,9 +125,12 @@ class LiveNegatives:
         texts = [self.drawn.texts[i] if i >= 0 else "" for i in index.reshape(-1)]
         tok = tokenize_with_spans(self.tokenizer, texts, self.context_length)
         length = int(tok.attention_mask.sum(1).max())
-        return {PREFIX + "ids": tok.ids.reshape(b, k, -1),
-                PREFIX + "attention_mask": tok.attention_mask[:, :length].reshape(b, k, length),
-                "neg_valid": torch.as_tensor(index >= 0)}
+        out = {PREFIX + "ids": tok.ids.reshape(b, k, -1),
+               PREFIX + "attention_mask": tok.attention_mask[:, :length].reshape(b, k, length),
+               "neg_valid": torch.as_tensor(index >= 0)}
+        if self.text_arrays is not None:
+            out.update({PREFIX + name: v.reshape(b, k, *v.shape[1:]) for name, v in self.text_arrays(texts).items()})
+        return out
 
 
 class NegativeLoss:

@@ -148,6 +148,14 @@ def _read_text(path: Path) -> str:
 
 
 def _load_json(path: Path) -> Any:
+    """The parsed file (shared while unchanged: extract.common.json_memo; the readers never edit it); a file that
+    does not read or parse plainly is read again here, to say where and why."""
+    from extract.common.json_memo import read_json
+
+    try:
+        return read_json(path)
+    except (OSError, ValueError):  # missing, not UTF-8, a byte-order mark, invalid: the careful path says which
+        pass
     try:
         return json.loads(_read_text(path))
     except json.JSONDecodeError as e:

@@ -40,7 +40,9 @@ def training_pairs(world: str | Path, split: str = "train", limit: int | None = 
     """(captions, hard negatives) of ``split`` from the world's ``negatives.json``: each caption that has a negative,
     and every negative of it; ``limit``: at most that many captions, a seeded draw (a 64-768-wide linear probe is
     fitted as well from 3,000 captions as from 7,000, in a quarter of the text-tower time)."""
-    data = json.loads((Path(world) / "negatives.json").read_text())
+    from extract.common.json_memo import read_json
+
+    data = read_json(Path(world) / "negatives.json")
     items = [item for item in data["items"] if item.get("split") == split and item.get("negatives")]
     if limit is not None and len(items) > limit:
         keep = np.sort(np.random.default_rng(seed).choice(len(items), size=limit, replace=False))

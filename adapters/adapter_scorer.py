@@ -250,8 +250,10 @@ class AdapterScorer(CacheReadable):
         return self.head.encode_image(batch)
 
     @torch.no_grad()
-    def encode_pil(self, images: Sequence, ids: Sequence[str]) -> Reps:
-        """Decoded RGB images with their ids (paths are fine) -> head representations."""
+    def encode_pil(self, images: Sequence, ids: Sequence[str] | None = None) -> Reps:
+        """Decoded images with their ids (paths are fine; without ids, their positions) -> head representations."""
+        images = [im.convert("RGB") for im in images]
+        ids = list(ids) if ids is not None else [str(k) for k in range(len(images))]
         return self._image_reps(self.extractor.image_arrays(images, ids))
 
     @torch.no_grad()

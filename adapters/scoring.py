@@ -61,6 +61,16 @@ class CacheReadable:
     def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
         return self.score(image_reps, text_reps)
 
+    @torch.no_grad()
+    def encode_pil(self, images: Sequence, ids: Sequence[str] | None = None) -> Reps:
+        """Decoded images (PIL, any mode) -> representations: each converted to RGB and preprocessed as the model
+        expects, then :meth:`encode_images`. ``ids`` are for scorers whose components need the image's id (an
+        adapter's ground-truth boxes, ``adapters.adapter_scorer.AdapterScorer.encode_pil``); a bare backbone or a
+        pre-trained model ignores them, so code that swaps an adapter for its base keeps its calls."""
+        if not len(images):
+            raise ValueError("encode_pil: no images given")
+        return self.encode_images(torch.stack([self.preprocess(im.convert("RGB")) for im in images]))
+
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The feature-cache arrays it reads per item of ``side`` ("image" / "text")."""
         raise ValueError(f"{self.name}: no known way to read its representations from a feature cache")

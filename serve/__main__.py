@@ -72,6 +72,9 @@ class ServeOptions:
                              help="largest image, width x height, checked from the header before decoding")
     max_results: int = option(1000, type=positive_int, group="limits",
                               help="hits and re-ranked candidates one request may ask for")
+    show_paths: bool = option(False, action="store_true", group="limits",
+                              help="HTTP answers also hold each image's file path on this machine (image_path; "
+                                   "for a trusted local setup: by default a client gets the image's URL and id)")
     recall: str = option("auto", choices=["auto", "on", "off"], group="limits",
                          help="measure the served R@k once at start-up for the about line; auto: for collections "
                               "of at most 5,000 images + captions")
@@ -156,7 +159,8 @@ def prepare(opts: ServeOptions):
 
     check_options(opts, build_parser())
     limits = Limits(max_upload_bytes=parse_memory(opts.max_upload), max_pixels=opts.max_pixels,
-                    concurrency=opts.concurrency, queue=opts.queue, max_results=opts.max_results)
+                    concurrency=opts.concurrency, queue=opts.queue, max_results=opts.max_results,
+                    show_paths=opts.show_paths)
     recall = {"auto": None, "on": True, "off": False}[opts.recall]
 
     def open_(index: Path):

@@ -12,9 +12,12 @@ Routes (clip-retrieval's first, same request and response shapes):
     connected components as clip_back), ``use_mclip``, ``use_safety_model``, ``use_violence_detector``,
     ``aesthetic_score``, ``aesthetic_weight``. The query is the first non-empty of text, image / image_url,
     embedding_input (clip_back's order). Response: a JSON list, best first, of ``{"id": row, "similarity": score,
-    "caption", "url", "image_path", ...}`` -- metadata only on the first ``num_images`` results, as clip_back.
+    "caption", "url", "image_id", ...}`` -- metadata only on the first ``num_images`` results, as clip_back.
     ``url`` is ``/images/<row>`` on this server (the collection's file), ``caption`` an image's first caption or
-    the caption hit's text.
+    the caption hit's text. No answer holds a file path of the server unless it was started with ``--show-paths``
+    (``image_path``, as clip_back: for a trusted local setup). An ``embedding_input`` with no direction (all zeros,
+    or a float32 norm that underflows to 0), a NaN, an infinity or a number beyond float32's range is a 400 that
+    says so (``serve.search.query_vector``), checked before any cast, so it leaves nothing in the server's log.
 
     Extensions (absent = clip-retrieval's behaviour): ``rerank`` (true: the first ``k_candidates`` first-stage
     candidates are re-scored by the model's own score, ``similarity`` is that score), ``k_candidates`` (default
@@ -39,7 +42,8 @@ Routes (clip-retrieval's first, same request and response shapes):
 ``GET /images/<row>``
     The collection's image file of that row (the ``url`` of results); nothing else of the disk is reachable.
 ``GET /health``
-    ``{"status": "ok", "pid", "rss_bytes", "uptime_s", "in_flight", "busy_refusals", "served": {...}}``.
+    ``{"status": "ok", "pid", "rss_bytes", "uptime_s", "in_flight", "busy_refusals", "served": {...}}`` (the index
+    folder in ``served`` only with ``--show-paths``).
 
 Safety: request bodies are refused above the upload limit (HTTP 413), model work goes through the app's
 :class:`serve.service.Gate` (HTTP 503 when busy, with Retry-After), Gradio's own URL-fetching routes (``/file=http...``,
@@ -318,8 +322,10 @@ def _result(served: Served, hit, with_metadata: bool, base_url: str, return_imag
     if with_metadata:
         image_row = hit.row if hit.kind == "image" else int(hit.metadata["image_row"])
         caption = hit.text if hit.kind == "text" else next(iter(hit.metadata.get("captions") or []), "")
-        out.update(caption=caption, url=f"{base_url.rstrip('/')}/images/{image_row}", image_path=hit.path,
+        out.update(caption=caption, url=f"{base_url.rstrip('/')}/images/{image_row}",
                    image_id=str(hit.metadata.get("image_id", "")))
+        if served.limits.show_paths:  # the server's folder layout, only where the operator asked (--show-paths)
+            out["image_path"] = hit.path
         if hit.kind == "text":
             out["caption_id"] = hit.id
         if return_image and hit.path:
@@ -355,8 +361,11 @@ def metadata_service(served: Served, body: Any, index_names: list[str], base_url
         image_row = row if side == "image" else int(meta["image_row"])
         path = str(images.column("path")[image_row])
         caption = meta.get("text") if side == "text" else next(iter(meta.get("captions") or []), "")
-        out.append({"id": row, "metadata": {"caption": caption, "url": f"{base_url.rstrip('/')}/images/{image_row}",
-                                            "image_path": path, **{k: v for k, v in meta.items() if k != "path"}}})
+        entry = {"caption": caption, "url": f"{base_url.rstrip('/')}/images/{image_row}",
+                 **{k: v for k, v in meta.items() if k != "path"}}
+        if served.limits.show_paths:
+            entry["image_path"] = path
+        out.append({"id": row, "metadata": entry})
     return out
 
 
@@ -452,7 +461,8 @@ def create_app(served: Served, blocks=None):
         gate = served.gate
         return {"status": "ok", "pid": os.getpid(), "rss_bytes": rss_bytes(), "uptime_s": round(time.time() -
                 served.started, 1), "requests": counts["requests"], "in_flight": gate._inside,
-                "busy_refusals": gate.refused, "served": {k: v for k, v in served.describe().items() if k != "recall"}}
+                "busy_refusals": gate.refused, "served": {k: v for k, v in served.describe().items()
+                                                          if k != "recall" and (k != "index" or served.limits.show_paths)}}
 
     if blocks is not False:
         import gradio as gr

@@ -477,7 +477,8 @@ def build_side(opts: IndexOptions, side: str, vectors, queries, query_source: st
     exact = fi.exact_top(vectors, queries, fi.RECALL_K)  # once, whatever the number of candidates
     if old is not None:
         index, key, ondisk = _extend(opts, side, vectors, work, old, old_dir)
-        tuned = fi.tune(index, key, vectors, queries, opts.max_latency_ms, say=say, exact=exact)
+        tuned = fi.tune(index, key, vectors, queries, opts.max_latency_ms, say=say, exact=exact,
+                        min_recall=opts.min_recall)
         tried = [*old.get("tried", []), {"key": key, "added": n - old["ntotal"], **_summary(tuned)}]
     else:
         index = key = tuned = None
@@ -489,7 +490,8 @@ def build_side(opts: IndexOptions, side: str, vectors, queries, query_source: st
             say(f"{side} index: {cand} over {n:,} vectors of {d} dims" + (" (on disk)" if cand_ondisk else "")
                 + (f", candidate {k + 1} of {len(candidates)}" if len(candidates) > 1 else ""))
             built = _fresh(opts, side, cand, vectors, work, k, cand_ondisk)
-            result = fi.tune(built, cand, vectors, queries, opts.max_latency_ms, say=say, exact=exact)
+            result = fi.tune(built, cand, vectors, queries, opts.max_latency_ms, say=say, exact=exact,
+                             min_recall=opts.min_recall)
             tried.append({"key": cand, **_summary(result), "build_seconds": round(time.perf_counter() - t0, 3)})
             better = tuned is None or (result["recall_at_10"] or 1.0) > (tuned["recall_at_10"] or 1.0)
             if better:
@@ -508,7 +510,8 @@ def build_side(opts: IndexOptions, side: str, vectors, queries, query_source: st
              "params": tuned["params"], "ntotal": int(index.ntotal), "max_norm": fi.max_norm(vectors),
              "recall_at_10": tuned["recall_at_10"],
              "recall_queries": int(len(queries)), "queries": query_source, "ms_per_query": tuned["ms_per_query"],
-             "tuning": tuned["ladder"], "tried": tried, "ondisk": bool(ondisk)}
+             "tuning": tuned["ladder"], "tuning_rule": tuned.get("rule"),
+             "best_recall_at_10": tuned.get("best_recall_at_10"), "tried": tried, "ondisk": bool(ondisk)}
     if isinstance(index, fi.Refined):
         entry["refine"] = {"file": f"{side}.refine.npy", "dtype": "float16", "bytes": index.vectors.nbytes}
         work.wrote(f"{side}.refine.npy")

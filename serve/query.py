@@ -5,6 +5,7 @@ model's own re-ranking, and print the hits as a table or JSON.
     python -m serve.query runs/index --image photo.png --k 5 --json
     python -m serve.query runs/index "a red circle" --where image_id=00012 --where image_id=00013
     python -m serve.query runs/index "a red circle" --k 10 --offset 10          # the second page of ten
+    python -m serve.query runs/index --vector query.npy --k 5        # a first-stage vector (.npy or a JSON list)
 
 The model is the one the index was built with (``--model`` names another only to be refused if it differs).
 Columns: the final rank, the rank the first stage gave (before re-ranking), the first-stage score, the re-ranked
@@ -38,6 +39,11 @@ class QueryOptions:
     query: str | None = option(None, positional=True, nargs="?",
                                help="the text to search images for (leave out with --image)")
     image: str | None = option(None, metavar="PATH", help="an image file: search captions for it instead")
+    vector: str | None = option(None, metavar="PATH",
+                                help="a first-stage vector instead (the index's width; a .npy file, read without "
+                                     "pickles, or a JSON list of numbers): the first stage alone, in --side")
+    side: str = option("image", choices=["image", "text"],
+                       help="with --vector: search the images (default) or the captions")
     k: int = option(10, type=positive_int, help="hits to print (at most the collection's size)")
     rerank: int | None = option(None, type=positive_int, metavar="K",
                                 help="re-score the first K candidates with the model's own score (default: no "
@@ -73,11 +79,33 @@ def _check(ns) -> None:
     if not ns.index:
         raise ValueError("give the index directory (written by python -m serve.index) first")
     if ns.recall:
-        if ns.query is not None or ns.image is not None:
-            raise ValueError("--recall measures the index on its own collection: give no query or --image with it")
+        if ns.query is not None or ns.image is not None or ns.vector is not None:
+            raise ValueError("--recall measures the index on its own collection: give no query, --image or --vector "
+                             "with it")
         return
-    if (ns.query is None) == (ns.image is None):
-        raise ValueError("give either a text query or --image PATH (one of them)")
+    if sum(x is not None for x in (ns.query, ns.image, ns.vector)) != 1:
+        raise ValueError("give one of a text query, --image PATH or --vector PATH")
+
+
+def load_vector(path: str):
+    """The numbers of a ``--vector`` file: a .npy array (``allow_pickle=False``: never unpickle what a user hands
+    us) or a JSON list; checked by :func:`serve.search.query_vector` (a QueryError says what is wrong)."""
+    import json as json_
+
+    import numpy as np
+
+    from serve.search import QueryError, query_vector
+
+    try:
+        if str(path).endswith(".npy"):
+            data = np.load(path, allow_pickle=False)
+        else:
+            with open(path, encoding="utf-8") as f:
+                data = json_.load(f)
+    except (OSError, ValueError) as e:
+        raise QueryError(f"--vector {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__} (a .npy array "
+                         "or a JSON list of numbers)") from None
+    return query_vector(data)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> QueryOptions:
@@ -94,14 +122,15 @@ def query(opts: QueryOptions):
     check_options(opts, build_parser())
     if not opts.index:
         raise QueryError("give the index directory (written by python -m serve.index)")
-    if (opts.query is None) == (opts.image is None):
-        raise QueryError("give either a text query or --image PATH (one of them)")
+    if sum(x is not None for x in (opts.query, opts.image, opts.vector)) != 1:
+        raise QueryError("give one of a text query, --image PATH or --vector PATH")
     where = parse_where(opts.where) if opts.where else None
+    vector = load_vector(opts.vector) if opts.vector is not None else None  # before the model loads
     if opts.query is not None and len(opts.query) > MAX_QUERY_CHARS:
         raise QueryError(f"query of {len(opts.query):,} characters refused: a search phrase has at most "
                          f"{MAX_QUERY_CHARS:,} (the model reads its first 77 or 248 tokens, a few hundred characters)")
     # the collection's size from the manifest, before the model loads: a --k beyond it is a mistake to say at once
-    side = "images" if opts.query is not None else "captions"
+    side = "images" if opts.query is not None or (vector is not None and opts.side == "image") else "captions"
     held = read_manifest(opts.index, verify="none")["collection"].get(side) or 0  # Searcher.open hashes
     if held and opts.k > held:
         raise QueryError(f"--k {opts.k} is more than the {held:,} {side} in the collection: ask for at most "
@@ -111,13 +140,19 @@ def query(opts: QueryOptions):
             validate_caption(opts.query)
         except BadCaption as e:
             raise QueryError("bad query: " + str(e).replace("caption", "query")) from None
-    else:
+    elif opts.image is not None:
         try:
             decode_image(opts.image)
         except BadImage as e:
             raise QueryError(f"query image {opts.image}: {e}") from None
     searcher = Searcher.open(opts.index, opts.model, pretrained=opts.pretrained, device=opts.device,
                              annotations=opts.annotations, detector=opts.detector)
+    if vector is not None:
+        if opts.rerank:
+            raise QueryError("--rerank needs a text or an image: the model re-scores images against texts, not "
+                             "vectors (a --vector search is the first stage alone)")
+        return searcher, searcher.search_vector(vector, opts.side, k=opts.k, where=where, offset=opts.offset,
+                                                query=f"vector {opts.vector}")
     search = searcher.search_text if opts.query is not None else searcher.search_image
     hits = search(opts.query if opts.query is not None else opts.image, k=opts.k, rerank=opts.rerank, where=where,
                   offset=opts.offset)

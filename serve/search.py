@@ -373,6 +373,34 @@ def _mask(side: _Side, where: Mapping[str, Any]) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------- the searcher
+def query_vector(vector, width: int | None = None, held: str = "") -> np.ndarray:
+    """A query vector given as numbers, checked before it is searched with: ``[1, F]`` float32, or QueryError when
+    it is not a list of numbers, has another width than ``width`` (``held`` says what the index holds), has a NaN
+    or an infinity, has a number beyond float32's range (checked in float64 first, so the cast never overflows and
+    never prints numpy's warning into a server log), or has no direction: a zero vector, or one whose float32 norm
+    underflows to 0, ranks every item the same (an arbitrary order presented as a result)."""
+    try:
+        wide = np.asarray(vector, dtype=np.float64).reshape(1, -1)
+    except OverflowError:  # an integer beyond float64, let alone float32
+        raise QueryError("a query vector with a number beyond float32's range (3.4e38): scale it down (only its "
+                         "direction matters)") from None
+    except (TypeError, ValueError):
+        raise QueryError("a query vector is a list of numbers") from None
+    if width is not None and wide.shape[1] != width:
+        raise QueryError(f"a query vector of {wide.shape[1]} numbers: {held or f'the index holds {width}-d vectors'}")
+    if not np.isfinite(wide).all():
+        raise QueryError("a query vector with non-finite numbers (NaN or infinity): nothing to search with")
+    big = float(np.abs(wide).max()) if wide.size else 0.0
+    if big > float(np.finfo(np.float32).max):
+        raise QueryError(f"a query vector with a number of magnitude {big:.3g}, beyond float32's range (3.4e38), "
+                         "which the index computes in: scale it down (only its direction matters)")
+    out = wide.astype(np.float32)
+    if not float(np.linalg.norm(out)) > 0.0:
+        raise QueryError("a query vector with no direction (all zeros, or so small that its float32 norm is 0): "
+                         "every item would score the same; send a non-zero vector (only its direction matters)")
+    return out
+
+
 class Searcher:
     """Searches one index directory with one model (see the module docstring). Build with :meth:`open`.
 
@@ -520,16 +548,9 @@ class Searcher:
         images against texts, not against vectors. The hits' ``direction`` names the side ("t2i": image hits)."""
         if side not in self._sides:
             raise QueryError(f"index {self.index_dir} has no {side} side (it has {', '.join(self._sides)})")
-        try:
-            vector = np.asarray(vector, dtype=np.float32).reshape(1, -1)
-        except (TypeError, ValueError):
-            raise QueryError("a query vector is a list of numbers") from None
         width = self._sides[side].index.d
-        if vector.shape[1] != width:
-            raise QueryError(f"a query vector of {vector.shape[1]} numbers: the {side} index holds {width}-d "
-                             f"first-stage vectors of {self.scorer.name}")
-        if not np.isfinite(vector).all():
-            raise QueryError("a query vector with non-finite numbers (NaN or infinity): nothing to search with")
+        vector = query_vector(vector, width, f"the {side} index holds {width}-d first-stage vectors of "
+                                             f"{self.scorer.name}")
         return self._search_vector(self._sides[side], torch.from_numpy(vector), k, None, where, offset, None, query,
                                    notes)
 

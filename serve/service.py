@@ -46,13 +46,16 @@ class Limits:
     """What one request may ask. ``max_upload_bytes``: an uploaded image (or a /knn-service body, base64 and JSON
     added); ``max_pixels``: width x height of any decoded image, read from the header; ``concurrency``: model
     computations at once (page and HTTP API together); ``queue``: requests waiting beyond those (more are told the
-    server is busy); ``max_results``: hits (and re-ranked candidates) one request may ask for."""
+    server is busy); ``max_results``: hits (and re-ranked candidates) one request may ask for; ``show_paths``: HTTP
+    answers also hold each image's file path on the server (``image_path``; off by default: a client needs the
+    image's URL and id, not the server's folder layout; on for a trusted local setup)."""
 
     max_upload_bytes: int = 10 * 2**20
     max_pixels: int = 25_000_000
     concurrency: int = 2
     queue: int = 32
     max_results: int = 1000
+    show_paths: bool = False
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_pixels", "concurrency", "max_results"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 import re
 from types import SimpleNamespace
 
@@ -46,6 +47,11 @@ def stored(served, side: str) -> np.ndarray:
     return index.reconstruct_n(0, index.ntotal)
 
 
+def _path(served, row: int) -> str:
+    """An image row's file, as the server knows it (answers do not carry it: no server paths by default)."""
+    return str(served.searcher.collection("image").column("path")[row])
+
+
 def brute_force(vectors: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scores = vectors @ np.asarray(query, dtype=np.float32).reshape(-1)
     order = np.lexsort((np.arange(len(scores)), -scores.astype(np.float64)))
@@ -66,11 +72,11 @@ def test_a_clip_retrieval_client_works_unchanged(server, served):
     np.testing.assert_allclose([r["similarity"] for r in results], scores, atol=1e-5)
     images = served.searcher.collection("image")
     for r in results:
-        assert set(r) >= {"id", "similarity", "url", "caption", "image_path"}
+        assert set(r) >= {"id", "similarity", "url", "caption", "image_id"}
         assert r["caption"] == images.rows([r["id"]])[0]["captions"][0]
     picture = requests.get(results[0]["url"], timeout=30)
     assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
-    assert picture.content == open(results[0]["image_path"], "rb").read()
+    assert picture.content == open(_path(served, results[0]["id"]), "rb").read()
     notes = json.loads(response.headers["X-Plugvlm-Notes"])
     assert any("k=40" in n and "clamped" in n for n in notes)
     assert any("use_safety_model" in n for n in notes) and any("aesthetic_score" in n for n in notes)
@@ -78,7 +84,7 @@ def test_a_clip_retrieval_client_works_unchanged(server, served):
     assert "encode;dur=" in timing and "first_stage;dur=" in timing and "total;dur=" in timing
 
     # ClipClient with an image file: base64, modality image -> images like it, from the stored image vectors
-    path = results[3]["image_path"]
+    path = _path(served, results[3]["id"])
     encoded = base64.b64encode(open(path, "rb").read()).decode()
     alike = post(server, "knn-service", clip_client_body(image=encoded, num_images=5, deduplicate=False)).json()
     from serve.service import QueryImage, encode_image
@@ -110,7 +116,7 @@ def test_knn_extensions_re_ranking_filter_paging(server, served):
     few = post(server, "knn-service", {"text": QUERY, "num_images": 2, "num_result_ids": 5}).json()
     assert len(few) == 5 and "caption" in few[1] and "caption" not in few[2]
     with_image = post(server, "knn-service", {"text": QUERY, "num_images": 1, "return_image": True}).json()
-    assert base64.b64decode(with_image[0]["image"]) == open(with_image[0]["image_path"], "rb").read()
+    assert base64.b64decode(with_image[0]["image"]) == open(_path(served, with_image[0]["id"]), "rb").read()
 
 
 def test_knn_captions_for_a_text_and_a_raw_vector(server, served):
@@ -127,6 +133,48 @@ def test_knn_captions_for_a_text_and_a_raw_vector(server, served):
     assert [r["id"] for r in hits] == order[:3].tolist() and hits[0]["similarity"] == pytest.approx(scores[0])
     wrong = post(server, "knn-service", {"embedding_input": [0.1, 0.2, 0.3]})
     assert wrong.status_code == 400 and "3 numbers" in wrong.json()["error"]
+
+
+def test_a_vector_without_direction_or_beyond_float32_is_a_400_and_leaves_the_log_quiet(server, served, capfd):
+    """A zero vector (or one whose float32 norm underflows) would rank every image the same: refused, not answered
+    with an arbitrary order; 1e308 is refused before any cast, so numpy's overflow warning never reaches the log."""
+    width = stored(served, "image").shape[1]
+    capfd.readouterr()
+    for vector, message in (([0.0] * width, "no direction"), ([1e-30] * width, "no direction"),
+                            ([1e308] + [0.0] * (width - 1), "beyond float32's range"),
+                            ([-1e300] * width, "beyond float32's range")):
+        for modality in ("image", "text"):
+            answer = post(server, "knn-service", {"embedding_input": vector, "modality": modality})
+            assert answer.status_code == 400, answer.text[:200]
+            assert message in answer.json()["error"] and "\n" not in answer.json()["error"]
+    assert post(server, "knn-service", {"embedding_input": [1e-3] * width}).status_code == 200  # small is fine
+    log = capfd.readouterr()
+    assert "Warning" not in log.err + log.out and "overflow" not in log.err + log.out, (log.err + log.out)[-2000:]
+
+
+def test_answers_hold_no_server_path_unless_the_operator_asks(server, served):
+    """/knn-service, /metadata and /health answers carry urls and ids, never a file path of the server; --show-paths
+    (Limits.show_paths) adds clip_back's image_path for a trusted local setup."""
+    import dataclasses
+
+    from serve.http import knn_service, metadata_service, parse_knn
+
+    root = str(Path(served.searcher.index_dir).resolve().parent.parent)
+    answers = [post(server, "knn-service", {"text": QUERY, "num_images": 4, "modality": m}).text for m in ("image", "text")]
+    answers += [post(server, "metadata", {"ids": [0, 3]}).text, post(server, "metadata", {"ids": [1],
+                                                                                          "modality": "text"}).text,
+                requests.get(server.url + "health", timeout=30).text]
+    for text in answers:
+        assert "image_path" not in text and '"/' not in text and root not in text, text[:300]
+    shown = dataclasses.replace(served.limits, show_paths=True)
+    original = served.limits
+    served.limits = shown
+    try:
+        hits, _, _ = knn_service(served, parse_knn({"text": QUERY, "num_images": 2}, served, ["x"]))
+        meta = metadata_service(served, {"ids": [0]}, ["x"])
+    finally:
+        served.limits = original
+    assert hits[0]["image_path"] == _path(served, hits[0]["id"]) and meta[0]["metadata"]["image_path"] == _path(served, 0)
 
 
 def test_deduplication_follows_clip_backs_connected_components():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -128,7 +129,44 @@ BAD_QUERIES = [  # (argv after the index, the error's start or a fragment of it)
      "query of 10,000 characters refused: a search phrase has at most 2,000"),
     ([QUERY, "--k", "500"], "--k 500 is more than the 12 images in the collection: ask for at most --k 12"),
     (["--image", "CAPTIONED", "--k", "54"], "--k 54 is more than the 53 captions in the collection"),
+    (["--vector", "ZERO.npy"], "a query vector with no direction"),
+    (["--vector", "TINY.json"], "a query vector with no direction"),
+    (["--vector", "HUGE.json"], "beyond float32's range"),
+    (["--vector", "NAN.json"], "non-finite numbers"),
+    (["--vector", "WORDS.json"], "a query vector is a list of numbers"),
+    (["--vector", "PICKLE.npy"], "--vector"),
+    (["--vector", "SHORT.json"], "a query vector of 3 numbers"),
+    (["--vector", "GOOD.json", "--rerank", "5"], "--rerank needs a text or an image"),
 ]
+
+
+WIDTH = 64  # the tiny test model's first-stage width (a wrong width is caught only once the index is open)
+VECTORS = {"ZERO": np.zeros(WIDTH, np.float32), "TINY": [1e-30] * WIDTH, "HUGE": [1e308] * WIDTH,
+           "NAN": [float("nan")] * WIDTH, "WORDS": ["a"] * WIDTH, "SHORT": [0.1, 0.2, 0.3], "GOOD": [0.1] * WIDTH,
+           "PICKLE": np.asarray([{"a": 1}], dtype=object)}
+
+
+def _vector_file(folder: Path, name: str) -> Path:
+    stem, ext = name.split(".")
+    path, value = folder / name, VECTORS[stem]
+    if ext == "npy":
+        np.save(path, value, allow_pickle=True)  # PICKLE: an object array, which the reader must refuse to unpickle
+    else:
+        path.write_text(json.dumps(value if isinstance(value, list) else value.tolist()).replace("NaN", "NaN"))
+    return path
+
+
+def test_a_vector_searches_the_first_stage_of_either_side(setup, tmp_path, capsys):
+    searcher = Searcher.open(setup.adapter_index)
+    for side in ("image", "text"):
+        stored = searcher.collection(side).index.reconstruct_n(0, searcher.collection(side).n)
+        np.save(tmp_path / f"{side}.npy", stored[5])
+        rc, out, err = _run(capsys, [setup.adapter_index, "--vector", tmp_path / f"{side}.npy", "--side", side,
+                                     "--json", "--k", "3"])
+        assert rc == 0, err
+        hits = json.loads(out)["hits"]
+        order = np.argsort(-(stored @ stored[5]), kind="stable")[:3]
+        assert [h["row"] for h in hits] == order.tolist()
 
 
 @pytest.mark.parametrize("argv,message", BAD_QUERIES, ids=[m[:28] for _, m in BAD_QUERIES])
@@ -139,6 +177,7 @@ def test_a_bad_query_is_one_error_line_and_exit_2(setup, tmp_path, capsys, argv,
     _bomb(tmp_path / "BOMB")
     argv = [str(tmp_path / a) if a in ("CORRUPT", "NOT_AN_IMAGE", "BOMB", "MISSING") else a for a in argv]
     argv = [str(setup.world / "images" / "000008.png") if a == "CAPTIONED" else a for a in argv]
+    argv = [str(_vector_file(tmp_path, a)) if a.split(".")[0] in VECTORS else a for a in argv]
     if argv[0] == "--where":
         argv = [QUERY] + argv
     before = _digest(setup.adapter_index)
@@ -152,8 +191,9 @@ def test_flags_the_parser_refuses(setup, capsys):
     for argv, message in (([QUERY, "--k", "0"], "--k: expected an integer >= 1, got 0"),
                           ([QUERY, "--rerank", "-3"], "--rerank: expected an integer >= 1"),
                           ([QUERY, "--offset", "-1"], "--offset: expected an integer >= 0"),
-                          ([], "give either a text query or --image PATH"),
-                          ([QUERY, "--image", "x.png"], "give either a text query or --image PATH"),
+                          ([], "give one of a text query, --image PATH or --vector PATH"),
+                          ([QUERY, "--image", "x.png"], "give one of a text query, --image PATH or --vector PATH"),
+                          ([QUERY, "--vector", "v.npy"], "give one of a text query, --image PATH or --vector PATH"),
                           ([QUERY, "--recall"], "--recall measures the index on its own collection")):
         with pytest.raises(SystemExit) as e:
             main([str(setup.adapter_index), *argv])

@@ -478,3 +478,66 @@ def test_filip_first_stage_is_the_mean_of_its_unit_tokens(tiny_toy_cache):
     assert torch.equal(scorer.score_directed(images, short, "t2i"), scorer.score_directed(images, caps, "t2i"))
     assert torch.allclose(scorer.first_stage_text(caps), scorer.first_stage_text(live_t), atol=5e-3)
 
+
+
+def test_a_query_vector_is_checked_before_any_cast():
+    """serve.search.query_vector, the one rule of every vector query (Python API, HTTP, serve.query): a list of
+    numbers of the index's width, finite, within float32's range (checked in float64: no overflow warning), with a
+    direction (a zero vector or one whose float32 norm underflows would rank every item the same)."""
+    import warnings
+
+    from serve.search import query_vector
+
+    good = query_vector([0.6, 0.8])
+    assert good.dtype == np.float32 and good.shape == (1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any numpy warning would fail here
+        for vector, message in (([0.0, 0.0], "no direction"), ([1e-30, 1e-30], "no direction"),
+                                ([1e-46, 0.0], "no direction"), ([1e308, 0.0], "beyond float32's range"),
+                                ([10 ** 400, 0], "beyond float32's range"), ([float("nan"), 1.0], "non-finite"),
+                                ([float("-inf"), 1.0], "non-finite"), (["a", "b"], "a list of numbers"),
+                                ([[1.0], [2.0, 3.0]], "a list of numbers")):
+            with pytest.raises(QueryError, match=message):
+                query_vector(vector, 2)
+        with pytest.raises(QueryError, match="a query vector of 3 numbers: the index holds 2-d"):
+            query_vector([1.0, 2.0, 3.0], 2)
+    np.testing.assert_array_equal(query_vector([1e-3, 0.0]), np.float32([[1e-3, 0.0]]))  # small, with a direction
+
+
+def test_the_python_api_refuses_a_vector_without_direction(adapter):
+    width = adapter.collection("image").index.d
+    with pytest.raises(QueryError, match="no direction"):
+        adapter.search_vector(np.zeros(width), "image")
+    with pytest.raises(QueryError, match="no direction"):
+        adapter.search_vector([1e-30] * width, "text")
+    assert len(adapter.search_vector(np.ones(width), "image", k=3)) == 3
+
+
+@pytest.mark.parametrize("method", ("backbone", "comalign", *SERVED_MODELS))
+def test_every_scorer_load_scorer_returns_takes_every_call_of_the_protocol(setup, method):
+    """A user who swaps an adapter for its base (or a pre-trained model) keeps the calls: encode_pil (decoded images of
+    any mode, ids optional), encode_images, encode_texts, score, score_directed and both first stages work on every
+    scorer load_scorer returns; where no component needs the decoded image, encode_pil is encode_images of the
+    preprocessed images."""
+    from PIL import Image
+
+    from adapters.load import load_scorer
+
+    model = {"backbone": "tiny", "comalign": str(setup.run)}.get(method) or served_model(setup, method)[0]
+    scorer = load_scorer(model, annotations=setup.world)
+    files = sorted((setup.world / "images").glob("*.png"))[:3]
+    pils = [Image.open(f).convert("L" if k == 0 else "RGB") for k, f in enumerate(files)]  # a greyscale one too
+    ids = [str(int(f.stem)) for f in files]
+    images = scorer.encode_pil(pils, ids)
+    texts = scorer.encode_texts(["a red circle", "a blue square to the left of a green star"])
+    for direction in ("t2i", "i2t"):
+        assert scorer.score_directed(images, texts, direction).shape == (3, 2)
+        assert scorer.first_stage_image(images, direction).shape[0] == 3
+        assert scorer.first_stage_text(texts, direction).shape[0] == 2
+    assert torch.isfinite(scorer.score(images, texts)).all()
+    if not getattr(getattr(scorer, "extractor", None), "needs_pixels", False):
+        tensors = torch.stack([scorer.preprocess(im.convert("RGB")) for im in pils])
+        again = scorer.encode_images(tensors) if method in ("backbone", "filip") else scorer.encode_images(tensors, ids)
+        torch.testing.assert_close(scorer.score(again, texts), scorer.score(images, texts))
+    if method in ("backbone", "filip"):  # ids are for an adapter's ground-truth boxes: the others take none
+        torch.testing.assert_close(scorer.score(scorer.encode_pil(pils), texts), scorer.score(images, texts))

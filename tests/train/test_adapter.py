@@ -348,7 +348,7 @@ def test_the_python_entry_refuses_what_the_command_line_refuses(tmp_path):
                          ({"head_config": {"residual": "no"}}, "head_config['residual']: --no-residual is a switch"),
                          ({"extract_options": {"regions": "boxes"}}, "extract_options['regions']: invalid choice"),
                          ({"extract_options": {"split": "val"}}, "extract_options: unknown key(s) split"),
-                         ({"unfreeze": True}, "methods that support --unfreeze: smartclip")):
+                         ({"unfreeze": True}, "methods that support --unfreeze: powerclip, smartclip")):
         with pytest.raises(ValueError) as e:
             train(AdapterOptions(**{**base, **bad}))
         assert message in str(e.value), (bad, str(e.value))

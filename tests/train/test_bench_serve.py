@@ -45,6 +45,10 @@ def test_the_run_prints_each_section_once_after_the_machine(bench):
     assert positions == sorted(positions)
     assert "| 1,200 | flat |" in text and "| 2,000 | auto -> flat (= flat row) |" in text
     assert " met |" in text or " MISSED |" in text
+    # the tuner's recall curve, the chosen setting marked, for each tuned index (IVF: nprobe, HNSW: efSearch)
+    for curve in ("recall@10 by nprobe: ", "recall@10 by efSearch: "):
+        line = next(line for line in text.splitlines() if curve in line)
+        assert line.count("<- chosen") == 1 and "chosen: the cheapest setting within 0.005" in line, line
 
 
 def test_json_has_every_section_with_sane_figures(bench):

@@ -176,6 +176,22 @@ def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, 
     assert evaluated[0].columns == ["{name}", "{name}", "{name}", "{name} (long)", "{name} (long)"]
     assert evaluated[0].result_labels[3:] == ["{name} (long) seed 0", "{name} (long) seed 1"]
 
+    # --reference: every column compared with a variant's (a fine-tune against its control), the base after it
+    evaluated.clear()
+    compare(CompareOptions(data=str(world), out=str(tmp_path / "r"), methods=["powerclip"], seeds=2,
+                           pretrained="w.pt", reference="control",
+                           variants=[Variant("tuned", "powerclip", {"unfreeze": True}),
+                                     Variant("control", "powerclip", {"unfreeze": True, "head_config": {"lam": 0.0}})]))
+    (table,) = evaluated
+    runs = lambda key: [f"{tmp_path / 'r' / key}/seed-{s}/a.safetensors" for s in (0, 1)]  # noqa: E731
+    assert table.model == [*runs("powerclip-control"), "tiny", *runs("powerclip"), *runs("powerclip-tuned")]
+    assert table.pretrained == [None, None, "w.pt", None, None, None, None]  # the base's weights stay with the base
+    assert table.columns == ["{name} (control)"] * 2 + ["{name}"] * 3 + ["{name} (tuned)"] * 2
+    assert table.result_labels[:3] == ["{name} (control) seed 0", "{name} (control) seed 1", "{name}"]
+    assert CompareOptions(data=str(world), methods=["powerclip"], reference="powerclip").reference_key() == "powerclip"
+    with pytest.raises(ValueError, match="--reference 'ctrl': no such column"):
+        CompareOptions(data=str(world), methods=["powerclip"], reference="ctrl")
+
     for variant, message in [("nolabel", "expected LABEL=METHOD"), ("x=nope", "unknown method 'nope'"),
                              ("a=", "expected LABEL=METHOD")]:
         with pytest.raises(ValueError, match=message):

@@ -18,6 +18,10 @@ interval over the test images, ``*`` where the interval excludes 0 (``adapters.e
 adapter N times (seeds ``--seed`` .. ``--seed+N-1``, in ``OUT/<method>/seed-<s>``; the base, the data and the cache
 stay the same): each cell is then mean ± sd over the seeds and the interval is that of the seed-averaged difference.
 
+``--reference COLUMN`` compares every column with that one instead of the frozen base (a method, or a variant's
+label): a fine-tune against its control, e.g. ``--variant "fine-tuned=powerclip --unfreeze" --variant "control=
+powerclip --unfreeze --lam 0" --reference control``.
+
 **Variants**: one more column for a method trained with other settings, e.g. ComAlign on detected or random boxes
 next to its ground-truth ones: ``--variant "detector boxes=comalign --boxes yolo --detector best.pt"`` (repeatable;
 ``LABEL=METHOD`` then ``train.adapter`` flags, parsed as the flags after ``--`` are, and applied after them). The
@@ -122,6 +126,9 @@ class CompareOptions(SourceOptions):
                              "the seed-averaged difference from the base")
     bootstrap: int = option(DEFAULT_RESAMPLES, type=nonnegative_int,
                             help="bootstrap resamples of the test images for every interval (0: none)")
+    reference: str | None = option(None, metavar="COLUMN",
+                                   help="the column every other is compared with (paired intervals): a method or a "
+                                        "variant's label (default: the frozen base), e.g. a fine-tune's control")
     variant: list = option(default_factory=list, action="append", metavar="LABEL=METHOD FLAGS",
                            help="one more column: METHOD trained with these train.adapter flags, shown as METHOD "
                                 "(LABEL), e.g. \"random boxes=comalign --boxes random\" (repeatable)")
@@ -144,6 +151,17 @@ class CompareOptions(SourceOptions):
         clash = sorted({k for k in keys if keys.count(k) > 1})
         if clash:
             raise ValueError(f"two columns would share the run folder {clash[0]!r}: give the variants other labels")
+        if self.reference is not None and self.reference_key() is None:
+            raise ValueError(f"--reference {self.reference!r}: no such column; the columns are the methods "
+                             f"({', '.join(self.methods)}) and the variants' labels "
+                             f"({', '.join(v.label for v in self.variants) or 'none'})")
+
+    def reference_key(self) -> str | None:
+        """The run folder key of ``reference`` (a method's name, a variant's label or key), None if it names none."""
+        for v in self.variants:
+            if self.reference in (v.label, v.key):
+                return v.key
+        return self.reference if self.reference in self.methods else None
 
 
 def build_parser() -> Parser:
@@ -252,19 +270,29 @@ def compare(opts: CompareOptions) -> dict:
     report = None
     if test:
         order = [(key, label) for key, _, _, label in columns(opts)]
-        checkpoints = [e["checkpoint"] for key, _ in order for e in by_key[key]]
-        grouping = {}
         names = {key: "{name}" + (f" ({label})" if label else "") for key, label in order}
-        if opts.seeds > 1:  # one column per method, its runs averaged; each run's results under "<name> seed <s>"
-            grouping = dict(columns=["{name}", *(names[key] for key, _ in order for _ in by_key[key])],
-                            result_labels=["{name}", *(f"{names[key]} seed {e['seed']}" for key, _ in order
-                                                for e in by_key[key])])
-        elif opts.variants:  # a variant's column carries its label
-            grouping = dict(columns=["{name}", *(names[key] for key, _ in order)],
-                            result_labels=["{name}", *(names[key] for key, _ in order)])
+        ref = opts.reference_key()
+        if ref is not None:  # the reference column first: train.eval compares every other column with the first
+            order = [o for o in order if o[0] == ref] + [o for o in order if o[0] != ref]
+        checkpoints = [e["checkpoint"] for key, _ in order for e in by_key[key]]
+        models, base_at = [opts.base, *checkpoints], 0
+        grouping = {}
+        if opts.seeds > 1 or opts.variants or ref is not None:
+            # one column per method, its runs averaged; with several seeds each run's results under "<name> seed <s>"
+            cols = [names[key] for key, _ in order for _ in by_key[key]]
+            labels = [names[key] + (f" seed {e['seed']}" if opts.seeds > 1 else "") for key, _ in order
+                      for e in by_key[key]]
+            cols, labels = ["{name}", *cols], ["{name}", *labels]
+            if ref is not None:  # the frozen base after the reference's runs
+                n = len(by_key[ref])
+                models, base_at = [*checkpoints[:n], opts.base, *checkpoints[n:]], n
+                cols = [*cols[1:n + 1], cols[0], *cols[n + 1:]]
+                labels = [*labels[1:n + 1], labels[0], *labels[n + 1:]]
+            grouping = dict(columns=cols, result_labels=labels)
         report = evaluate(EvaluateOptions(
-            model=[opts.base, *checkpoints],
-            pretrained=[opts.pretrained] if opts.pretrained is not None else [], tasks=opts.eval_tasks, out=str(out),
+            model=models,
+            pretrained=[opts.pretrained if k == base_at else None for k in range(len(models))],
+            tasks=opts.eval_tasks, out=str(out),
             seed=opts.seed, device=opts.device, bootstrap=opts.bootstrap, **grouping, **test))
     else:
         say("note: no test data (--test-data or a toy world): no table")

@@ -181,9 +181,29 @@ def pytest_report_header(config):
               for n, row in enumerate(rows))]
 
 
+_STARTED: list[float] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Every run ends with its wall time and its ten slowest tests (tests/fixtures/run_summary.py)."""
+    import time
+
+    from fixtures.run_summary import summary_lines
+
+    if not _STARTED or hasattr(config, "workerinput"):  # the xdist controller reports, its workers do not
+        return
+    reports = [r for key in ("passed", "failed", "error", "skipped", "") for r in terminalreporter.stats.get(key, [])]
+    terminalreporter.section("plugvlm: wall time and the slowest tests")
+    for line in summary_lines(time.monotonic() - _STARTED[0], reports):
+        terminalreporter.write_line(line)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session):
     """``-q`` hides pytest's header (the README's and CI's command use it): write the same lines anyway."""
+    import time
+
+    _STARTED[:] = [time.monotonic()]
     config = session.config
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and config.get_verbosity() < 0:

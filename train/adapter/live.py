@@ -204,7 +204,7 @@ class DataArrays:
     """The arrays a head reads that come from the data alone (:data:`DATA_IMAGE_KEYS`, :data:`DATA_TEXT_KEYS`:
     region masks, phrase trees), computed per batch by the extraction's own code (``ShardBuilder.region_arrays`` /
     ``tree_arrays`` of the run's live extractor), so ``--unfreeze`` trains on exactly what the cache would hold
-    (tests/train/test_adapter_live_powerclip.py compares them). Trees are parsed in this process, whose parse
+    (tests/train/test_adapter_unfreeze_powerclip.py compares them). Trees are parsed in this process, whose parse
     memo (extract/components/text.py) spares every epoch after the first."""
 
     def __init__(self, builder, head_cls):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from adapters.checkpoint import CheckpointError, read_meta
 from adapters.registry import ADAPTERS
-from extract.data import toyworld
+from fixtures.toy import world_root
 from extract.models.backbone import load_backbone
 from extract.data.sources import Skip
 from extract.models.long_context import stretch_positions
@@ -38,10 +38,7 @@ LONG = ("a small red circle to the left of a large blue square above a small gre
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
-    root = tmp_path_factory.getbasetemp() / "unfreeze-toy"
-    if not (root / "world" / "meta.json").is_file():
-        toyworld.generate(root / "world", n=60, seed=0, workers=1)  # 48 train / 6 val / 6 test images
-    return root
+    return world_root(tmp_path_factory, "unfreeze-toy", 60)  # 48 train / 6 val / 6 test images
 
 
 def argv(root: Path, out: Path, *extra: str) -> list[str]:

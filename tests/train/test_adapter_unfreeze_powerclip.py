@@ -21,8 +21,8 @@ from adapters.checkpoint import read_meta
 from adapters.losses.contrastive import clip_loss
 from adapters.losses.nla import PowerCLIPLoss, PowerCLIPLossConfig
 from adapters.registry import ADAPTERS
-from extract.data import toyworld
 from extract.models.backbone import load_backbone
+from fixtures.toy import world_root
 from train.adapter.engine import main, parse_args
 from train.adapter.live import DataArrays, LiveModel, Pairs, batch_loader, extraction_args
 
@@ -31,10 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
-    root = tmp_path_factory.getbasetemp() / "unfreeze-powerclip"
-    if not (root / "world" / "meta.json").is_file():
-        toyworld.generate(root / "world", n=40, seed=1, workers=1)  # 32 train / 4 val / 4 test images
-    return root
+    return world_root(tmp_path_factory, "unfreeze-powerclip", 40, seed=1)  # 32 train / 4 val / 4 test images
 
 
 def argv(root: Path, out: Path, *extra: str) -> list[str]:

@@ -161,8 +161,9 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         try:
             body = await self._admit(scope, receive)
-        except Refused as e:
-            return await json_reply(send, e.status, {"error": str(e)})
+        except Refused as e:  # the body may be partly unread: the connection ends with the answer (RFC 9112 §9.6),
+            # or a client that stopped sending waits on a kept-alive socket for the server to read the rest
+            return await json_reply(send, e.status, {"error": str(e)}, close=True)
         if body is None:
             return await self.app(scope, receive, send)
         sent = False
@@ -213,9 +214,11 @@ class RequestGuard:
         return body
 
 
-async def json_reply(send, status: int, payload: dict) -> None:
-    """A complete JSON response (``ensure_ascii``: any text a client sent is echoed safely)."""
+async def json_reply(send, status: int, payload: dict, close: bool = False) -> None:
+    """A complete JSON response (``ensure_ascii``: any text a client sent is echoed safely); ``close``: the server
+    closes the connection once it is sent (``Connection: close``)."""
     body = json.dumps(payload, ensure_ascii=True).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": headers + ([(b"connection", b"close")] if close else [])})
     await send({"type": "http.response.body", "body": body})

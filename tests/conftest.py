@@ -196,6 +196,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.section("plugvlm: wall time and the slowest tests")
     for line in summary_lines(time.monotonic() - _STARTED[0], reports):
         terminalreporter.write_line(line)
+    if config.getoption("write_durations"):
+        from fixtures.balance import write_durations
+
+        terminalreporter.write_line(f"seconds per test file written to {write_durations(reports)}")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-durations", action="store_true",
+                     help="plugvlm: store each test file's seconds in this run in tests/durations.json, the order "
+                          "files go to the workers in (run the whole suite)")
 
 
 @pytest.hookimpl(trylast=True)
@@ -209,3 +219,33 @@ def pytest_sessionstart(session):
     if reporter is not None and config.get_verbosity() < 0:
         for line in pytest_report_header(config):
             reporter.write_line(line)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Heaviest test files first (tests/fixtures/balance.py), so the two workers finish together; with
+    ``--dist loadfile --no-loadscope-reorder`` (pyproject.toml) xdist hands the files out in this order."""
+    from fixtures.balance import heaviest_files_first
+
+    items[:] = heaviest_files_first(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    """The slow marker's rule (tests/fixtures/slow_rule.py): what the test's fixtures start counts too."""
+    from fixtures import slow_rule
+
+    slow_rule.install()
+    slow_rule.start()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    from fixtures import slow_rule
+
+    result = yield
+    found = slow_rule.reasons()
+    if found and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} starts {found[0]!r}: mark it @pytest.mark.slow (the rule: two processes, the demo "
+                    "end to end, an inductor compile; tests/fixtures/slow_rule.py)", pytrace=False)
+    return result

@@ -80,10 +80,11 @@ def test_a_runnable_block_runs_as_written(workdir, index):
     name, lang, body, expected = BLOCKS[index]
     workdir = workdir / name.replace("/", "_")  # each README's blocks in order, in a folder of their own
     workdir.mkdir(exist_ok=True)
-    # the embedded toy world at 400 scenes, not 2,000: these blocks check that each command runs as typed and reads
-    # well, not the figures (those of the demo's world are checked against the generator below); 5x less to train
+    # the embedded toy world at 320 scenes, not 2,000: these blocks check that each command runs as typed and reads
+    # well, not the figures (those of the demo's world are checked against the generator below); 6x less to train.
+    # The smallest that runs them as typed: its 256 training images fill train.adapter's default batch of 256
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "YOLO_OFFLINE": "1",
-           "YOLO_CONFIG_DIR": str(workdir / ".yolo"), "PLUGVLM_TOY_N": "400"}
+           "YOLO_CONFIG_DIR": str(workdir / ".yolo"), "PLUGVLM_TOY_N": "320"}
     command = ["bash", "-c", "set -eo pipefail\n" + body] if lang == "bash" else [sys.executable, "-c", body]
     done = subprocess.run(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=1200)

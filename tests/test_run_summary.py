@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from fixtures.run_summary import slowest, summary_lines
+from fixtures.run_summary import busy_by_worker, slowest, summary_lines
 
 
 def _report(nodeid, when, duration):
@@ -20,3 +20,16 @@ def test_phases_add_up_and_the_longest_come_first():
     lines = summary_lines(125.4, reports, 2)
     assert lines[0] == "wall time 2 min 05 s; the 2 slowest tests (setup + call + teardown):"
     assert lines[1:] == ["      6.5 s  a", "      6.0 s  b"]
+
+
+def test_each_workers_busy_time_is_said():
+    def on(worker, nodeid, when, duration):
+        return SimpleNamespace(nodeid=nodeid, when=when, duration=duration,
+                               node=SimpleNamespace(gateway=SimpleNamespace(id=worker)))
+
+    reports = [on("gw1", "a", "call", 70.0), on("gw0", "b", "setup", 2.0), on("gw0", "b", "call", 58.0),
+               on("gw1", "c", "teardown", 1.0)]
+    assert busy_by_worker(reports) == {"gw0": 60.0, "gw1": 71.0}
+    assert summary_lines(75.0, reports)[-1] == "busy per worker: gw0 1 min 00 s, gw1 1 min 11 s"
+    assert busy_by_worker([_report("a", "call", 1.0)]) == {}  # one process: no line
+    assert not any(line.startswith("busy") for line in summary_lines(1.0, [_report("a", "call", 1.0)]))

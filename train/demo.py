@@ -17,7 +17,8 @@ the interval is that of the seed-averaged difference).
 ``--full`` is the long run: each method where its paper makes its claim, on the last base. It also trains a small YOLO
 on the toy world's train split (``extract.components.toy_detector``) and adds ComAlign and the grounded head on those
 detected boxes, and ComAlign on random boxes, next to their ground-truth ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
-loss), and it builds a long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens:
+loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the same fine-tune without its powerset loss
+(:func:`powerclip_fine_tune`, paired intervals against that control), and it builds a long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens:
 ``extract.data.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
 captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
 (``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
@@ -91,7 +92,8 @@ class DemoOptions:
     full: bool = option(False, action="store_true",
                         help="the long run: also ComAlign and the grounded relation head on detected boxes (a YOLO "
                              "trained on the toy world), ComAlign on random boxes, the PowerCLIP head with its CLIP "
-                             "term alone (the control of its powerset loss), and SmartCLIP on a long-caption toy world "
+                             "term alone (the control of its powerset loss), PowerCLIP fine-tuning the backbone "
+                             "against the same fine-tune without its powerset loss, and SmartCLIP on a long-caption toy world "
                              "(frozen, --unfreeze with 248 tokens, trained on short captions only)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
@@ -192,6 +194,57 @@ def full_variants(methods: list[str], detector: str | None) -> list:
     if "powerclip" in methods:
         out.append(Variant("CLIP loss only", "powerclip", {"head_config": {"lam": 0.0}}))
     return out
+
+
+#: --full: PowerCLIP fine-tuning the backbone (``--unfreeze``) with the powerset loss, PowerCLIP-S regions (the toy
+#: world's exact object masks through the toy segmenter) and NegCLIP's hard negatives, against the same fine-tune with
+#: the powerset term off (``lam`` 0): train/README "PowerCLIP fine-tuned" measures why these settings
+POWERCLIP_FINE_TUNE = {"unfreeze": True, "backbone_lr": 1e-4, "hard_negatives": "swap-att,replace-obj",
+                       "extract_options": {"regions": "sam2", "segmenter": "toy"}}
+#: the rows the demo prints of that comparison (the whole table is in its results.md)
+FINE_TUNE_ROWS = (("swap-att", "toyworld swap-att"), ("replace-obj", "toyworld replace-obj"),
+                  ("T2I R@1", "retrieval T2I R@1"), ("I2T R@1", "retrieval I2T R@1"),
+                  ("swap-obj", "toyworld swap-obj"), ("replace-rel", "toyworld replace-rel"))
+
+
+def powerclip_fine_tune(opts: DemoOptions, base: str, pretrained: str | None, world: Path, out: Path,
+                        cache_dir: Path) -> dict:
+    """The PowerCLIP fine-tune and its control on ``base`` (:data:`POWERCLIP_FINE_TUNE`, same seeds, steps and
+    learning rates; every column compared with the control, paired), next to the frozen head: compare()'s result."""
+    from train.adapter.compare import CompareOptions, Variant, columns, compare
+
+    variants = [Variant("powerset loss", "powerclip", dict(POWERCLIP_FINE_TUNE)),
+                Variant("CLIP loss only", "powerclip", {**POWERCLIP_FINE_TUNE, "head_config": {"lam": 0.0}})]
+    copts = CompareOptions(data=str(world), out=str(out), base=base, pretrained=pretrained, methods=["powerclip"],
+                           variants=variants, reference="CLIP loss only", epochs=opts.epochs,
+                           batch_size=opts.batch_size, seed=opts.seed, seeds=opts.seeds, workers=opts.workers,
+                           device=opts.device, cache_dir=str(cache_dir), overrides={"eval_every": 0})
+    for key, *_ in columns(copts):
+        shutil.rmtree(out / key, ignore_errors=True)
+    return compare(copts)
+
+
+def paired_table(table: dict, rows=FINE_TUNE_ROWS) -> str:
+    """A train.eval table with a reference column as markdown: the reference's figure, then each other column's
+    mean and its paired difference from the reference [95% interval], ``*`` where it excludes 0."""
+    names = list(table["metrics"])
+    ref = table["reference"]
+    order = [ref, *(n for n in names if n != ref and n != table.get("floor"))]
+    lines = ["| model | " + " | ".join(h for h, _ in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name in order:
+        cells = []
+        for _, key in rows:
+            m = table["metrics"][name].get(key)
+            if not m:
+                cells.append("")
+            elif name == ref or m.get("delta") is None:
+                cells.append(f"{m['mean']:.1f}")
+            else:
+                lo, hi = m["delta_ci"]
+                cells.append(f"{m['mean']:.1f} ({m['delta']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+                             f"{'*' if m.get('significant') else ''})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 #: SmartCLIP's claim (paper §6.1): long, multi-concept captions, with the text context stretched to 248 tokens
@@ -349,7 +402,8 @@ def demo(opts: DemoOptions) -> dict:
     methods = opts.methods
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
-    step = Steps(4 + len(bases) + several + (1 + ("smartclip" in methods) if opts.full else 0))
+    step = Steps(4 + len(bases) + several + (1 + ("smartclip" in methods) + ("powerclip" in methods)
+                                             if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
     infos = {}
@@ -418,9 +472,17 @@ def demo(opts: DemoOptions) -> dict:
         step(f"SmartCLIP on long captions: a long-caption toy world ({opts.n} scenes of 4-8 objects)")
         long_result = long_captions(replace(opts, base=bases[-1]), weights[bases[-1]], world,
                                     out / "long-captions")
+    fine_tune = None
+    if opts.full and "powerclip" in methods:
+        step(f"PowerCLIP fine-tuning {bases[-1]} (--unfreeze) against the same fine-tune without its powerset loss")
+        fine_tune = powerclip_fine_tune(opts, bases[-1], weights[bases[-1]], world, out / "powerclip-fine-tune",
+                                        out / "adapters" / "cache")
+        if fine_tune.get("reports"):
+            fine_tune["paired"] = paired_table(json.loads(Path(fine_tune["reports"][0]).read_text())["table"])
     served = serve_best(opts, results, world, out, step)
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
+              "powerclip_fine_tune": fine_tune,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
               "seconds": time.perf_counter() - started}
@@ -455,6 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nSmartCLIP on long captions (long-caption toy world's test split, {seeds}; the base reads 77 "
                   f"tokens, the fine-tuned column {LONG_CONTEXT}; %):")
             print(long_table)
+        paired = (report.get("powerclip_fine_tune") or {}).get("paired")
+        if paired:
+            print(f"\nPowerCLIP fine-tuning the backbone: the powerset loss against the same fine-tune without it "
+                  f"(test split, {seeds}; %, difference from the CLIP-loss-only control [95% paired interval]):")
+            print(paired)
         if report.get("served"):
             served = report["served"]
             print(f"\nthe best adapter, {served['base']} + {served['method']}, serving the test split "
@@ -467,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"probe: python -m serve --index {served['index']}")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "
             "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
-            + (", long-captions/results.{json,md,png}" if report.get("long_captions") else ""))
+            + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
+            + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else ""))
 
     return run_job(job, parse_args(argv))
 

@@ -367,7 +367,12 @@ class PowerCLIPHead(AdapterHead):
         return out
 
     def logits(self, image_reps: Reps, text_reps: Reps) -> Tensor:
-        return self.logit_scale() * self.score(image_reps, text_reps)
+        """What ``--hard-negatives``' extra columns rank by: the learnt scale times the global cosine, CLIP's own
+        logits. NegCLIP's negatives extend the CLIP term of eq. 16, so S is trained by the powerset term alone and
+        ``lam = 0`` (the fine-tune's control) leaves it without gradient, with hard negatives too. Through
+        :meth:`score` (+ beta x S, beta = 1 before fitting) they trained S at CLIP's logit scale (100), in the
+        control as in the fine-tune, where the powerset term weighs lam = 0.1: the two could not differ."""
+        return self.logit_scale() * self.global_scores(image_reps, text_reps)
 
     # -- objective ---------------------------------------------------------------------------------------
     def loss(self, image_reps: Reps, text_reps: Reps, *, rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:

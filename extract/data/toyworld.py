@@ -896,7 +896,7 @@ DEFAULT_SEED = 0
 
 def _default_scenes() -> int:
     """2,000 scenes, or ``PLUGVLM_TOY_N`` (a whole number >= 20): a smaller embedded world for a quick check of the
-    commands (the README's own blocks run on 400 in the tests; the README's figures are the 2,000's)."""
+    commands (the README's own blocks run on 320 in the tests; the README's figures are the 2,000's)."""
     text = os.environ.get("PLUGVLM_TOY_N", "2000")
     if not text.isdigit() or int(text) < 20:
         raise SystemExit(f"error: PLUGVLM_TOY_N={text!r}: the embedded toy world's scenes, a whole number >= 20 "

@@ -527,7 +527,7 @@ def test_long_mode_is_deterministic_and_ensure_tells_the_modes_apart(long_world,
 
 
 def test_the_embedded_worlds_size_comes_from_plugvlm_toy_n_or_is_refused_in_one_line():
-    """PLUGVLM_TOY_N sizes the embedded default (the README's blocks run on 400 in the tests); a value that is not a
+    """PLUGVLM_TOY_N sizes the embedded default (the README's blocks run on 320 in the tests); a value that is not a
     whole number >= 20 stops at import with one line saying what to set, never a traceback."""
     import os
     import subprocess

@@ -473,7 +473,7 @@ def test_a_request_naming_a_file_or_a_url_opens_copies_and_fetches_nothing(serve
 
 def _chunked_post(server, route: str, total: int, piece: int = 64 << 10) -> tuple[bytes, int]:
     """POST ``total`` bytes with chunked transfer encoding on a raw socket, stopping as soon as the server answers
-    (or closes): (what it answered, the body bytes sent by then)."""
+    (or closes): (what it answered until it closed the connection, the body bytes sent by then)."""
     import select
     import socket
     from urllib.parse import urlsplit
@@ -514,6 +514,9 @@ def test_hostile_requests_are_one_line_refusals_without_a_traceback(server, capf
     # refused at the ~1.1 MB limit, long before the 50 MB end; "sent" also counts what the loopback's receive buffer
     # took before the answer came back, which Linux's autotuning grows to several MB (6.4 MB seen in CI)
     assert head.startswith(b"HTTP/1.1 413") and b"refused" in head and sent < 12 << 20, (head[:300], sent)
+    # and the server ends the connection with its answer: the rest of the body is never read (the answer was read
+    # until the server closed; a kept-alive socket held this test for the socket's 30 s timeout)
+    assert b"connection: close" in head.lower(), head[:300]
     refused = requests.post(server.url + "knn-service", data=b"{}", headers={"Content-Length": "2, 2"}, timeout=30)
     assert refused.status_code == 400
     # the page's endpoints with arguments of the wrong kind: one line each, where Gradio would answer too but print a

@@ -199,3 +199,32 @@ def test_two_processes_fine_tune_like_one_process(world, tmp_path):
             torch.testing.assert_close(ub, ua, atol=5e-6, rtol=0, msg=k)
             moved += int(ua.abs().max() > 1e-6)
     assert moved > len(original) // 2
+
+
+def test_hard_negatives_leave_the_powerset_similarity_to_the_powerset_term():
+    """NegCLIP's extra columns rank by the global (CLIP) logits: with --lam 0 and hard negatives, no gradient reaches
+    the regions or the nodes (they once went through the score's beta x S, so the control trained S as well); with
+    lam > 0 the powerset term reaches them."""
+    from train.adapter.negatives import PREFIX, NegativeLoss
+
+    torch.manual_seed(0)
+    b, m, k, kn, d = 4, 3, 2, 2, 8
+    for lam in (0.0, 0.1):
+        head = ADAPTERS.get("powerclip").from_config({"lam": lam, "warmup_negatives_steps": 0}, d).train()
+
+        def leaf(*shape):
+            return torch.randn(*shape).requires_grad_()
+
+        image = {"global": torch.nn.functional.normalize(leaf(b, d), dim=-1), "regions": leaf(b, m, d),
+                 "region_mask": torch.ones(b, m, dtype=torch.bool)}
+        text = {"global": torch.nn.functional.normalize(leaf(b, d), dim=-1), "nodes": leaf(b, k, d),
+                "node_mask": torch.ones(b, k, dtype=torch.bool), "node_sizes": torch.ones(b, k)}
+        negative = {PREFIX + "global": torch.nn.functional.normalize(leaf(b, kn, d), dim=-1),
+                    PREFIX + "nodes": leaf(b, kn, k, d), PREFIX + "node_mask": torch.ones(b, kn, k, dtype=torch.bool),
+                    PREFIX + "node_sizes": torch.ones(b, kn, k), "neg_valid": torch.ones(b, kn, dtype=torch.bool)}
+        out = NegativeLoss(head, 1.0, ("swap-att", "replace-obj")).loss(image, {**text, **negative})
+        out["loss"].backward()
+        assert out["hard_negatives"] > 0
+        reached = [t.grad is not None and bool(t.grad.abs().sum() > 0)
+                   for t in (image["regions"], text["nodes"], negative[PREFIX + "nodes"])]
+        assert reached == ([False, False, False] if lam == 0 else [True, True, False]), (lam, reached)

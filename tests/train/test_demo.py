@@ -1,5 +1,6 @@
 """The demo runs the main job end to end on a small toy world, reports what it did, and reads well in a log."""
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -138,18 +139,33 @@ def test_demo_without_weights_says_what_to_supply(tmp_path, capsys):
 def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_captions(tmp_path, capsys):
     """--full: a YOLO trained on the toy world gives ComAlign's detected-boxes column, random boxes its control, and a
     long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
-    captions); both tables printed once."""
+    captions); both tables printed once. PowerCLIP: its frozen head's control (CLIP loss only), and the fine-tune of
+    the backbone against the same fine-tune without the powerset loss, with paired intervals."""
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
-                 "comalign,smartclip"]) == 0
-    # (the PowerCLIP head's control column, "CLIP loss only", is added only when powerclip is among --methods)
+                 "comalign,smartclip,powerclip"]) == 0
     printed = capsys.readouterr().out
-    assert "[7/7]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
+    assert "[8/8]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
     assert columns[1].startswith("text only (") and columns[2:] == [
-        "tiny + comalign", "tiny + smartclip", "tiny + comalign (detector boxes)", "tiny + comalign (random boxes)"]
+        "tiny + comalign", "tiny + smartclip", "tiny + powerclip", "tiny + comalign (detector boxes)",
+        "tiny + comalign (random boxes)", "tiny + powerclip (CLIP loss only)"]
+    # the fine-tune: both columns trained the backbone (their own backbone.safetensors), one of them with lam 0; the
+    # table compares each column with that control
+    tuned = json.loads((out / "powerclip-fine-tune" / "results.json").read_text())
+    control = "tiny fine-tuned + powerclip (CLIP loss only)"
+    assert list(tuned["results"])[0] == control and tuned["table"]["reference"] == control
+    assert "tiny fine-tuned + powerclip (powerset loss)" in tuned["results"]
+    for key, lam in (("powerclip-powerset-loss", 0.1), ("powerclip-clip-loss-only", 0.0)):
+        config = json.loads((out / "powerclip-fine-tune" / key / "config.json").read_text())
+        assert config["unfreeze"] and (out / "powerclip-fine-tune" / key / "backbone.safetensors").is_file()
+        assert config["head_config"].get("lam", 0.1) == lam and config["extract_options"]["segmenter"] == "toy"
+    paired = report["powerclip_fine_tune"]["paired"]
+    assert printed.count(paired) == 1 and paired.splitlines()[2].startswith(f"| {control} | ")
+    cell = re.compile(r"^\d+\.\d \([+-]\d+\.\d \[[+-]\d+\.\d, [+-]\d+\.\d\]\*?\)$")  # figure (difference [interval])
+    assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
     from extract.cache import FeatureCache
 
     boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")

@@ -1,0 +1,53 @@
+"""tests/fixtures/balance.py: test files go to the workers heaviest first, by measured seconds, else by markers; each
+file's tests keep their order; a run's seconds per file are stored and read back."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from fixtures.balance import file_weights, heaviest_files_first, measured, seconds_by_file, write_durations
+
+
+def _item(nodeid, slow=False):
+    return SimpleNamespace(nodeid=nodeid, get_closest_marker=lambda name: object() if slow and name == "slow" else None)
+
+
+ITEMS = [_item("a.py::t1"), _item("a.py::t2"), _item("b.py::t1", slow=True), _item("c.py::t1"),
+         _item("c.py::t2", slow=True), _item("c.py::t3"), _item("d.py::t1")]
+
+
+def test_markers_weigh_a_file_nobody_has_measured():
+    weights = file_weights(ITEMS, {})
+    assert weights["c.py"] > weights["b.py"] > weights["a.py"] > weights["d.py"]
+    order = [i.nodeid for i in heaviest_files_first(ITEMS, {})]
+    assert order == ["c.py::t1", "c.py::t2", "c.py::t3", "b.py::t1", "a.py::t1", "a.py::t2", "d.py::t1"]
+
+
+def test_measured_seconds_come_first_and_ties_keep_collection_order():
+    order = [i.nodeid for i in heaviest_files_first(ITEMS, {"d.py": 100.0, "a.py": 0.1, "b.py": 0.1})]
+    # d measured heaviest; c unmeasured (its markers: 10.5 s); a and b tie at 0.1 and keep their collected order
+    assert order == ["d.py::t1", "c.py::t1", "c.py::t2", "c.py::t3", "a.py::t1", "a.py::t2", "b.py::t1"]
+    assert sorted(order) == sorted(i.nodeid for i in ITEMS)  # nothing dropped, nothing doubled
+
+
+def test_a_runs_seconds_are_stored_per_file_and_read_back(tmp_path):
+    reports = [SimpleNamespace(nodeid="a.py::t1", when="setup", duration=2.0),
+               SimpleNamespace(nodeid="a.py::t1", when="call", duration=1.04),
+               SimpleNamespace(nodeid="a.py::t2[x]", when="call", duration=3.0),
+               SimpleNamespace(nodeid="b.py::t", when="call", duration=0.5),
+               SimpleNamespace(nodeid="b.py", when=None, duration=9.0)]  # a collect report: no test's time
+    assert seconds_by_file(reports) == {"a.py": 6.04, "b.py": 0.5}
+    path = write_durations(reports, tmp_path / "durations.json")
+    assert measured(path) == {"a.py": 6.0, "b.py": 0.5}
+    path.write_text("{not json")
+    assert measured(path) == {}  # an unreadable file: every file weighed from its markers
+    assert measured(tmp_path / "missing.json") == {}
+
+
+def test_the_shipped_durations_name_files_that_exist():
+    from fixtures.balance import DURATIONS
+
+    seconds = json.loads(DURATIONS.read_text())["seconds"]
+    root = DURATIONS.parent.parent
+    assert len(seconds) >= 50 and all((root / f).is_file() for f in seconds), [f for f in seconds
+                                                                                 if not (root / f).is_file()]

@@ -1,0 +1,30 @@
+"""tests/fixtures/slow_rule.py: which started commands make a test slow by rule, and the recording itself."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from fixtures import slow_rule
+
+
+def test_the_rules_commands():
+    slow = ["torchrun --nproc_per_node 2 -m train.pretrain", f"{sys.executable} -m torch.distributed.run --nproc-per-node 2 x.py",
+            "accelerate launch --multi_gpu --num_processes 2 -m train.adapter", f"{sys.executable} -m train.demo --n 80",
+            "/venv/bin/torchrun -m train.adapter"]
+    fast = [f"{sys.executable} -m train.adapter --method comalign", f"{sys.executable} -m train.demo_helper",
+            "bash -c 'python -m serve.query runs/index x'", f"{sys.executable} -c 'import train.demo as d'"]
+    assert [bool(slow_rule.COMMANDS.search(c)) for c in slow] == [True] * len(slow)
+    assert [bool(slow_rule.COMMANDS.search(c)) for c in fast] == [False] * len(fast)
+
+
+def test_what_a_test_starts_is_recorded():
+    slow_rule.install()
+    slow_rule.start()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert slow_rule.started() == [f"{sys.executable} -c pass"] and slow_rule.reasons() == []  # not a slow one
+    slow_rule.launched("torch.compile (inductor)")
+    slow_rule.launched("torchrun --nproc_per_node 2 -m x")
+    assert slow_rule.reasons() == ["torch.compile (inductor)", "torchrun --nproc_per_node 2 -m x"]
+    slow_rule.start()  # the next test starts with nothing recorded
+    assert slow_rule.reasons() == []
+    assert slow_rule.command_line(["a", 1]) == "a 1" and slow_rule.command_line(b"x y") == "x y"

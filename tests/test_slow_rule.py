@@ -10,9 +10,11 @@ from fixtures import slow_rule
 def test_the_rules_commands():
     slow = ["torchrun --nproc_per_node 2 -m train.pretrain", f"{sys.executable} -m torch.distributed.run --nproc-per-node 2 x.py",
             "accelerate launch --multi_gpu --num_processes 2 -m train.adapter", f"{sys.executable} -m train.demo --n 80",
-            "/venv/bin/torchrun -m train.adapter"]
+            "/venv/bin/torchrun -m train.adapter",
+            f"{sys.executable} -m accelerate.commands.launch --multi_gpu --num_processes 2 -m extract"]
     fast = [f"{sys.executable} -m train.adapter --method comalign", f"{sys.executable} -m train.demo_helper",
-            "bash -c 'python -m serve.query runs/index x'", f"{sys.executable} -c 'import train.demo as d'"]
+            "bash -c 'python -m serve.query runs/index x'", f"{sys.executable} -c 'import train.demo as d'",
+            f"{sys.executable} -m accelerate.commands.launch --num_processes 1 -m train.adapter"]
     assert [bool(slow_rule.COMMANDS.search(c)) for c in slow] == [True] * len(slow)
     assert [bool(slow_rule.COMMANDS.search(c)) for c in fast] == [False] * len(fast)
 

@@ -1,12 +1,14 @@
 """Run by tests/train/test_pretrain.py, under ``torchrun --nproc_per_node 2`` or as one plain process: one step of the
 real engine (data loader, DDP wrapper, objective, gathered loss, backward) on the first global batch of a toy
-world, then rank 0 writes the loss (mean over ranks, as DDP's gradient is the mean) and every gradient.
+world, then rank 0 writes the loss (mean over ranks, as DDP's gradient is the mean) and every gradient, for each
+configuration in turn (one launch for all: each costs three interpreters and a process group).
 
-usage: python tests/train/_pretrain_ddp_worker.py TOYWORLD OUT_DIR GLOBAL_BATCH METHOD [METHOD ...] [-- FLAGS]
-(FLAGS: more train.pretrain flags, e.g. --compile)
+usage: python tests/train/_pretrain_ddp_worker.py TOYWORLD OUT_DIR GLOBAL_BATCH CONFIGS
+(CONFIGS: a JSON list of [tag, method, [more train.pretrain flags, e.g. --compile]]; writes TAG-world<N>.safetensors)
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,11 +22,12 @@ from train.pretrain.engine import (Trainer, build_objective, create_model, init_
 from train.pretrain.data import SeededTransform, build_train_data, to_device  # noqa: E402
 
 
-def run(world: str, out: Path, global_batch: int, methods: list[str], extra: tuple[str, ...] = ()) -> None:
-    """One step per method; with torchrun's variables set this is one rank of a distributed run."""
+def run(world: str, out: Path, global_batch: int, configs) -> None:
+    """One step per configuration ``(tag, method, flags)``; with torchrun's variables set this is one rank of a
+    distributed run."""
     dist = init_distributed("cpu")
     b = global_batch // dist.world_size
-    for method in methods:
+    for tag, method, extra in configs:
         args = parse_args(["--data", world, "--method", method, "--batch-size", str(b), "--workers", "0",
                            "--augment", "none", "--out", str(out / "unused"), "--seed", "3", *extra])
         arch = resolve_architecture(args.model)
@@ -47,12 +50,10 @@ def run(world: str, out: Path, global_batch: int, methods: list[str], extra: tup
                        if p.grad is not None}
             tensors["loss"] = loss.reshape(1)
             out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / f"{method}-world{dist.world_size}.safetensors"))
+            save_file(tensors, str(out / f"{tag}-world{dist.world_size}.safetensors"))
     if dist.world_size > 1:
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    rest = sys.argv[4:]
-    cut = rest.index("--") if "--" in rest else len(rest)
-    run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), rest[:cut], tuple(rest[cut + 1:]))
+    run(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]))

@@ -159,33 +159,44 @@ def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
 
 
 COMPILED = ("--compile", "--compile-backend", "aot_eager")  # the compiled path without inductor's C++ build
+#: (tag, method, flags) of each one-step run compared between two processes and one, per test below
+DDP_RUNS = {"eager": [(m, m, ()) for m in ("clip", "powerclip", "filip")],
+            "compiled": [(f"{m}-compiled", m, COMPILED) for m in ("clip", "powerclip")]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("methods, extra", [(["clip", "powerclip", "filip"], ()), (["clip", "powerclip"], COMPILED)],
-                         ids=["eager", "compiled"])
-def test_two_processes_give_one_process_loss_and_gradients(toy, tmp_path, methods, extra):
-    """torchrun --nproc_per_node 2 (gloo) on a global batch of 16 == one process on the same 16 samples, for the
-    gathered-feature losses (clip, powerclip, filip): the mean of the ranks' losses and DDP's gradients; with the
-    towers compiled too (DDP wraps the model whose blocks are compiled in place)."""
+@pytest.fixture(scope="module")
+def ddp_steps(toy, tmp_path_factory) -> Path:
+    """Every run of DDP_RUNS under one ``torchrun --nproc_per_node 2`` launch (a launch costs three interpreters and a
+    gloo group: one per configuration cost 10 s more of the suite), and the same runs in this one process."""
     sys.path.insert(0, str(WORKER.parent))
     try:
         from _pretrain_ddp_worker import run
     finally:
         sys.path.remove(str(WORKER.parent))
+    out = tmp_path_factory.mktemp("ddp")
+    runs = [list(r) for group in DDP_RUNS.values() for r in group]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(toy), str(tmp_path), "16", *methods, "--", *extra],
-                          env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+                           str(WORKER), str(toy), str(out), "16", json.dumps(runs)],
+                          env=_env(), cwd=str(out), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run(str(toy), tmp_path, 16, methods, extra)
-    for method in methods:
-        one = load_file(str(tmp_path / f"{method}-world1.safetensors"))
-        two = load_file(str(tmp_path / f"{method}-world2.safetensors"))
+    run(str(toy), out, 16, runs)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(DDP_RUNS))
+def test_two_processes_give_one_process_loss_and_gradients(ddp_steps, kind):
+    """torchrun --nproc_per_node 2 (gloo) on a global batch of 16 == one process on the same 16 samples, for the
+    gathered-feature losses (clip, powerclip, filip): the mean of the ranks' losses and DDP's gradients; with the
+    towers compiled too (DDP wraps the model whose blocks are compiled in place)."""
+    for tag, method, _ in DDP_RUNS[kind]:
+        one = load_file(str(ddp_steps / f"{tag}-world1.safetensors"))
+        two = load_file(str(ddp_steps / f"{tag}-world2.safetensors"))
         assert one.keys() == two.keys() and len(one) > 60
         torch.testing.assert_close(two["loss"], one["loss"], rtol=1e-6, atol=1e-6)
         for name in one:
             scale = float(one[name].abs().max()) + 1e-8
-            torch.testing.assert_close(two[name] / scale, one[name] / scale, rtol=0, atol=1e-5, msg=f"{method} {name}")
+            torch.testing.assert_close(two[name] / scale, one[name] / scale, rtol=0, atol=1e-5, msg=f"{tag} {name}")
 
 
 @pytest.mark.slow

@@ -402,16 +402,21 @@ def build_blocks(served: Served):
         compare.click(caption_probe, [upload3, image_id3, caption_a, caption_b, method3],
                       [preferences, heat_a, explain_a, heat_b, explain_b, probe_notes], api_name="caption_probe",
                       **heavy)
-        blocks.load(served.about, None, [about], api_name="about")
+        # Events that run no model skip the queue (queue=False: a plain request, no event stream). A queued event
+        # still in flight when the next one joins can lose that one's answer in Gradio's event stream, and the page
+        # then waits forever: the about line's load event did it to a search clicked 0.3-0.9 s after the page
+        # opened, 2 of 60 page loads (measured here; none of 60 with the load unqueued)
+        blocks.load(served.about, None, [about], api_name="about", queue=False)
         # the page's own wiring
-        gallery.select(pick, [state], [hit_id], api_visibility="private").then(
+        gallery.select(pick, [state], [hit_id], api_visibility="private", queue=False).then(
             heatmap, [hit_id, hit_caption, method], [heat, explanation], api_visibility="private", **heavy)
         method.change(lambda i, c, m: heatmap(i, c, m) if i else (gr.skip(), gr.skip()),  # no hit chosen yet
                       [hit_id, hit_caption, method], [heat, explanation], api_visibility="private", **heavy)
-        table2.select(pick_caption, [table2], [caption2], api_visibility="private").then(
+        table2.select(pick_caption, [table2], [caption2], api_visibility="private", queue=False).then(
             caption_heatmap, [upload, image_id, caption2, method2], [heat2, explanation2], api_visibility="private",
             **heavy)
-        examples.change(use_example, [examples], [image_id3, caption_a, caption_b], api_visibility="private")
+        examples.change(use_example, [examples], [image_id3, caption_a, caption_b], api_visibility="private",
+                        queue=False)
     blocks.queue(max_size=served.limits.queue, default_concurrency_limit=served.limits.concurrency)
     check_inputs(blocks)
     return blocks

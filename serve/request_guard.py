@@ -13,6 +13,14 @@ Also refused here: a body over ``max_body`` bytes (413, whether or not it says i
 is counted as it arrives), JSON nested deeper than :data:`MAX_DEPTH` (400: Python's parser would recurse until it
 fails), a Content-Length that is not a number (400), and Gradio's URL-fetching routes (``/file=http...``,
 ``/proxy=``; 403). Every refusal is one JSON line ``{"error": ...}``.
+
+A refused request whose body is still on its way ends its connection with the answer (``Connection: close``). Closing
+a socket with unread bytes in it makes the kernel send a reset, which can erase the answer before the client reads
+it (RFC 9112 §9.6): a client posting a 2 MB image to a 1 MB limit saw "connection reset by peer", not the 413. So a
+body that says its length up front, at most :data:`DRAIN_FACTOR` times the limit, is read to its end and dropped
+before the answer (:func:`drain`, at most :data:`DRAIN_SECONDS`); a longer one, or one without a length (chunked),
+is cut at the answer, so what the server reads stays bounded either way. A client that asked to be told first
+(``Expect: 100-continue``) has sent nothing and is answered at once.
 """
 from __future__ import annotations
 
@@ -27,6 +35,10 @@ MAX_DEPTH = 64
 UPLOAD = "/gradio_api/upload"
 #: Gradio routes this page never uses that read files a request names (audio / video recordings)
 CLOSED = ("/gradio_api/process_recording",)
+#: a refused body that says its length is read to its end (and dropped) when at most this many times ``max_body``
+DRAIN_FACTOR = 4
+#: ... within this many seconds
+DRAIN_SECONDS = 10.0
 _URL_FETCH = re.compile(r"/(file=(https?:|//)|proxy=)", re.IGNORECASE)
 _URL_LIKE = re.compile(r"^\s*([a-z][a-z0-9+.-]*:|//|\\\\)", re.IGNORECASE)  # http:, data:, file:, //host, \\host
 
@@ -159,10 +171,13 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        reader = _BodyReader(receive)
         try:
-            body = await self._admit(scope, receive)
+            body = await self._admit(scope, reader.receive)
         except Refused as e:  # the body may be partly unread: the connection ends with the answer (RFC 9112 §9.6),
             # or a client that stopped sending waits on a kept-alive socket for the server to read the rest
+            if not reader.ended and drain_first(scope, self.max_body):
+                await drain(reader)
             return await json_reply(send, e.status, {"error": str(e)}, close=True)
         if body is None:
             return await self.app(scope, receive, send)
@@ -212,6 +227,46 @@ class RequestGuard:
             if problem:
                 raise Refused(400, problem)
         return body
+
+
+class _BodyReader:
+    """``receive`` that notes when the request's body has ended (its last part or the client's disconnect)."""
+
+    def __init__(self, receive):
+        self._receive, self.ended = receive, False
+
+    async def receive(self):
+        message = await self._receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            self.ended = True
+        return message
+
+
+def drain_first(scope, max_body: int) -> bool:
+    """Whether a refused request's unread body is read (and dropped) before the answer (module docstring): it says
+    its length, at most DRAIN_FACTOR x ``max_body``, and the client is sending it (no ``Expect: 100-continue``)."""
+    headers = dict(scope.get("headers") or [])
+    length = headers.get(b"content-length", b"").strip()
+    if b"100-continue" in headers.get(b"expect", b"").lower() or not re.fullmatch(rb"[0-9]{1,18}", length):
+        return False
+    return 0 < int(length) <= DRAIN_FACTOR * max_body
+
+
+async def drain(reader: _BodyReader, seconds: float | None = None) -> None:
+    """Read the rest of the body and drop it, until it ends or ``seconds`` (DRAIN_SECONDS) pass: a client that
+    stalls is then cut, as without the drain."""
+    import asyncio
+
+    seconds = DRAIN_SECONDS if seconds is None else seconds
+
+    async def read_all():
+        while not reader.ended:
+            await reader.receive()
+
+    try:
+        await asyncio.wait_for(read_all(), timeout=seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def json_reply(send, status: int, payload: dict, close: bool = False) -> None:

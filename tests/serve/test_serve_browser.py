@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,65 @@ def served(setup):
     return Served.open(index, recall=True)
 
 
+class PageLog:
+    """What the page sent and heard, for a failure's message: its Gradio API requests and their answers, failed
+    requests, console errors (the last :attr:`keep`, each with seconds since the page opened)."""
+
+    keep = 25
+
+    def __init__(self):
+        self.t0, self.lines = time.perf_counter(), []
+
+    def add(self, text: str) -> None:
+        self.lines = [*self.lines[-(self.keep - 1):], f"{time.perf_counter() - self.t0:.1f}s {text}"]
+
+    def attach(self, page) -> None:
+        def short(url: str) -> str:
+            return url.split("//", 1)[-1].split("/", 1)[-1][:90]
+
+        def api(url: str) -> bool:  # the API's calls and streams; the images' file= requests only when they fail
+            return "gradio_api" in url and "/file=" not in url
+
+        page.on("request", lambda r: api(r.url) and self.add(f"> {r.method} {short(r.url)}"))
+        page.on("response", lambda r: (api(r.url) or r.status >= 400) and self.add(f"< {r.status} {short(r.url)}"))
+        page.on("requestfailed", lambda r: self.add(f"! failed {short(r.url)}: {r.failure}"))
+        page.on("console", lambda m: m.type in ("error", "warning") and self.add(f"console {m.type}: {m.text[:200]}"))
+
+
+def server_state(server) -> str:
+    """The in-process server's side of a failure: each Gradio concurrency group's waiting and running events, the
+    last events it recorded, and where its worker threads are (the innermost frames of each)."""
+    import sys
+    import threading
+    import traceback
+
+    lines = []
+    try:
+        queue = server.blocks._queue
+        for cid, q in queue.event_queue_per_concurrency_id.items():
+            lines.append(f"group {cid}: {len(q.queue)} waiting, {q.current_concurrency} running")
+        now = time.time()
+        for a in list(queue.event_analytics.values())[-6:]:
+            lines.append(f"event {a['function']} {a['status']} {now - a['time']:.1f}s ago, took {a['process_time']}")
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the failure it explains
+        lines.append(f"(queue state unreadable: {type(e).__name__}: {e})")
+    frames, where = sys._current_frames(), Counter()
+    for thread in threading.enumerate():
+        if thread.name.startswith(("AnyIO", "plugvlm-serve", "ThreadPool")) and thread.ident in frames:
+            stack = traceback.extract_stack(frames[thread.ident])[-4:]
+            where[f"{thread.name}: " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                                   for f in reversed(stack))] += 1
+    lines += [f"{n} x thread {text}" for text, n in where.items()]
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
-def page(server):
+def page_log():
+    return PageLog()
+
+
+@pytest.fixture(scope="module")
+def page(server, page_log):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -64,6 +122,7 @@ def page(server):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.set_default_timeout(WAIT_MS)
+            page_log.attach(page)
             page.goto(server.url)
             yield page
         finally:
@@ -112,12 +171,13 @@ class Walk:
             return f"({type(e).__name__})"
 
 
-def test_the_page_in_a_real_browser(page, served, tmp_path):
+def test_the_page_in_a_real_browser(page, page_log, served, server, tmp_path):
     walk = Walk(page)
     try:
         walk_the_page(page, served, tmp_path, walk)
     except AssertionError as e:
-        raise AssertionError(f"{e}\n{walk.state()}") from None
+        raise AssertionError(f"{e}\n{walk.state()}\nthe page's requests and errors:\n  "
+                             + "\n  ".join(page_log.lines) + f"\nthe server:\n{server_state(server)}") from None
 
 
 def walk_the_page(page, served, tmp_path, walk: Walk) -> None:

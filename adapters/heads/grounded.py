@@ -272,11 +272,15 @@ class Grounded(AdapterHead):
         text and its texts against every image (gathered with gradients)."""
         scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
         b = len(image_reps["base"])
-        all_img = {k: gather(v, rank, world_size) for k, v in image_reps.items()}
-        all_txt = {k: gather(v, rank, world_size) for k, v in text_reps.items()}
         labels = local_rows(b, rank, world_size, image_reps["base"].device)
-        i2t = scale * self.score(image_reps, all_txt)                # [b, B]
-        t2i = scale * self.score(all_img, text_reps).T               # [b, B]: row = local text
+        if world_size == 1:  # one process: both directions read the one [B, B] matrix, scored once (half the work)
+            i2t = scale * self.score(image_reps, text_reps)
+            t2i = i2t.T
+        else:
+            all_img = {k: gather(v, rank, world_size) for k, v in image_reps.items()}
+            all_txt = {k: gather(v, rank, world_size) for k, v in text_reps.items()}
+            i2t = scale * self.score(image_reps, all_txt)                # [b, B]
+            t2i = scale * self.score(all_img, text_reps).T               # [b, B]: row = local text
         loss = 0.5 * (F.cross_entropy(i2t.float(), labels) + F.cross_entropy(t2i.float(), labels))
         return {"loss": loss, "logit_scale": scale.detach(), "entity_weight": self.entity_weight.detach(),
                 "relation_weight": self.relation_weight.detach(),

@@ -234,3 +234,32 @@ def test_paired_parts_equal_the_diagonal_of_the_full_matrices():
     for name in ("base", "entity", "relation"):
         assert torch.allclose(full[name].diagonal(), paired[name], atol=1e-5), name
     assert torch.allclose(head.score(img, txt).diagonal(), head.combine(paired), atol=1e-5)
+
+
+def test_the_one_process_loss_scores_the_batch_once_with_both_directions_gradients():
+    """One process scores the [B, B] matrix once and reads it both ways: the loss and every gradient are those of
+    CLIP's two directions scored apart (the image rows against every text, the text rows against every image)."""
+    torch.manual_seed(4)
+    head = Grounded(GroundedConfig(), D)
+    for p in head.parameters():
+        if p.ndim > 1:
+            torch.nn.init.normal_(p, std=0.3)
+    images, pos, _ = training_set(12, seed=4)
+    calls = []
+    score = head.score
+    head.score = lambda *a, **k: calls.append(1) or score(*a, **k)  # noqa: E731 - counts the batch's scorings
+    loss = head.loss(head.encode_image(images), head.encode_text(pos))["loss"]
+    assert len(calls) == 1
+    got = torch.autograd.grad(loss, list(head.parameters()), allow_unused=True)
+    img, txt = head.encode_image(images), head.encode_text(pos)
+    scale = head.logit_scale.exp()
+    labels = torch.arange(12)
+    reference = 0.5 * (F.cross_entropy(scale * score(img, txt), labels) + F.cross_entropy((scale * score(img, txt)).T,
+                                                                                          labels))
+    want = torch.autograd.grad(reference, list(head.parameters()), allow_unused=True)
+    assert torch.allclose(loss, reference, atol=1e-6)
+    for (name, _), g, w in zip(head.named_parameters(), got, want):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert torch.allclose(g, w, atol=1e-6, rtol=1e-5), name
+    assert any(g is not None and g.abs().sum() > 0 for g in got)

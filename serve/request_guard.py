@@ -199,13 +199,9 @@ class RequestGuard:
             raise Refused(403, "this server fetches no URLs")
         if path.rstrip("/") in CLOSED:
             raise Refused(403, f"{path} is not served here")
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not re.fullmatch(rb"[0-9]{1,18}", length.strip()):
-                raise Refused(400, "Content-Length is not a number")
-            if int(length) > self.max_body:
-                raise Refused(413, f"request body of {int(length):,} bytes refused (at most {self.max_body:,})")
+        length = declared_length(scope)
+        if length is not None and length > self.max_body:
+            raise Refused(413, f"request body of {length:,} bytes refused (at most {self.max_body:,})")
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return None
         chunks, seen = [], 0
@@ -229,6 +225,16 @@ class RequestGuard:
         return body
 
 
+def declared_length(scope) -> int | None:
+    """The request's Content-Length (None without one); :class:`Refused` (400) when it is not a number."""
+    length = dict(scope.get("headers") or []).get(b"content-length")
+    if length is None:
+        return None
+    if not re.fullmatch(rb"[0-9]{1,18}", length.strip()):
+        raise Refused(400, "Content-Length is not a number")
+    return int(length)
+
+
 class _BodyReader:
     """``receive`` that notes when the request's body has ended (its last part or the client's disconnect)."""
 
@@ -245,11 +251,12 @@ class _BodyReader:
 def drain_first(scope, max_body: int) -> bool:
     """Whether a refused request's unread body is read (and dropped) before the answer (module docstring): it says
     its length, at most DRAIN_FACTOR x ``max_body``, and the client is sending it (no ``Expect: 100-continue``)."""
-    headers = dict(scope.get("headers") or [])
-    length = headers.get(b"content-length", b"").strip()
-    if b"100-continue" in headers.get(b"expect", b"").lower() or not re.fullmatch(rb"[0-9]{1,18}", length):
+    try:
+        length = declared_length(scope)
+    except Refused:
         return False
-    return 0 < int(length) <= DRAIN_FACTOR * max_body
+    expect = dict(scope.get("headers") or []).get(b"expect", b"").lower()
+    return length is not None and 0 < length <= DRAIN_FACTOR * max_body and b"100-continue" not in expect
 
 
 async def drain(reader: _BodyReader, seconds: float | None = None) -> None:

@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request  # module level: FastAPI resolves the routes' annotations here
 
+from extract.common.memory import rss_bytes
 from serve.service import DEFAULT_CANDIDATES, Busy, QueryImage, Served, decode_checked, encode_image
 from serve.request_guard import RequestGuard
 
@@ -370,24 +371,6 @@ def metadata_service(served: Served, body: Any, index_names: list[str], base_url
 
 
 # --------------------------------------------------------------------------------------------- the app
-def rss_bytes(pid: int | None = None) -> int | None:
-    """Resident memory of process ``pid`` (default: this one) in bytes, from /proc (Linux) or psutil; None when
-    neither can say."""
-    try:
-        with open(f"/proc/{pid or 'self'}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        return int(psutil.Process(pid).memory_info().rss)
-    except Exception:  # psutil missing, or the process gone
-        return None
-
-
 def create_app(served: Served, blocks=None):
     """The FastAPI app: the JSON routes (module docstring) and, unless ``blocks`` is False, the Gradio page of
     ``served`` (``serve.app.build_blocks``; pass one to reuse it) mounted at ``/``."""

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from extract.common.cli import Parser, run_job
-from extract.models.tokens import TokenizedText, tokenize_with_spans
+from extract.models.tokens import TokenizedText, tokenize_with_spans, tokenizer_for
 from extract.models.weights import (ResolvedWeights, WeightsNotFoundError, checkpoint_sidecar, file_sha256,
                              resolve_weights)
 
@@ -640,7 +640,7 @@ def load_backbone(base: str, pretrained: str | None = None, *, device: str | tor
         model, _, preprocess = open_clip.create_model_and_transforms(
             spec.model, pretrained=None, device=device, precision=precision, force_quick_gelu=quick_gelu,
             **pp_kwargs)
-    tokenizer = open_clip.get_tokenizer(spec.model)
+    tokenizer = tokenizer_for(spec.model)
     stretched = False
     if context_length is not None and weights.path is not None:
         in_file = _text_positions_in_file(weights.path)

@@ -8,7 +8,6 @@ offsets, and the ids we produce are checked (in the tests) to equal the tokenize
 from __future__ import annotations
 
 import difflib
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -74,20 +73,45 @@ def _align(cleaned: str, text: str, lower: bool) -> list[int]:
     return mapping
 
 
+_TEMPLATES: dict = {}
+
+
+def tokenizer_for(model: str):
+    """open_clip's tokenizer of ``model`` (``open_clip.get_tokenizer``), as a shallow copy of one built once per process
+    for that model and config. A ``SimpleTokenizer`` reads and parses its 49k-word vocabulary and 48k merges every time
+    it is built (~0.1 s) and a new object's vocabulary digest (:func:`_vocabulary_key`, ~0.2 s) is computed again: every
+    backbone load paid both, a fifth of the test suite's CPU time. The copy shares the read-only tables and BPE memo
+    and has attributes of its own (a stretched context sets ``context_length`` on its copy only)."""
+    import copy
+    import json
+
+    import open_clip
+
+    key = (model, json.dumps(open_clip.get_model_config(model), sort_keys=True, default=str))
+    template = _TEMPLATES.get(key)
+    if template is None:
+        template = open_clip.get_tokenizer(model)
+        if hasattr(template, "encoder"):  # a SimpleTokenizer: its digest once, inherited by every copy
+            _vocabulary_key(template)
+        template = _TEMPLATES.setdefault(key, template)
+    return copy.copy(template)
+
+
 #: tokenisations kept per process (:func:`_encoded`), the least recently used dropped first (about 2 KB each)
 ENCODE_CACHE = 60_000
 _ENCODED: OrderedDict = OrderedDict()
 
 
-def _vocabulary_key(tok) -> str:
-    """What decides a SimpleTokenizer's output (its vocabulary and merges, its text cleaning), as a digest computed
-    once per tokenizer object: tokenizers loaded again by later runs of a process share their cached encodings."""
+def _vocabulary_key(tok) -> int:
+    """What decides a SimpleTokenizer's output (its vocabulary and merges, its text cleaning), as one hash computed once
+    per tokenizer object: tokenizers loaded again by later runs of a process share their cached encodings. Python's
+    hash of the tables (~20 ms, a sha256 of their text was ~0.2 s): the key lives in this process's memory only, and
+    two different vocabularies of the same sizes colliding in 64 bits is not a risk worth 10x the time."""
     key = getattr(tok, "_plugvlm_vocabulary_key", None)
     if key is None:
-        h = hashlib.sha256(repr(sorted(tok.encoder.items())).encode())
-        h.update(repr(sorted(tok.bpe_ranks.items())).encode() if hasattr(tok, "bpe_ranks") else b"")
-        h.update(repr(getattr(tok.clean_fn, "__name__", tok.clean_fn)).encode())
-        key = h.hexdigest()
+        merges = tuple(tok.bpe_ranks.items()) if hasattr(tok, "bpe_ranks") else ()
+        key = hash((len(tok.encoder), len(merges), tuple(tok.encoder.items()), merges,
+                    repr(getattr(tok.clean_fn, "__name__", tok.clean_fn))))
         tok._plugvlm_vocabulary_key = key
     return key
 

@@ -32,6 +32,7 @@ from extract.data.sources import ToyWorldSource, open_source
 from extract.options import ExtractOptions
 from extract.pipeline import _image_seed, build_cache, data_fingerprint, main
 from extract.components.regions import crop_regions, gt_boxes, random_grid_boxes
+from fixtures import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_ARGS = ["--workers", "0", "--batch-size", "8", "--shard-size", "8"]
@@ -300,8 +301,7 @@ def test_a_second_run_waits_for_the_first_and_reuses_its_cache(world, reference,
 @pytest.mark.slow
 def test_kill9_mid_run_then_rerun_equals_uninterrupted(world, reference, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "extract", *_argv(world, out)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = warm.start(["-m", "extract", *_argv(world, out)], cwd=ROOT)  # its own process, forked warm
     first = out / reference.name / "shard-00000" / "meta.json"
     deadline = time.monotonic() + 180
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -106,3 +106,26 @@ def test_encodings_are_reused_across_tokenizer_objects_of_one_vocabulary(monkeyp
     other = open_clip.get_tokenizer("ViT-B-32")
     other.encoder = {**other.encoder, "zzz": len(other.encoder)}
     assert tokens._vocabulary_key(other) != tokens._vocabulary_key(open_clip.get_tokenizer("ViT-B-32"))
+
+
+def test_tokenizer_for_builds_each_models_tokenizer_once_and_hands_out_copies(monkeypatch):
+    """A backbone load used to build open_clip's tokenizer (and digest its vocabulary) again each time; now once per
+    model and process. Each caller gets its own copy: same ids as open_clip's own tokenizer, and an attribute set on
+    one copy (a stretched context) is not seen by the next."""
+    import open_clip
+
+    import extract.models.tokens as tokens
+
+    built = []
+    real = open_clip.get_tokenizer
+    monkeypatch.setattr(tokens, "_TEMPLATES", {})
+    monkeypatch.setattr(open_clip, "get_tokenizer", lambda name, *a, **k: built.append(name) or real(name, *a, **k))
+    first, second = tokens.tokenizer_for("ViT-B-32"), tokens.tokenizer_for("ViT-B-32")
+    assert built == ["ViT-B-32"] and first is not second
+    texts = ["a small red circle to the left of a blue square", "naïve café"]
+    assert torch.equal(first(texts), real("ViT-B-32")(texts))
+    assert tokens._vocabulary_key(first) == tokens._vocabulary_key(real("ViT-B-32"))
+    first.context_length = 248
+    assert second.context_length == 77 and tokens.tokenizer_for("ViT-B-32").context_length == 77
+    tokens.tokenizer_for("plugvlm-tiny")  # another model: its own template
+    assert built == ["ViT-B-32", "plugvlm-tiny"]

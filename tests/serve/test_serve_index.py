@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from serve import layout  # noqa: E402
 from serve.index import IndexOptions, build_index, main  # noqa: E402
 from serve.layout import IndexBusyError, IndexDirError, ModelMismatchError  # noqa: E402
 from fixtures.toy import toy_root, trained_comalign  # noqa: E402
+from fixtures import warm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -274,8 +273,7 @@ build_index(IndexOptions(model="tiny", data=sys.argv[2], split=sys.argv[3], out=
 
 def child(world: Path, work: Path, out: Path, split: str, hook: str | None, swap: str = "exchange"):
     env = {**os.environ, layout.HOOK_ENV: hook or ""}
-    return subprocess.Popen([sys.executable, "-c", _CHILD, swap, str(world), split, str(out), str(work / "cache")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm.start(["-c", _CHILD, swap, str(world), split, str(out), str(work / "cache")], cwd=ROOT, env=env)
 
 
 @pytest.mark.parametrize("point,swap,outcome", [
@@ -289,8 +287,8 @@ def test_kill_9_during_a_build_leaves_a_whole_index(world, work, point, swap, ou
     out = work / f"killed-{point}"
     build_index(options(world, work, out.name))  # the old index: test split
     proc = child(world, work, out, "val", f"{point}:kill", swap)
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
     manifest = layout.read_manifest(out)  # a swap cut between its renames is put back here
     assert manifest["data"]["split"] == ("test" if outcome == "old" else "val")
     layout.check_alignment(out)
@@ -304,8 +302,8 @@ def test_kill_9_during_a_build_leaves_a_whole_index(world, work, point, swap, ou
 def test_kill_9_during_a_first_build_leaves_no_index(world, work):
     out = work / "killed-first"
     proc = child(world, work, out, "test", "image.arrow:kill")
-    proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
     with pytest.raises(IndexDirError, match=r"does not exist \(killed-first\.tmp-\d+ beside it: a build that did not"):
         layout.read_manifest(out)
 

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from extract.data import toyworld
+from fixtures import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_pretrain_ddp_worker.py"
@@ -206,8 +207,8 @@ def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path, ext
 
     args = ["--epochs", "2", "--save-every-n-steps", "2", "--keep-checkpoints", "0", "--method", "flip", *extra]
     victim_out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "train.pretrain", *_argv(toy, victim_out, *args)]
-    victim = subprocess.Popen(cmd, env=_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = ["-m", "train.pretrain", *_argv(toy, victim_out, *args)]
+    victim = warm.start(cmd, env=_env(), cwd=ROOT)  # a process of its own, forked warm (tests/fixtures/warm.py)
     latest = victim_out / "checkpoints" / "latest"
     deadline = time.monotonic() + 240
     while not latest.is_file() and victim.poll() is None and time.monotonic() < deadline:
@@ -218,10 +219,9 @@ def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path, ext
     killed_at = json.loads((victim_out / "checkpoints" / latest.read_text().strip() / "state.json").read_text())
     assert killed_at["step"] < 2 * (51 // 8) and not (victim_out / "model.safetensors").exists()
 
-    resumed = subprocess.run(cmd + ["--resume", "latest"], env=_env(), cwd=str(ROOT), capture_output=True,
-                             text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {victim_out / 'checkpoints'}" in resumed.stdout
+    code, out, err = warm.run(cmd + ["--resume", "latest"], env=_env(), cwd=ROOT)
+    assert code == 0, err[-3000:]
+    assert f"resumed from {victim_out / 'checkpoints'}" in out
 
     reference = tmp_path / "uninterrupted"  # in this process, one thread as the subprocesses: same reductions
     assert main(_argv(toy, reference, *args)) == 0

@@ -95,6 +95,24 @@ def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
             assert not list(Path(r2["weights"]).parent.parent.glob("*.summary.json"))
 
 
+def test_jobs_fork_from_a_server_that_imported_torch_once_where_there_is_one():
+    """--jobs processes start from a fork server preloaded with torch, open_clip and the engine (no ~5 s of imports per
+    run), spawned where there is none; never forked from the comparison's own process."""
+    import multiprocessing
+
+    from train.pretrain.compare import _job_context
+
+    ctx = _job_context(multiprocessing)
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert ctx.get_start_method() == "forkserver"
+        from multiprocessing import forkserver
+
+        preload = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None)  # CPython's record
+        assert preload is None or {"torch", "open_clip", "train.pretrain.engine"} <= set(preload)
+    else:
+        assert ctx.get_start_method() == "spawn"
+
+
 def test_job_plan_shares_the_cores_and_the_gpus():
     from train.pretrain.compare import job_plan
 

@@ -23,8 +23,6 @@ The helpers here (batches, the exact loss, timing, peak memory) are shared with 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import resource
@@ -41,6 +39,7 @@ import torch.nn.functional as F
 from adapters.losses.contrastive import clip_loss, triplet_rows
 from extract.common.cli import JobFailed, Parser, help_description, run_job
 from extract.common.config import positive_int
+from extract.common.memory import reset_peak, status_kib, trim_heap
 from adapters.losses.nla import (NLAConfig, PowerCLIPLoss, PowerCLIPLossConfig, pair_scale, pair_similarities,
                           r2t_exact)
 
@@ -156,37 +155,9 @@ def time_call(fn: Callable[[], object], device: str | torch.device = "cpu", *, r
     return times[len(times) // 2]
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _trim_heap() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back, so reused ones count again
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 def rss_method() -> str:
     """How :func:`peak_growth` measures CPU memory in this process ('hwm-reset' or 'unavailable')."""
-    return "hwm-reset" if _status_kib("VmHWM") is not None and _reset_hwm() else "unavailable"
+    return "hwm-reset" if reset_peak() else "unavailable"
 
 
 @contextmanager
@@ -204,12 +175,12 @@ def peak_growth(device: str | torch.device = "cpu"):
         torch.cuda.synchronize(device)
         out.update(bytes=torch.cuda.max_memory_allocated(device) - base, method="cuda-allocator")
         return
-    _trim_heap()
-    ok = _status_kib("VmHWM") is not None and _reset_hwm()
-    base = _status_kib("VmRSS") if ok else None
+    trim_heap()
+    ok = reset_peak()
+    base = status_kib("VmRSS") if ok else None
     yield out
     if ok and base is not None:
-        out.update(bytes=max(0, (_status_kib("VmHWM") or base) - base) * 1024, method="hwm-reset")
+        out.update(bytes=max(0, (status_kib("VmHWM") or base) - base) * 1024, method="hwm-reset")
     else:
         out["method"] = "unavailable"
 
@@ -290,7 +261,7 @@ def _memory_child(spec: dict) -> dict:
         out["grad" if grad else "forward"] = peak["bytes"]
         out["method"] = out["method"] or peak["method"]
         del batch, args, t2r, r2t
-    out["process_peak_rss_bytes"] = (_status_kib("VmHWM") or 0) * 1024 or None
+    out["process_peak_rss_bytes"] = (status_kib("VmHWM") or 0) * 1024 or None
     return out
 
 

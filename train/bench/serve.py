@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -61,6 +60,7 @@ import numpy as np
 
 from extract.common.cli import Parser, build_parser as build_cli, check_options, option, parse_options, progress, run_job, say
 from extract.common.config import fraction, nonnegative_int, positive_float, positive_int
+from extract.common.memory import frozen_heap, reset_peak, rss_bytes, rss_source, status_kib, trim_heap
 from serve.faiss_index import KINDS, MEASURE_K, memory_size
 from serve.layout import MMAP_ABOVE_BYTES
 
@@ -195,58 +195,9 @@ def machine() -> dict:
             "faiss_build_threads": faiss.omp_get_max_threads(), "memory": memory_method()}
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def rss_bytes() -> int | None:
-    """Resident set of this process: psutil when installed, else /proc/self/status VmRSS."""
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        kib = _status_kib("VmRSS")
-        return None if kib is None else kib * 1024
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 def memory_method() -> str:
-    try:
-        import psutil
-
-        rss = f"psutil {psutil.__version__}"
-    except ImportError:
-        rss = "/proc/self/status VmRSS" if _status_kib("VmRSS") is not None else "unavailable"
-    peak = "/proc/self/status VmHWM reset before each build" if _status_kib("VmHWM") is not None and _reset_hwm() \
-        else "unavailable"
-    return f"RSS via {rss}; peak via {peak}"
-
-
-def trim_heap() -> None:
-    """Free what can be freed and hand the heap's free pages back to the kernel, so RSS deltas count new pages."""
-    import ctypes
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    peak = "/proc/self/status VmHWM reset before each build" if reset_peak() else "unavailable"
+    return f"RSS via {rss_source()}; peak via {peak}"
 
 
 class MemoryProbe:
@@ -255,7 +206,7 @@ class MemoryProbe:
 
     def __enter__(self):
         trim_heap()
-        self.can_peak = _status_kib("VmHWM") is not None and _reset_hwm()
+        self.can_peak = reset_peak()
         self.before = rss_bytes()
         self.added = self.peak = None
         return self
@@ -265,7 +216,7 @@ class MemoryProbe:
         if self.before is not None and after is not None:
             self.added = after - self.before
         if self.can_peak and self.before is not None:
-            self.peak = max(0, (_status_kib("VmHWM") or 0) * 1024 - self.before)
+            self.peak = max(0, (status_kib("VmHWM") or 0) * 1024 - self.before)
 
 
 # --------------------------------------------------------------------------------------------- synthetic data
@@ -994,8 +945,9 @@ def run(opts: BenchmarkOptions) -> dict:
             is_largest = n == largest and search_input is None
             here = ([k for k in opts.largest_kinds.split(",") if k != AUTO] if n == largest and opts.largest_kinds
                     is not None else kinds)
-            size, vectors, queries = measure_size(n, d, opts, scratch, here, auto_everywhere or is_largest,
-                                                  keep_vectors=is_largest)
+            with frozen_heap():  # the trim before each of its measurements walks only what this size made
+                size, vectors, queries = measure_size(n, d, opts, scratch, here, auto_everywhere or is_largest,
+                                                      keep_vectors=is_largest)
             results["sizes"].append(size)
             if is_largest:
                 record = size["records"][size["auto"]["key"]]

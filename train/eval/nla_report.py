@@ -44,6 +44,7 @@ from adapters.losses.nla import (MAX_EXACT_REGIONS, PowerCLIPLossConfig, leaf_em
                           node_embeddings, pair_scale, r2t_exact, region_embeddings, t2r_exact)
 from extract.common.cli import Parser, help_description, run_job, say
 from extract.common.config import fraction, nonnegative_int, parse_with_config, positive_float, positive_int, save_config
+from extract.common.memory import frozen_heap
 from train.bench.nla import (MIB, load_warning, loss_step, machine_load, make_batch, peak_growth, random_tree,
                                  rss_method, time_call)
 
@@ -196,36 +197,38 @@ def cost_vs_m(ms: Sequence[int], b: int, k: int, d: int, cfg: PowerCLIPLossConfi
               budget_s: float, budget_bytes: float) -> dict:
     """Section 3: one loss step (forward + backward) per M for the NLA and the exact loss."""
     rows, exact_open, last_exact = [], True, None
-    for m in ms:
-        batch = make_batch(b, m, k, d, seed=m, device=device)
-        row: dict = {"M": m}
-        row["nla_seconds"] = time_call(lambda: loss_step("nla", batch, cfg), device, repeats=repeats)
-        with peak_growth(device) as peak:
-            loss_step("nla", batch, cfg)
-        row["nla_peak_bytes"] = peak["bytes"]
-        # The exact backward keeps Q_{A,B} for all 2^M subsets: B^2 2^M K floats (plus one transient chunk).
-        need = 4.0 * b * b * (2 ** m) * k * 2
-        reason = None
-        if m > MAX_EXACT_REGIONS:
-            reason = f"M > {MAX_EXACT_REGIONS}"
-        elif not exact_open:
-            reason = "an earlier M was skipped"
-        elif need > budget_bytes:
-            reason = f"needs ~{need / 2 ** 30:.1f} GiB > {budget_bytes / 2 ** 30:.1f} GiB budget"
-        elif last_exact is not None and last_exact * 2.0 > budget_s:
-            reason = f"predicted ~{last_exact * 2:.1f} s > {budget_s:.0f} s budget (it doubles per mask)"
-        if reason is None:
-            row["exact_seconds"] = last_exact = time_call(lambda: loss_step("exact", batch, cfg), device,
-                                                          repeats=1, warmup=0)
+    # each peak measurement trims the heap first; frozen, that walks only what the steps made, not the whole process
+    with frozen_heap():
+        for m in ms:
+            batch = make_batch(b, m, k, d, seed=m, device=device)
+            row: dict = {"M": m}
+            row["nla_seconds"] = time_call(lambda: loss_step("nla", batch, cfg), device, repeats=repeats)
             with peak_growth(device) as peak:
-                loss_step("exact", batch, cfg)
-            row["exact_peak_bytes"] = peak["bytes"]
-            row["exact"] = "measured"
-        else:
-            exact_open = False
-            row.update(exact_seconds=None, exact_peak_bytes=None, exact=f"skipped: {reason}")
-        rows.append(row)
-        batch = None  # free before the next M allocates its own
+                loss_step("nla", batch, cfg)
+            row["nla_peak_bytes"] = peak["bytes"]
+            # The exact backward keeps Q_{A,B} for all 2^M subsets: B^2 2^M K floats (plus one transient chunk).
+            need = 4.0 * b * b * (2 ** m) * k * 2
+            reason = None
+            if m > MAX_EXACT_REGIONS:
+                reason = f"M > {MAX_EXACT_REGIONS}"
+            elif not exact_open:
+                reason = "an earlier M was skipped"
+            elif need > budget_bytes:
+                reason = f"needs ~{need / 2 ** 30:.1f} GiB > {budget_bytes / 2 ** 30:.1f} GiB budget"
+            elif last_exact is not None and last_exact * 2.0 > budget_s:
+                reason = f"predicted ~{last_exact * 2:.1f} s > {budget_s:.0f} s budget (it doubles per mask)"
+            if reason is None:
+                row["exact_seconds"] = last_exact = time_call(lambda: loss_step("exact", batch, cfg), device,
+                                                              repeats=1, warmup=0)
+                with peak_growth(device) as peak:
+                    loss_step("exact", batch, cfg)
+                row["exact_peak_bytes"] = peak["bytes"]
+                row["exact"] = "measured"
+            else:
+                exact_open = False
+                row.update(exact_seconds=None, exact_peak_bytes=None, exact=f"skipped: {reason}")
+            rows.append(row)
+            batch = None  # free before the next M allocates its own
     return {"B": b, "K": k, "d": d, "device": str(device), "memory_method": rss_method() if
             torch.device(device).type == "cpu" else "cuda-allocator", "rows": rows}
 

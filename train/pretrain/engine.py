@@ -62,6 +62,7 @@ from adapters.objectives.base import StepContext, split_features  # noqa: E402
 from adapters.objectives.phases import phase  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
 from extract.models.backbone import image_grid  # noqa: E402
+from extract.models.tokens import tokenizer_for  # noqa: E402
 from extract.common.cli import Parser, check_options, from_namespace, option, progress, run_job, say  # noqa: E402
 from extract.common.cli import build_parser as build_cli  # noqa: E402
 from extract.common.config import (config_value, fraction, nonnegative_float, nonnegative_int,  # noqa: E402
@@ -382,7 +383,7 @@ def create_model(arch: str, quick_gelu: bool, seed: int, pretrained: str | None 
             load_weights_file(model, weights.path, arch)
     pp = PreprocessCfg(**model.visual.preprocess_cfg)
     return (model, image_transform_v2(pp, is_train=True), image_transform_v2(pp, is_train=False),
-            open_clip.get_tokenizer(arch))
+            tokenizer_for(arch))
 
 
 def param_groups(model: torch.nn.Module, wd: float) -> tuple[list[dict], list[str]]:

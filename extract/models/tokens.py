@@ -80,7 +80,7 @@ def tokenizer_for(model: str):
     """open_clip's tokenizer of ``model`` (``open_clip.get_tokenizer``), as a shallow copy of one built once per process
     for that model and config. A ``SimpleTokenizer`` reads and parses its 49k-word vocabulary and 48k merges every time
     it is built (~0.1 s) and a new object's vocabulary digest (:func:`_vocabulary_key`, ~0.2 s) is computed again: every
-    backbone load paid both, a fifth of the test suite's CPU time. The copy shares the read-only tables and BPE memo
+    backbone load paid both (an eighth of the test suite's CPU time). The copy shares the read-only tables and BPE memo
     and has attributes of its own (a stretched context sets ``context_length`` on its copy only)."""
     import copy
     import json

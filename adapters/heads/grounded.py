@@ -334,6 +334,16 @@ class Grounded(AdapterHead):
         out["has_relation"] = usable.any(-1)
         return out
 
+    def negative_parts(self, image_reps: Reps, negative_reps: Reps) -> dict[str, Tensor]:
+        """:meth:`paired_parts` of image n with each of its K negatives (``negative_reps``: [N, K, ...]), each [N, K].
+        One call on N * K pairs, each image repeated K times, instead of K calls on N: the same sums (trimming to
+        the slots any negative uses pads the others with masked zeros), a K-th of the small kernels a training step
+        launches and records for backward."""
+        n, k = next(iter(negative_reps.values())).shape[:2]
+        images = {name: v.repeat_interleave(k, 0) for name, v in image_reps.items()}      # row i * K + j: image i
+        parts = self.paired_parts(images, {name: v.flatten(0, 1) for name, v in negative_reps.items()})
+        return {name: v.view(n, k) for name, v in parts.items()}
+
     def negatives_loss(self, image_reps: Reps, text_reps: Reps, negative_reps: Reps, negative_valid: Tensor,
                        types: tuple[str, ...], rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """How this head takes its hard negatives (``train.adapter.negatives.NegativeLoss`` calls it in place of
@@ -353,10 +363,9 @@ class Grounded(AdapterHead):
         Sums over the local items divided by the global count, times world_size: DDP's mean is the global mean."""
         scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
         pos = self.paired_parts(image_reps, text_reps)
-        k = negative_valid.shape[1]
-        negs = [self.paired_parts(image_reps, {name: v[:, j] for name, v in negative_reps.items()}) for j in range(k)]
+        negs = self.negative_parts(image_reps, negative_reps)                                  # each [b, K]
         valid = negative_valid.bool()
-        logits = torch.stack([self.combine(pos)] + [self.combine(n) for n in negs], 1) * scale     # [b, 1 + K]
+        logits = torch.cat([self.combine(pos)[:, None], self.combine(negs)], 1) * scale         # [b, 1 + K]
         logits = logits.masked_fill(torch.cat([torch.zeros_like(valid[:, :1]), ~valid], 1), float("-inf"))
         has_neg = valid.any(1)
         ce = F.cross_entropy(logits.float(), torch.zeros(len(logits), dtype=torch.long, device=logits.device),
@@ -365,9 +374,8 @@ class Grounded(AdapterHead):
         slots = [j for j, t in enumerate(types) if t in RELATION_NEGATIVES]
         if self.config.relations and self.config.relation_loss > 0 and slots:
             bce, count = -(pos["relation_sum"] * pos["has_relation"]).sum(), pos["has_relation"].sum()
-            for j in slots:
-                ok = negs[j]["has_relation"] & valid[:, j]
-                bce, count = bce - (_log1mexp(negs[j]["relation_sum"]) * ok).sum(), count + ok.sum()
+            ok = negs["has_relation"][:, slots] & valid[:, slots]
+            bce, count = bce - (_log1mexp(negs["relation_sum"][:, slots]) * ok).sum(), count + ok.sum()
             terms["relation_bce"] = (bce, count)
         out, total = {}, logits.new_zeros(())
         for name, (value, count) in terms.items():

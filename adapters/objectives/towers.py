@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from adapters.objectives.phases import phase
-from extract.models.backbone import is_resnet, is_vit, resnet_tokens
+from extract.models.backbone import encode_text_columns, is_resnet, is_vit, resnet_tokens, trimmed_text_length
 
 
 class UnsupportedModelError(NotImplementedError):
@@ -141,21 +141,9 @@ def encode_text(model: nn.Module, ids: Tensor, *, tokens: bool = False, trim: bo
     ``trim`` (pooled output only): run the tower on the columns up to the batch's longest end-of-text alone. The
     mask is causal and pooling takes the end-of-text token, so the padding after it never reaches the result: the
     same embedding up to float rounding, at the cost of the real tokens (a toy caption is ~15 of 77)."""
-    from open_clip.transformer import text_global_pool
-
-    cast_dtype = model.transformer.get_cast_dtype()
-    pos, mask = model.positional_embedding, model.attn_mask
-    if trim and not tokens and model.text_pool_type == "argmax" and mask is not None and len(ids):
-        length = int(ids.argmax(dim=-1).max()) + 1
-        ids, pos, mask = ids[:, :length], pos[:length], mask[:length, :length]
-    x = model.token_embedding(ids).to(cast_dtype) + pos.to(cast_dtype)
-    x = model.transformer(x, attn_mask=mask)
-    x = model.ln_final(x)
-    pooled = text_global_pool(x, ids, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
-    proj = model.text_projection
-    project = (lambda t: proj(t)) if isinstance(proj, nn.Linear) else ((lambda t: t @ proj) if proj is not None
-                                                                       else (lambda t: t))
-    return TextOut(pooled=project(pooled), tokens=project(x) if tokens else None)
+    length = trimmed_text_length(model, ids) if trim and not tokens else None
+    pooled, token_out = encode_text_columns(model, ids, ids.shape[1] if length is None else length, tokens=tokens)
+    return TextOut(pooled=pooled, tokens=token_out)
 
 
 def token_mask(ids: Tensor, *, include_sot: bool = True) -> Tensor:

@@ -175,6 +175,39 @@ def _project(x: torch.Tensor, proj) -> torch.Tensor:
     return proj(x) if isinstance(proj, nn.Module) else x @ proj
 
 
+def trimmed_text_length(model: nn.Module, ids: torch.Tensor) -> int | None:
+    """The columns of ``ids`` [B, L] an open_clip ``CLIP`` text tower needs: up to the batch's last end-of-text token,
+    or None where cutting the padding off could change a result (a CoCa or other custom text tower, a tower without
+    the causal mask or not pooled at the end-of-text token, an empty batch).
+
+    The mask is causal, so no token before the end-of-text attends to the padding after it, and the pooled
+    embedding is the end-of-text token's (``argmax``: SimpleTokenizer's end-of-text has the largest id): both are
+    the same on the trimmed columns up to float rounding, at the cost of the real tokens only (a toy caption is ~15
+    of 77; a COCO caption ~20)."""
+    if getattr(model, "text", None) is not None or getattr(model, "attn_mask", None) is None or not len(ids):
+        return None
+    if getattr(model, "text_pool_type", None) != "argmax":
+        return None
+    return int(ids.argmax(dim=-1).max()) + 1
+
+
+def encode_text_columns(model: nn.Module, ids: torch.Tensor, length: int,
+                        tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """open_clip's ``CLIP.encode_text`` on the first ``length`` columns of ``ids`` (:func:`trimmed_text_length`),
+    step for step with the model's own modules and the matching rows of its positions and causal mask. Returns
+    (pooled [B, D] before normalisation, and with ``tokens`` every column's joint-space embedding [B, length, D]:
+    ``ln_final(x_t) @ text_projection``, the map that makes the end-of-text token the pooled one; else None)."""
+    from open_clip.transformer import text_global_pool
+
+    ids = ids[:, :length]
+    cast_dtype = model.transformer.get_cast_dtype()
+    x = model.token_embedding(ids).to(cast_dtype) + model.positional_embedding[:length].to(cast_dtype)
+    mask = model.attn_mask if model.attn_mask is None else model.attn_mask[:length, :length]
+    x = model.ln_final(model.transformer(x, attn_mask=mask))
+    pooled = text_global_pool(x, ids, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
+    return _project(pooled, model.text_projection), _project(x, model.text_projection) if tokens else None
+
+
 def _value_path(pooler: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """AttentionalPooler output when each query attends to a single token: out_proj(W_v ln_k(x) + b_v)."""
     mha: nn.MultiheadAttention = pooler.attn
@@ -350,9 +383,19 @@ class FrozenBackbone(nn.Module):
         return self.token_features(ids, attention_mask)
 
     def token_features(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`encode_token_ids` with autograd as the caller has it (gradients reach unfrozen weights)."""
+        """:meth:`encode_token_ids` with autograd as the caller has it (gradients reach unfrozen weights).
+
+        A CLIP text tower runs on the columns up to the batch's last end-of-text token only
+        (:func:`trimmed_text_length`); the padding columns after it, which every reader masks, hold zeros."""
         _, ln_final, projection, has_cls = self._text_parts()
-        embedding = self.model.encode_text(ids.to(self.device), normalize=True)
+        ids = ids.to(self.device)
+        length = trimmed_text_length(self.model, ids)
+        if length is not None and length < ids.shape[1]:
+            pooled, tokens = encode_text_columns(self.model, ids, length, tokens=True)
+            self._text_capture.pop()  # the hook saw the trimmed transformer's output: not read again
+            tokens = F.pad(tokens, (0, 0, 0, ids.shape[1] - length))
+            return F.normalize(pooled, dim=-1).float(), tokens.float()
+        embedding = self.model.encode_text(ids, normalize=True)
         x = self._text_capture.pop()
         if has_cls:  # CoCa appends a class token after the sequence; it is the global embedding's source
             x = x[:, :-1]

@@ -112,6 +112,16 @@ def trained_head(steps: int = 300, seed: int = 0) -> Grounded:
     return head.eval()
 
 
+def spread_head(seed: int) -> Grounded:
+    """An untrained head with its matrices drawn away from the zero init, so the geometry terms count."""
+    torch.manual_seed(seed)
+    head = Grounded(GroundedConfig(), D)
+    for p in head.parameters():
+        if p.ndim > 1:
+            torch.nn.init.normal_(p, std=0.3)
+    return head
+
+
 @pytest.fixture(scope="module")
 def head() -> Grounded:
     return trained_head()
@@ -222,11 +232,7 @@ def test_negatives_loss_trains_the_relation_term_only_on_relational_negatives():
 
 
 def test_paired_parts_equal_the_diagonal_of_the_full_matrices():
-    torch.manual_seed(3)
-    head = Grounded(GroundedConfig(), D)
-    for p in head.parameters():
-        if p.ndim > 1:
-            torch.nn.init.normal_(p, std=0.3)  # away from the zero init, so the geometry terms count
+    head = spread_head(3)
     images, pos, _ = training_set(16, seed=3)
     img, txt = head.encode_image(images), head.encode_text(pos)
     full = head.parts(*head.trimmed(img, txt))
@@ -236,14 +242,30 @@ def test_paired_parts_equal_the_diagonal_of_the_full_matrices():
     assert torch.allclose(head.score(img, txt).diagonal(), head.combine(paired), atol=1e-5)
 
 
+def test_negative_parts_in_one_call_equal_paired_parts_per_negative():
+    """The fast path (every image against its K negatives in one call) against its reference, one call per negative
+    slot; the slots name different numbers of phrases and relations, so the joint trimming pads some of them."""
+    head = spread_head(5)
+    images, pos, neg = training_set(12, seed=5)
+    img, txt, nt = head.encode_image(images), head.encode_text(pos), head.encode_text(neg)
+    order = torch.randperm(12)
+    plain = {k: v[order] for k, v in txt.items()}
+    plain["role_valid"] = plain["role_valid"] & (torch.arange(12) >= 6)[:, None]  # six captions without a relation
+    slots = [nt, plain, {k: v[order.flip(0)] for k, v in nt.items()}]
+    negative_reps = {k: torch.stack([slot[k] for slot in slots], 1) for k in nt}
+    fast = head.negative_parts(img, negative_reps)
+    for j, slot in enumerate(slots):
+        reference = head.paired_parts(img, slot)
+        for name, value in reference.items():
+            assert fast[name].shape == (12, 3)
+            assert torch.allclose(fast[name][:, j], value, atol=1e-5), (name, j)
+    assert fast["has_relation"].any() and not fast["has_relation"].all()  # both kinds of slot are in the check
+
+
 def test_the_one_process_loss_scores_the_batch_once_with_both_directions_gradients():
     """One process scores the [B, B] matrix once and reads it both ways: the loss and every gradient are those of
     CLIP's two directions scored apart (the image rows against every text, the text rows against every image)."""
-    torch.manual_seed(4)
-    head = Grounded(GroundedConfig(), D)
-    for p in head.parameters():
-        if p.ndim > 1:
-            torch.nn.init.normal_(p, std=0.3)
+    head = spread_head(4)
     images, pos, _ = training_set(12, seed=4)
     calls = []
     score = head.score

@@ -98,6 +98,36 @@ def test_clip_text_tokens_consistent_with_global(tiny):
     assert out.spans.shape == (3, 77, 2) and not out.truncated.any()
 
 
+def test_text_tower_runs_on_the_real_columns_only_and_equals_the_full_length_tower():
+    """The fast path (the columns up to the batch's last end-of-text) against open_clip's full 77 columns: the same
+    embedding, the same tokens where the mask is set, zeros in the columns after the longest caption; the gradients of an unfrozen tower too. CoCa (its
+    class token comes after the padding) keeps the full length."""
+    from extract.models.backbone import trimmed_text_length
+
+    bb = load_backbone("tiny").unfreeze()
+    tok = bb.tokenize(TEXTS)
+    m = bb.model
+    length = trimmed_text_length(m, tok.ids)
+    assert length == int(tok.attention_mask.sum(1).max()) < 77
+    assert trimmed_text_length(load_backbone("tiny-coca").model, tok.ids) is None
+    emb, tokens = bb.token_features(tok.ids, tok.attention_mask)
+    x = m.transformer(m.token_embedding(tok.ids) + m.positional_embedding, attn_mask=m.attn_mask)  # all 77
+    reference = m.ln_final(x) @ m.text_projection
+    mask = tok.attention_mask
+    torch.testing.assert_close(emb, m.encode_text(tok.ids, normalize=True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tokens[mask], reference[mask], rtol=1e-5, atol=1e-6)
+    assert tokens.shape == reference.shape and not tokens[:, length:].any()  # the columns no caption reaches
+    grads = []
+    for out in ((emb, tokens), (m.encode_text(tok.ids, normalize=True), reference)):
+        m.zero_grad()
+        (out[0].square().sum() + out[1][mask].sin().sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and "positional_embedding" in grads[0]
+    for name in grads[0]:  # float rounding of sums over 13 columns instead of 77, relative to the gradient's scale
+        scale = float(grads[1][name].abs().max())
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=1e-5 * scale, msg=name)
+
+
 def test_coca_text_tokens_match_tower_output(tiny_coca):
     out = tiny_coca.encode_texts(TEXTS)
     t = tiny_coca.model.text

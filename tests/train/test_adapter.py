@@ -28,6 +28,7 @@ from adapters.registry import ADAPTERS
 from extract.cache import FeatureCache
 from train.adapter.engine import AdapterOptions, AdapterRun, compute_gradients, main, parse_args, resolve, train
 
+from fixtures import warm
 from fixtures.toy import adapter_argv, toy_root, trained_comalign
 from train.bad_steps import DIVERGED
 
@@ -99,12 +100,12 @@ def test_checkpoint_reloads_in_a_fresh_process_with_identical_scores(run, root):
         "i = s.encode_pil([Image.open(p).convert('RGB') for p in paths], paths)\n"
         "t = s.encode_texts(texts)\n"
         "print(json.dumps({d: s.score_directed(i, t, d).tolist() for d in ('t2i', 'i2t')}))\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code, str(run), str(root / "world"),
-                           json.dumps([str(p) for p in images]), json.dumps(texts)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    # a process of its own that has never held this model: it reads only the files (forked warm: torch and open_clip
+    # imported already, nothing of this test's state)
+    rc, out, err = warm.run(["-c", code, str(run), str(root / "world"), json.dumps([str(p) for p in images]),
+                             json.dumps(texts)], cwd=ROOT)
+    assert rc == 0, err
+    theirs = json.loads(out.strip().splitlines()[-1])
     from PIL import Image
 
     scorer = load_scorer(str(run / "adapter.safetensors"), annotations=root / "world")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from adapters.checkpoint import CheckpointError, read_meta
 from adapters.registry import ADAPTERS
+from fixtures import warm
 from fixtures.toy import world_root
 from extract.models.backbone import load_backbone
 from extract.data.sources import Skip
@@ -126,12 +127,11 @@ def test_the_run_folder_alone_rebuilds_the_model_in_a_fresh_process(run, world, 
             "i = s.encode_pil([Image.open(p).convert('RGB') for p in paths], paths)\n"
             "scores = s.score(i, s.encode_texts(texts)).tolist()\n"
             "print(json.dumps({'context': s.backbone.context_length, 'scores': scores}))\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(moved / "adapter.safetensors"),
-                           json.dumps([str(p) for p in images]), json.dumps(texts)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    # a process of its own that has never held this model (forked warm: torch and open_clip imported already)
+    rc, out, err = warm.run(["-c", code, str(moved / "adapter.safetensors"), json.dumps([str(p) for p in images]),
+                             json.dumps(texts)], cwd=ROOT)
+    assert rc == 0, err[-3000:]
+    theirs = json.loads(out.strip().splitlines()[-1])
     scorer = load_scorer(str(run / "adapter.safetensors"))
     assert theirs["context"] == scorer.backbone.context_length == 248
     i = scorer.encode_pil([Image.open(p).convert("RGB") for p in images], [str(p) for p in images])

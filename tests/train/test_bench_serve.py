@@ -156,3 +156,14 @@ def test_bad_options_are_one_line_errors(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "error:" in err and "usage:" not in err
+
+
+def test_throughput_counts_a_query_from_every_caller_even_when_the_window_closes_first():
+    """A thread that starts after the window has closed (a busy machine, the suite's 0.1 s window) still completes
+    one query: a caller that never ran would read as 0 queries per second."""
+    from train.bench.serve import throughput
+
+    seen = []
+    figures = throughput(seen.append, count=3, callers=4, seconds=0.0)
+    assert figures["callers"] == 4 and figures["queries"] == len(seen) == 4 and figures["qps"] > 0
+    assert sorted(seen) == [0, 0, 1, 2]  # the shared counter, wrapped at count

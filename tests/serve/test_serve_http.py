@@ -322,6 +322,24 @@ def test_only_the_models_events_go_through_the_queue(server):
     assert any(t[1] == "load" for f in plain for t in f.targets)  # the one that runs when a page opens
 
 
+@pytest.fixture
+def client_litter_removed():
+    """gradio_client downloads each output file into a new ``<tmp>/<40 hex digits>/`` folder and moves it on, leaving
+    the folder behind (gradio_client.client, ``secrets.token_hex(20)``): ~40 empty folders in /tmp per run. This
+    removes the empty ones the test made, and nothing else."""
+    import os
+    import tempfile
+
+    tmp = Path(tempfile.gettempdir())
+    litter = re.compile(r"[0-9a-f]{40}")
+    before = {p.name for p in tmp.iterdir() if litter.fullmatch(p.name)}
+    yield
+    for path in tmp.iterdir():
+        if litter.fullmatch(path.name) and path.name not in before and path.is_dir() and not any(path.iterdir()):
+            os.rmdir(path)
+
+
+@pytest.mark.usefixtures("client_litter_removed")
 def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     from gradio_client import Client, handle_file
     from gradio_client.exceptions import AppError
@@ -366,6 +384,7 @@ def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     assert len(client.predict(QUERY, 2, False, 12, api_name="/text_to_image")[0]) == 2  # still serving
 
 
+@pytest.mark.usefixtures("client_litter_removed")
 def test_the_readmes_client_block_runs_against_the_app(server, capsys):
     """The README's Python block for both APIs (clip-retrieval's JSON and gradio_client) runs as written against the
     app, with only its URL line pointed at this server."""

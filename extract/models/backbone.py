@@ -388,8 +388,8 @@ class FrozenBackbone(nn.Module):
         A CLIP text tower runs on the columns up to the batch's last end-of-text token only
         (:func:`trimmed_text_length`); the padding columns after it, which every reader masks, hold zeros."""
         _, ln_final, projection, has_cls = self._text_parts()
+        length = trimmed_text_length(self.model, ids)  # before the move: ids from the tokenizer are on the CPU, no sync
         ids = ids.to(self.device)
-        length = trimmed_text_length(self.model, ids)
         if length is not None and length < ids.shape[1]:
             pooled, tokens = encode_text_columns(self.model, ids, length, tokens=True)
             self._text_capture.pop()  # the hook saw the trimmed transformer's output: not read again

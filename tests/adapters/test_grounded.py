@@ -262,6 +262,42 @@ def test_negative_parts_in_one_call_equal_paired_parts_per_negative():
     assert fast["has_relation"].any() and not fast["has_relation"].all()  # both kinds of slot are in the check
 
 
+def test_pair_codes_only_on_used_slots_give_the_full_codes_scores_losses_and_gradients():
+    """encode_image codes the box pairs only up to the last slot any image uses (zeros after): every score, the
+    hard-negative loss and every gradient equal those of the reference that codes all E x E pairs, here with junk
+    boxes in the unused slots (a padded cache's slots are not read, whatever they hold)."""
+    head = spread_head(6)
+    images, pos, neg = training_set(10, seed=6)
+    images["ventity_boxes"][:, 2:] = torch.rand(10, E - 2, 4) * SIZE  # slots 2.. are invalid in every image
+    assert not images["ventity_valid"][:, 2:].any()
+
+    def reference(batch):  # the pair code of every ordered pair of the E slots
+        reps = head.encode_image(batch)
+        geom = box_features(batch["ventity_boxes"], batch["ventity_image_size"])
+        return {**reps, "pairs": head.pair_code(pair_features(geom))}
+
+    def outputs(img):
+        txt, nt = head.encode_text(pos), head.encode_text(neg)
+        negs = {k: torch.stack([nt[k], nt[k].flip(0)], 1) for k in nt}
+        loss = head.negatives_loss(img, txt, negs, torch.ones(10, 2, dtype=torch.bool), ("swap-obj", "swap-att"))
+        total = loss["loss"] + head.loss(img, txt)["loss"]
+        grads = torch.autograd.grad(total, list(head.parameters()), allow_unused=True)
+        return head.score(img, txt), head.combine(head.paired_parts(img, txt)), total, grads
+
+    got, want = head.encode_image(images), reference(images)
+    assert got["pairs"].shape == want["pairs"].shape == (10, E, E, head.config.hidden)  # the shape two ranks gather
+    assert not got["pairs"][:, 2:].any() and not got["pairs"][:, :, 2:].any()
+    assert want["pairs"][:, 2:].abs().sum() > 0  # the reference does code the junk slots
+    (*fast, fast_grads), (*full, full_grads) = outputs(got), outputs(want)
+    for a, b in zip(fast, full):
+        assert torch.allclose(a, b, atol=1e-6)
+    for (name, _), g, w in zip(head.named_parameters(), fast_grads, full_grads):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            assert torch.allclose(g, w, atol=1e-6, rtol=1e-5), name
+    assert fast_grads[list(dict(head.named_parameters())).index("pair_code.0.weight")].abs().sum() > 0
+
+
 def test_the_one_process_loss_scores_the_batch_once_with_both_directions_gradients():
     """One process scores the [B, B] matrix once and reads it both ways: the loss and every gradient are those of
     CLIP's two directions scored apart (the image rows against every text, the text rows against every image)."""

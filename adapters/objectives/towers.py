@@ -140,7 +140,7 @@ def encode_text(model: nn.Module, ids: Tensor, *, tokens: bool = False, trim: bo
 
     ``trim`` (pooled output only): run the tower on the columns up to the batch's longest end-of-text alone. The
     mask is causal and pooling takes the end-of-text token, so the padding after it never reaches the result: the
-    same embedding up to float rounding, at the cost of the real tokens (a toy caption is ~15 of 77)."""
+    same embedding up to float rounding, at the cost of the batch's longest caption (``trimmed_text_length``)."""
     length = trimmed_text_length(model, ids) if trim and not tokens else None
     pooled, token_out = encode_text_columns(model, ids, ids.shape[1] if length is None else length, tokens=tokens)
     return TextOut(pooled=pooled, tokens=token_out)

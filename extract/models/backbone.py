@@ -182,8 +182,8 @@ def trimmed_text_length(model: nn.Module, ids: torch.Tensor) -> int | None:
 
     The mask is causal, so no token before the end-of-text attends to the padding after it, and the pooled
     embedding is the end-of-text token's (``argmax``: SimpleTokenizer's end-of-text has the largest id): both are
-    the same on the trimmed columns up to float rounding, at the cost of the real tokens only (a toy caption is ~15
-    of 77; a COCO caption ~20)."""
+    the same on the trimmed columns up to float rounding, at the cost of the batch's longest caption (extract/README,
+    "Frozen backbones": 62 of 77 columns for a batch of the toy world's training captions, 7 for short ones)."""
     if getattr(model, "text", None) is not None or getattr(model, "attn_mask", None) is None or not len(ids):
         return None
     if getattr(model, "text_pool_type", None) != "argmax":

@@ -100,8 +100,8 @@ def test_clip_text_tokens_consistent_with_global(tiny):
 
 def test_text_tower_runs_on_the_real_columns_only_and_equals_the_full_length_tower():
     """The fast path (the columns up to the batch's last end-of-text) against open_clip's full 77 columns: the same
-    embedding, the same tokens where the mask is set, zeros in the columns after the longest caption; the gradients of an unfrozen tower too. CoCa (its
-    class token comes after the padding) keeps the full length."""
+    embedding, the same tokens where the mask is set, zeros in the columns after the longest caption; the gradients
+    of an unfrozen tower too. CoCa (its class token comes after the padding) keeps the full length."""
     from extract.models.backbone import trimmed_text_length
 
     bb = load_backbone("tiny").unfreeze()

@@ -6,16 +6,18 @@ The head was trained on cached arrays (``python -m extract``). To score new imag
 backbone (weights checked by SHA-256), crops of the same boxes embedded the same way, the same spaCy rules,
 the same fp16 rounding. The head then sees what it saw in training.
 
-Boxes: a head trained on ground-truth boxes (the toy world, ``--annotations objects.json``) needs boxes for
-the images it scores: pass ``annotations`` (a toy-world folder, a Visual-Genome ``objects.json`` or a dict keyed
-by image id / file name), or ``detector`` (YOLO weights) to detect them instead. Images are identified by the
-ids the caller gives (evaluation passes file paths; a path whose file name an annotation names maps to that
-annotation's image id, which also seeds random regions exactly as in the cache).
+Boxes: a head trained on ground-truth boxes (the toy world, ``--annotations FILE``) needs boxes for the images
+it scores: pass ``annotations`` (anything :func:`extract.data.boxes.read_boxes` reads: COCO instances, a Visual
+Genome ``objects.json``, a toy-world folder, or a dict keyed by image id), or ``detector`` (YOLO weights) to
+detect them instead. Images are identified by the ids the caller gives, ints or strings (``str(id)``; evaluation
+passes file paths: a path whose file name an entry names maps to that entry's image id, which also seeds random
+regions exactly as in the cache). An image the file holds no entry for is an error naming both
+(:class:`extract.data.boxes.MissingBoxes`), unless the caller asks for ``missing_boxes="empty"`` after counting
+such images itself (:meth:`AdapterScorer.box_coverage`).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -27,37 +29,6 @@ from adapters.heads.base import AdapterHead, Reps, to_tensors
 from adapters.checkpoint import CheckpointError, load_adapter
 from adapters.live_memo import MEMO, pixels_digest, scope_key
 from adapters.scoring import CacheReadable, token_keys
-
-
-def load_annotations(spec) -> dict[str, dict]:
-    """Ground-truth boxes by image id and by file name: from a dict (returned as is), a toy-world folder or its
-    ``annotations.json`` (every split, and the scenes of its controlled test, ``controlled.json``, by file name), or
-    a Visual-Genome-style ``objects.json``."""
-    if spec is None or isinstance(spec, dict):
-        return spec
-    path = Path(spec)
-    if path.is_dir():
-        path = path / "annotations.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"annotations {spec}: no such file or toy-world folder")
-    from extract.common.json_memo import read_json
-
-    data = read_json(path)
-    if isinstance(data, dict) and isinstance(data.get("scenes"), list):  # a toy world
-        out = {}
-        for scene in data["scenes"]:
-            out[str(scene["image_id"])] = scene
-            if scene.get("file_name"):
-                out.setdefault(os.path.basename(scene["file_name"]), scene)
-        controlled = path.parent / "controlled.json"
-        if controlled.is_file():
-            for entry in read_json(controlled).get("sets", []):
-                for scene in entry.get("scenes", []):
-                    out.setdefault(os.path.basename(scene["file_name"]), scene)
-        return out
-    from extract.components.regions import load_box_annotations
-
-    return load_box_annotations(path)
 
 
 def _extract_defaults() -> dict:
@@ -75,8 +46,9 @@ class LiveExtractor:
     """
 
     def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
-                 detector: str | None = None, weights_sha256: str | None = None):
-        from extract.data.sources import ToyWorldSource
+                 detector: str | None = None, weights_sha256: str | None = None,
+                 max_missing_boxes: float | None = None):
+        from extract.data.boxes import read_boxes
         from extract.pipeline import ShardBuilder, ExtractionComponents
 
         args = argparse.Namespace(**{**_extract_defaults(), **extraction_args})
@@ -85,25 +57,20 @@ class LiveExtractor:
             args.crop_scale = 1.0
         if isinstance(args.components, str):
             args.components = [c for c in args.components.split(",") if c]
-        self.annotations = load_annotations(annotations)
+        #: the ground-truth boxes (extract.data.boxes.BoxAnnotations), None without any
+        self.boxes = read_boxes(annotations, max_missing=max_missing_boxes)
         if detector is not None:
             box_source, args.detector = "yolo", detector
         needs_gt = box_source == "gt" or ("regions" in args.components and args.regions == "gt")
-        if needs_gt and self.annotations is None:
+        if needs_gt and self.boxes is None:
             raise ValueError("this adapter was trained on ground-truth boxes: give the boxes of the images to score "
-                             "(annotations=<toy-world folder | objects.json>, --annotations in python -m "
-                             "train.eval.evaluate) or a detector to find them (detector=WEIGHTS.pt, --detector)")
+                             "(annotations=FILE: COCO instances, Visual Genome objects.json or a toy-world folder; "
+                             "--annotations in python -m train.eval) or a detector to find them (detector=WEIGHTS.pt, "
+                             "--detector)")
         if box_source is not None:
             args.boxes = box_source
-
-        class _Boxes(ToyWorldSource):
-            """Stands in for the training source: ExtractionComponents takes ground-truth boxes from ``annotations``."""
-
-            def __init__(self, annotations):  # noqa: D401 - no files to read
-                self.annotations = annotations
-
         self.args = args
-        self.components = ExtractionComponents(args, _Boxes(self.annotations or {}), backbone.device)
+        self.components = ExtractionComponents(args, None, backbone.device, boxes=self.boxes)
         self.builder = ShardBuilder(backbone, self.components, args)
         self.backbone = backbone
         # what decides the arrays, for the process's memory of them (adapters/live_memo.py); without the weights'
@@ -111,44 +78,56 @@ class LiveExtractor:
         self.scope = None if weights_sha256 is None else scope_key(
             weights=weights_sha256, backbone=backbone.describe(), settings=self.settings(),
             annotations=_annotations_token(annotations))
-        self._file_ids = {}
-        for key, entry in (self.annotations or {}).items():
-            if isinstance(entry, dict) and "image_id" in entry and "file_name" in entry:
-                self._file_ids[os.path.basename(entry["file_name"])] = str(entry["image_id"])
 
     @property
     def needs_pixels(self) -> bool:
         """True when crops, detections or masks need the decoded image (not only the preprocessed tensor)."""
         return self.builder.keep_raw
 
-    def image_id(self, key: str) -> str:
-        return self._file_ids.get(os.path.basename(key), key) if self._file_ids else key
+    @property
+    def reads_boxes(self) -> bool:
+        """True when the arrays need ground-truth boxes (:attr:`boxes`): the head was trained on them."""
+        return self.components.reads_boxes
+
+    def image_id(self, key) -> str:
+        """The id an image known by ``key`` (an id, int or str, or a path) has in the box file, else ``str(key)``."""
+        return self.boxes.image_id(key) if self.boxes is not None else str(key)
 
     def settings(self) -> dict:
         return self.components.settings()
 
+    def coverage(self, collection: str):
+        """An :class:`extract.data.boxes.Coverage` of ``collection`` when the arrays read ground-truth boxes, else
+        None."""
+        return self.boxes.coverage(collection) if self.reads_boxes else None
+
     @torch.no_grad()
-    def image_arrays(self, images: Sequence, ids: Sequence[str]) -> dict[str, np.ndarray]:
-        """PIL images (RGB) with their ids -> per-image arrays as cached (fp16 features, bool masks); an image this
-        process extracted the same way before (same id and pixels) is not extracted again."""
+    def image_arrays(self, images: Sequence, ids: Sequence, missing_boxes: str = "error") -> dict[str, np.ndarray]:
+        """PIL images (RGB) with their ids (int or str) -> per-image arrays as cached (fp16 features, bool masks); an
+        image this process extracted the same way before (same id and pixels) is not extracted again.
+        ``missing_boxes``: as in :meth:`extract.pipeline.ShardBuilder.image_batch`."""
+        ids = [self.image_id(i) for i in ids]
+
         def compute(positions: list[int]) -> dict[str, np.ndarray]:
             chosen = [images[k] for k in positions]
             tensors = torch.stack([self.backbone.preprocess(im) for im in chosen])
             raws = [np.asarray(im) for im in chosen] if self.needs_pixels else [None] * len(chosen)
-            return self.builder.image_batch(tensors, raws, [self.image_id(ids[k]) for k in positions])
+            return self.builder.image_batch(tensors, raws, [ids[k] for k in positions], missing_boxes)
 
         if self.scope is None:
             return compute(list(range(len(images))))
-        keys = [f"{self.image_id(i)}|{pixels_digest(im)}" for im, i in zip(images, ids)]
+        # an image extracted without its (missing) boxes is remembered apart: asked for with boxes, it is still refused
+        boxless = {i for i in ids if missing_boxes == "empty" and self.reads_boxes and not self.boxes.has(i)}
+        keys = [f"{i}|{pixels_digest(im)}" + ("|boxless" if i in boxless else "") for im, i in zip(images, ids)]
         return MEMO.get_many(self.scope + ":image", keys, compute, _join)
 
     @torch.no_grad()
-    def tensor_arrays(self, images: torch.Tensor, ids: Sequence[str]) -> dict[str, np.ndarray]:
+    def tensor_arrays(self, images: torch.Tensor, ids: Sequence, missing_boxes: str = "error") -> dict[str, np.ndarray]:
         """Already preprocessed images [B, 3, H, W] -> arrays; only for heads that need no pixels."""
         if self.needs_pixels:
             raise ValueError("this adapter's components crop or detect on the original image: pass PIL images "
                              "(encode_pil), not preprocessed tensors")
-        return self.builder.image_batch(images, [None] * len(images), [self.image_id(i) for i in ids])
+        return self.builder.image_batch(images, [None] * len(images), [self.image_id(i) for i in ids], missing_boxes)
 
     @torch.no_grad()
     def text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
@@ -169,11 +148,11 @@ def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 def _annotations_token(spec) -> str:
     """Where ground-truth boxes come from, as part of a memory scope: a file or folder by path and modification
-    times, a dict by identity (no two scorers share it), none."""
+    times, a dict or read boxes by identity (no two scorers share it), none."""
     if spec is None:
         return "none"
-    if isinstance(spec, dict):
-        return f"dict:{id(spec)}"
+    if not isinstance(spec, (str, os.PathLike)):  # a dict, or extract.data.boxes.BoxAnnotations
+        return f"{type(spec).__name__}:{id(spec)}"
     path = Path(spec).resolve()
     files = [path / "annotations.json", path / "controlled.json"] if path.is_dir() else [path]
     return f"{path}:" + ",".join(str(f.stat().st_mtime_ns) for f in files if f.is_file())
@@ -205,9 +184,11 @@ class AdapterScorer(CacheReadable):
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu", precision: str | None = None,
-                        pretrained: str | None = None, annotations=None, detector: str | None = None) -> "AdapterScorer":
+                        pretrained: str | None = None, annotations=None, detector: str | None = None,
+                        max_missing_boxes: float | None = None) -> "AdapterScorer":
         """Rebuild from the checkpoint alone. ``pretrained`` overrides where the base weights are (a moved file;
-        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads.
+        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads;
+        ``max_missing_boxes``: the share of a collection's images the annotations may leave out (:meth:`box_coverage`).
         A checkpoint of an ``--unfreeze`` fine-tune names its backbone weights (``RUN/backbone.safetensors``,
         read from the adapter's folder; ``pretrained`` then points at a moved copy) and its text context."""
         from extract.models.backbone import load_backbone
@@ -237,7 +218,7 @@ class AdapterScorer(CacheReadable):
                                   f"{what} has {ours[:16]}...: pass the original weights (--pretrained PATH)")
         box_source = (extraction["settings"].get("boxes") or {}).get("source")
         extractor = LiveExtractor(backbone, extraction["args"], box_source=box_source, annotations=annotations,
-                                  detector=detector, weights_sha256=ours)
+                                  detector=detector, weights_sha256=ours, max_missing_boxes=max_missing_boxes)
         diff = _settings_diff(extraction["settings"], extractor.settings())
         if diff and detector is None:
             print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))
@@ -250,16 +231,25 @@ class AdapterScorer(CacheReadable):
         return self.head.encode_image(batch)
 
     @torch.no_grad()
-    def encode_pil(self, images: Sequence, ids: Sequence[str] | None = None) -> Reps:
-        """Decoded images with their ids (paths are fine; without ids, their positions) -> head representations."""
+    def encode_pil(self, images: Sequence, ids: Sequence | None = None, *, missing_boxes: str = "error") -> Reps:
+        """Decoded images with their ids (ints or strings, paths are fine; without ids, their positions) -> head
+        representations. A head trained on ground-truth boxes needs an entry for each image in its annotations
+        (else :class:`extract.data.boxes.MissingBoxes`); ``missing_boxes="empty"`` gives such images no boxes, for
+        a caller that counted them (:meth:`box_coverage`) or tells its user (serving's note)."""
         images = [im.convert("RGB") for im in images]
-        ids = list(ids) if ids is not None else [str(k) for k in range(len(images))]
-        return self._image_reps(self.extractor.image_arrays(images, ids))
+        ids = [str(i) for i in ids] if ids is not None else [str(k) for k in range(len(images))]
+        return self._image_reps(self.extractor.image_arrays(images, ids, missing_boxes))
 
     @torch.no_grad()
-    def encode_images(self, images: torch.Tensor, ids: Sequence[str] | None = None) -> Reps:
-        ids = list(ids) if ids is not None else [str(k) for k in range(len(images))]
-        return self._image_reps(self.extractor.tensor_arrays(images.to(self.device), ids))
+    def encode_images(self, images: torch.Tensor, ids: Sequence | None = None, *, missing_boxes: str = "error") -> Reps:
+        ids = [str(i) for i in ids] if ids is not None else [str(k) for k in range(len(images))]
+        return self._image_reps(self.extractor.tensor_arrays(images.to(self.device), ids, missing_boxes))
+
+    def box_coverage(self, collection: str):
+        """A tally of which images of ``collection`` the annotations cover (:class:`extract.data.boxes.Coverage`:
+        ``add`` their ids, ``close`` to log the count and refuse past ``max_missing_boxes``); None when the head
+        reads no ground-truth boxes."""
+        return self.extractor.coverage(collection)
 
     @torch.no_grad()
     def encode_texts(self, texts: Sequence[str]) -> Reps:

@@ -62,14 +62,20 @@ class CacheReadable:
         return self.score(image_reps, text_reps)
 
     @torch.no_grad()
-    def encode_pil(self, images: Sequence, ids: Sequence[str] | None = None) -> Reps:
+    def encode_pil(self, images: Sequence, ids: Sequence | None = None, *, missing_boxes: str = "error") -> Reps:
         """Decoded images (PIL, any mode) -> representations: each converted to RGB and preprocessed as the model
-        expects, then :meth:`encode_images`. ``ids`` are for scorers whose components need the image's id (an
-        adapter's ground-truth boxes, ``adapters.adapter_scorer.AdapterScorer.encode_pil``); a bare backbone or a
-        pre-trained model ignores them, so code that swaps an adapter for its base keeps its calls."""
+        expects, then :meth:`encode_images`. ``ids`` (ints or strings) and ``missing_boxes`` are for scorers whose
+        components need the image's id (an adapter's ground-truth boxes,
+        ``adapters.adapter_scorer.AdapterScorer.encode_pil``); a bare backbone or a pre-trained model ignores them,
+        so code that swaps an adapter for its base keeps its calls."""
         if not len(images):
             raise ValueError("encode_pil: no images given")
         return self.encode_images(torch.stack([self.preprocess(im.convert("RGB")) for im in images]))
+
+    def box_coverage(self, collection: str):
+        """A tally of the images of ``collection`` its ground-truth boxes cover (``extract.data.boxes.Coverage``), or
+        None: a scorer that reads no boxes has none to count."""
+        return None
 
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The feature-cache arrays it reads per item of ``side`` ("image" / "text")."""

@@ -10,6 +10,7 @@ from extract.common.cli import Parser, option, parse_options
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import at_least_one, fraction, nonnegative_int, positive_int
 from extract.common.source_args import SourceOptions
+from extract.data.boxes import DEFAULT_MAX_MISSING, MAX_MISSING_HELP
 
 DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
 COMPONENTS = ("patches", "tokens", "entities", "relations", "roles", "tree", "regions")
@@ -34,8 +35,11 @@ class ExtractOptions(SourceOptions):
                         help="entity boxes: ground truth (toy world or --annotations), YOLO (--detector), or random "
                              "(--max-entities boxes per image, seeded by --region-seed: a control); auto = gt when "
                              "annotations exist")
-    annotations: str | None = option(None, group="components", help="Visual-Genome-style objects.json with "
-                                     "ground-truth boxes (for --boxes gt / --regions gt)")
+    annotations: str | None = option(None, group="components", help="ground-truth boxes (for --boxes gt / --regions "
+                                     "gt): COCO instances, Visual Genome objects.json or a toy-world folder, matched "
+                                     "by image id or file name (extract/data/boxes.py)")
+    max_missing_boxes: float = option(DEFAULT_MAX_MISSING, type=fraction, metavar="SHARE", group="components",
+                                      help=MAX_MISSING_HELP)
     detector: str | None = option(None, group="components", help="YOLO weights (.pt) or model .yaml (random init)")
     conf: float = option(0.25, type=fraction, group="components", help="detector confidence threshold")
     regions: str = option("random", choices=["random", "gt", "sam2"], group="components",

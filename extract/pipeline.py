@@ -138,7 +138,9 @@ def _stat(path: str) -> list:
 class ExtractionComponents:
     """The component extractors this run needs, built (and validated) before any image is read."""
 
-    def __init__(self, args, source: DataSource, device: torch.device):
+    def __init__(self, args, source: DataSource | None, device: torch.device, boxes=None):
+        """``boxes``: ground-truth boxes given directly (an :class:`extract.data.boxes.BoxAnnotations`; the live
+        extractor's), instead of ``--annotations`` or the toy world ``source``."""
         self.args = args
         want = set(args.components)
         self.text = None
@@ -147,19 +149,24 @@ class ExtractionComponents:
 
             self.text = TextComponentExtractor(max_entities=args.max_entities, max_relations=args.max_relations,
                                                max_leaves=args.max_leaves, max_nodes=args.max_nodes)
-        self.annotations: dict[str, dict] = source.annotations if isinstance(source, ToyWorldSource) else {}
         self.annotations_file = None
-        if args.annotations:
-            from extract.components.regions import load_box_annotations
+        max_missing = getattr(args, "max_missing_boxes", None)
+        if boxes is None and args.annotations:
+            from extract.data.boxes import read_boxes
 
             self.annotations_file = args.annotations
-            self.annotations = load_box_annotations(args.annotations)
-        has_gt = isinstance(source, ToyWorldSource) or bool(args.annotations)
+            boxes = read_boxes(args.annotations, max_missing=max_missing)
+        elif boxes is None and isinstance(source, ToyWorldSource):
+            boxes = source.boxes(max_missing=max_missing)
+        #: the ground-truth boxes (extract.data.boxes.BoxAnnotations), None without any
+        self.boxes = boxes
+        has_gt = boxes is not None
         self.box_source = None
         if want & {"entities", "relations"}:
             self.box_source = ("gt" if has_gt else "yolo") if args.boxes == "auto" else args.boxes
             if self.box_source == "gt" and not has_gt:
-                raise ValueError("--boxes gt needs box annotations (the toy world, or --annotations objects.json); "
+                raise ValueError("--boxes gt needs box annotations (the toy world, or --annotations FILE: COCO "
+                                 "instances or Visual Genome objects.json); "
                                  "pass --detector "
                                  "WEIGHTS for YOLO boxes, or drop entities,relations from --components")
         self.detector = None
@@ -192,7 +199,14 @@ class ExtractionComponents:
                                                 points_per_side=args.sam_points, pred_iou_thresh=args.sam_iou_thresh,
                                                 stability_score_thresh=args.sam_stability_thresh)
         if "regions" in want and args.regions == "gt" and not has_gt:
-            raise ValueError("--regions gt needs box annotations (the toy world, or --annotations objects.json)")
+            raise ValueError("--regions gt needs box annotations (the toy world, or --annotations FILE: COCO instances "
+                             "or Visual Genome objects.json)")
+
+    @property
+    def reads_boxes(self) -> bool:
+        """True when the arrays need ground-truth boxes (entity boxes or region masks from :attr:`boxes`)."""
+        a = self.args
+        return self.box_source == "gt" or ("regions" in a.components and a.regions == "gt")
 
     def settings(self) -> dict:
         a = self.args
@@ -201,7 +215,7 @@ class ExtractionComponents:
                           "nodes": a.max_nodes}}
         if self.text is not None:
             out["text"] = self.text.settings()
-        if self.annotations_file and (self.box_source == "gt" or ("regions" in a.components and a.regions == "gt")):
+        if self.annotations_file and self.reads_boxes:
             from extract.models.weights import file_sha256
 
             out["annotations"] = {"file": str(Path(self.annotations_file).resolve()),
@@ -229,9 +243,9 @@ class _KeepRaw:
         return self.preprocess(image), (np.asarray(image) if self.keep_raw else None)
 
 
-def _image_seed(seed: int, image_id: str) -> np.random.Generator:
-    # per-image stream: the same boxes whatever the shard size, batch or rank
-    digest = int.from_bytes(hashlib.sha256(image_id.encode()).digest()[:8], "little")
+def _image_seed(seed: int, image_id) -> np.random.Generator:
+    # per-image stream: the same boxes whatever the shard size, batch or rank; an id is its str() (COCO's are ints)
+    digest = int.from_bytes(hashlib.sha256(str(image_id).encode()).digest()[:8], "little")
     return np.random.default_rng(np.random.SeedSequence([seed, digest]))
 
 
@@ -247,16 +261,20 @@ class ShardBuilder:
         self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
         self._phrases: dict[str, np.ndarray] = {}  # phrase -> its text-tower embedding (_embed_phrases)
 
-    def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str]) -> dict[str, np.ndarray]:
+    def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str], missing_boxes: str = "error"
+                    ) -> dict[str, np.ndarray]:
+        """The image arrays of a batch. ``missing_boxes``: what an image without an entry in the box file gets, an
+        error (:class:`extract.data.boxes.MissingBoxes`) or, for a caller that counted and reported such images
+        (a collection's check), ``"empty"``: no boxes."""
         feats = self.bb.encode_images(images)
         out = {"image_embed": feats.embedding.half().cpu().numpy()}
         if "patches" in self.want:
             out["patch_tokens"] = feats.patches.half().cpu().numpy()
         if "regions" in self.want:
             sizes = [None if r is None else (r.shape[1], r.shape[0]) for r in raws]
-            out.update(self.region_arrays(image_ids, sizes, raws))
+            out.update(self.region_arrays(image_ids, sizes, raws, missing_boxes))
         if self.c.box_source:
-            out.update(self._visual_components(raws, image_ids))
+            out.update(self._visual_components(raws, image_ids, missing_boxes))
         return out
 
     @property
@@ -265,13 +283,14 @@ class ShardBuilder:
         and size (random boxes, ground-truth boxes)."""
         return "regions" in self.want and self.args.regions == "sam2"
 
-    def region_arrays(self, image_ids: Sequence[str], sizes: Sequence, raws: Sequence | None = None
-                      ) -> dict[str, np.ndarray]:
+    def region_arrays(self, image_ids: Sequence[str], sizes: Sequence, raws: Sequence | None = None,
+                      missing_boxes: str = "error") -> dict[str, np.ndarray]:
         """``region_masks`` [B, M, rows, cols] and ``region_valid`` [B, M] on the backbone's patch grid: seeded
         random boxes (per image id), ground-truth boxes of images of ``sizes`` ((width, height) each) or, with a
         segmenter, its masks of the decoded images ``raws`` (HxWx3). No backbone forward: ``--unfreeze`` computes
-        them per batch from the data (train/adapter/live.py), the cache once."""
-        from extract.components.regions import annotation_for, boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
+        them per batch from the data (train/adapter/live.py), the cache once. ``missing_boxes``: as in
+        :meth:`image_batch`."""
+        from extract.components.regions import boxes_to_grid_masks, gt_boxes, masks_to_grid, random_grid_boxes
 
         a, grid, (input_size, mode) = self.args, self.bb.grid, self.geometry
         m = a.num_regions
@@ -282,7 +301,7 @@ class ShardBuilder:
             else:
                 size = tuple(int(v) for v in sizes[i])
                 if a.regions == "gt":
-                    boxes, _ = gt_boxes(annotation_for(self.c.annotations, image_id))
+                    boxes, _ = gt_boxes(self.c.boxes.entry(image_id, missing_boxes))
                     mk = boxes_to_grid_masks(boxes, size, input_size, grid, resize_mode=mode)
                 else:
                     from PIL import Image
@@ -293,10 +312,10 @@ class ShardBuilder:
             masks[i, : len(mk)] = mk
         return {"region_masks": masks, "region_valid": masks.reshape(len(image_ids), m, -1).any(-1)}
 
-    def _visual_components(self, raws, image_ids) -> dict[str, np.ndarray]:
+    def _visual_components(self, raws, image_ids, missing_boxes: str = "error") -> dict[str, np.ndarray]:
         from PIL import Image
 
-        from extract.components.regions import annotation_for, crop_regions, gt_boxes, relation_boxes
+        from extract.components.regions import crop_regions, gt_boxes, relation_boxes
 
         a, d = self.args, self.bb.embed_dim
         n, E, R = len(image_ids), a.max_entities, a.max_relations
@@ -309,7 +328,7 @@ class ShardBuilder:
                "ventity_image_size": np.asarray([(r.shape[1], r.shape[0]) for r in raws], np.float32).reshape(n, 2)}
         pils = [Image.fromarray(r) for r in raws]
         if self.c.box_source == "gt":
-            found = [gt_boxes(annotation_for(self.c.annotations, i)) for i in image_ids]
+            found = [gt_boxes(self.c.boxes.entry(i, missing_boxes)) for i in image_ids]
             dets = [(np.asarray(b, np.float32), np.ones(len(b), np.float32)) for b, _ in found]
         else:
             dets = [(x.boxes, x.scores) for x in self.c.detector.detect(pils)]
@@ -381,12 +400,12 @@ class ShardBuilder:
 
     def _embed_phrases(self, texts: list[list[str]], cap: int) -> tuple[np.ndarray, np.ndarray]:
         """Embed each distinct phrase once (captions repeat "red circle" constantly: once per builder, across its
-        batches, up to PHRASE_MEMO phrases), then scatter."""
+        batches, up to PHRASE_MEMO phrases), then scatter. Each phrase alone (``FrozenBackbone.encode_each``): which
+        phrases are new to this builder depends on the shards it built before, on its rank and on a rerun, so a
+        phrase embedded among them would carry their batch's shape into its bits; alone, its value is its own."""
         table = self._phrases
         new = sorted({t for row in texts for t in row} - set(table))
-        for i in range(0, len(new), 512):
-            chunk = new[i:i + 512]
-            table.update(zip(chunk, self.bb.encode_texts(chunk).embedding.cpu().numpy()))
+        table.update(zip(new, self.bb.encode_each(new).numpy()))
         d = self.bb.embed_dim
         emb = np.zeros((len(texts), cap, d), np.float16)
         valid = np.zeros((len(texts), cap), bool)
@@ -421,8 +440,11 @@ def concat_rows(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return out
 
 
-def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar) -> tuple[dict, dict]:
-    """Run one shard's batches (from a DataLoader or a streaming source) and assemble arrays + meta."""
+def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar, coverage=None,
+                 missing_boxes: str = "error") -> tuple[dict, dict]:
+    """Run one shard's batches (from a DataLoader or a streaming source) and assemble arrays + meta. ``coverage``:
+    an :class:`extract.data.boxes.Coverage` counting the images without boxes as they come (a stream's; its counts
+    go into the meta); ``missing_boxes``: as in :meth:`ShardBuilder.image_batch`."""
     img_parts, cap_parts = [], []
     image_ids, caption_ids, caption_image = [], [], []
     stats = {"truncated": 0, "phrases_cut": 0}
@@ -441,7 +463,10 @@ def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar)
             continue
         images = torch.stack([t for t, _ in good["images"]])
         raws = [r for _, r in good["images"]]
-        img_parts.append(builder.image_batch(images, raws, list(good["image_ids"])))
+        if coverage is not None:
+            coverage.add(good["image_ids"])
+            missing_boxes = "empty"  # counted: judged over the whole stream (_finish)
+        img_parts.append(builder.image_batch(images, raws, list(good["image_ids"]), missing_boxes))
         for image_id, caps in zip(good["image_ids"], good["captions"]):
             row = len(image_ids)
             image_ids.append(image_id)
@@ -462,6 +487,8 @@ def _build_shard(builder: ShardBuilder, batches, shard_report: SkipReport, pbar)
     meta = {"images": len(image_ids), "captions": len(caption_ids), "image_ids": image_ids,
             "caption_ids": caption_ids, **stats,
             "skipped": [vars(s) for s in shard_report.skips], "converted": [vars(n) for n in shard_report.notes]}
+    if coverage is not None:
+        meta["missing_boxes"] = {"count": len(coverage.missing), "examples": coverage.missing[:3]}
     return arrays, meta
 
 
@@ -492,6 +519,10 @@ def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
     source = open_source(args.data, **options)
     # detector / segmenter / spaCy checked before the backbone loads: a missing file fails in seconds
     comps = ExtractionComponents(args, source, ranks.device)
+    if comps.reads_boxes and isinstance(source, IndexedSource):
+        # every image's entry looked up before any is extracted: the count in the log, past --max-missing-boxes
+        # (or with no image matched) an error now, not after hours (a stream is counted as it comes: _finish)
+        comps.boxes.check([r.image_id for r in source.records()], source.name)
     if backbone is None:
         backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
     if args.crop_scale is None:  # the backbone's own (how large objects are in the images it was trained on)
@@ -586,12 +617,19 @@ def _extract(args, ranks: _Ranks, source: DataSource, comps: ExtractionComponent
                 stream = WebDatasetSource([units[k]], max_pixels=source.max_pixels, unusual=source.unusual)
                 batches = _pair_batches(stream, transform, args.batch_size)
                 shard_report = stream.report
-            arrays, meta = _build_shard(builder, batches, shard_report, pbar)
+            coverage = None
+            if comps.reads_boxes and not isinstance(source, IndexedSource):
+                coverage = comps.boxes.coverage(f"shard {units[k]}")
+            arrays, meta = _build_shard(builder, batches, shard_report, pbar, coverage,
+                                        "empty" if comps.reads_boxes else "error")  # an indexed source: checked
+            if coverage is not None and coverage.total and len(coverage.missing) == coverage.total:
+                coverage.close()  # not one image of the shard matched: the wrong file, said now
             cache.write_shard(k, arrays, meta)
     t_shards = time.perf_counter() - t_shards
     ranks.barrier()
     if ranks.index == 0:
-        _finish(cache, source, n_shards, settings, backbone.context_length, time.perf_counter() - t0)
+        _finish(cache, source, n_shards, settings, backbone.context_length, time.perf_counter() - t0,
+                comps.boxes if comps.reads_boxes and not isinstance(source, IndexedSource) else None)
     ranks.barrier()  # every rank returns only once the manifest exists
     manifest = json.loads((cache.path / "manifest.json").read_text())
     # not written to disk (a rerun must produce identical files): this process's time in its shard loop
@@ -600,10 +638,14 @@ def _extract(args, ranks: _Ranks, source: DataSource, comps: ExtractionComponent
 
 
 def _finish(cache: CacheDir, source: DataSource, n_shards: int, settings: dict, context_length: int,
-            seconds: float) -> None:
-    """Rank 0, after every shard exists: merge the shards' skip reports, write report.json and the manifest."""
+            seconds: float, boxes=None) -> None:
+    """Rank 0, after every shard exists: merge the shards' skip reports, write report.json and the manifest.
+    ``boxes``: a stream's box file, whose coverage the shards counted, judged here before the manifest is written
+    (a rerun with another --max-missing-boxes reuses the shards)."""
     report = SkipReport() if not isinstance(source, IndexedSource) else source.report  # index-time refusals
     stats = {"truncated": 0, "phrases_cut": 0}
+    images = missing = 0
+    examples: list[str] = []
     for k in range(n_shards):
         meta = json.loads((cache.path / f"shard-{k:05d}" / "meta.json").read_text())
         for s in meta["skipped"]:
@@ -612,6 +654,13 @@ def _finish(cache: CacheDir, source: DataSource, n_shards: int, settings: dict, 
             report.note(n["image_id"], n["location"], n["note"])
         for key in stats:
             stats[key] += meta[key]
+        images += meta["images"]
+        missing += (meta.get("missing_boxes") or {}).get("count", 0)
+        examples += (meta.get("missing_boxes") or {}).get("examples", [])
+    if boxes is not None:
+        from extract.data.boxes import judge
+
+        judge(boxes, source.name, images, missing, examples[:3])
     report.to_json(cache.path / "report.json")
     manifest = cache.write_manifest(n_shards, {"settings_summary": settings["summary"], **stats,
                                                "skipped": report.counts()})

@@ -58,8 +58,9 @@ class ServeOptions:
     port: int = option(7860, type=port_number, help="port to listen on (0: a free one)")
     device: str = option("cpu", help="torch device for encoding queries, re-ranking and heatmaps")
     annotations: str | None = option(None, group="model",
-                                     help="boxes for image queries of adapters trained on ground-truth boxes: "
-                                          "objects.json or a toy-world folder (default: the indexed toy world's)")
+                                     help="boxes for image queries of adapters trained on ground-truth boxes: COCO "
+                                          "instances, Visual Genome objects.json or a toy-world folder, naming the "
+                                          "images by file name or id (default: the indexed toy world's)")
     detector: str | None = option(None, group="model",
                                   help="YOLO weights: detect boxes of query images for such adapters instead")
     concurrency: int = option(2, type=positive_int, group="limits",

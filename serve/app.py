@@ -95,6 +95,8 @@ def explanation_text(heat: Heatmaps) -> str:
             lines.append(f"| {html.escape(c.text)} | {c.kind} | {box} | {c.score:.4f} |")
         terms = " + ".join(f"{e.weights[k]:.3f} × {k} {e.terms[k]:.4f}" for k in e.weights)
         lines += ["", f"score = {terms} = **{e.score:.4f}** (the re-ranked text→image score)"]
+    if heat.note:
+        lines += ["", f"- {html.escape(heat.note)}"]
     return "\n".join(lines)
 
 

@@ -25,7 +25,10 @@ Routes (clip-retrieval's first, same request and response shapes):
     text.arrow columns), ``offset`` (paging), ``return_image`` (true: each result with metadata also carries
     ``image``, its file in base64, which clip_back adds whenever its metadata has ``image_path``). Every result
     also has ``first_stage_similarity``, ``rerank_similarity`` (null without re-ranking), ``rank_before`` /
-    ``rank_after`` and the ids (``image_id``, ``caption_id``). Per-stage timings come back in the standard
+    ``rank_after`` and the ids (``image_id``, ``caption_id``); a query image the model has no ground-truth boxes for
+    (an upload its annotations do not name, for a model that reads them) is searched by the first stage only, not
+    re-ranked, and every result carries ``box_note``: why, and how to give the server boxes (``--annotations FILE`` /
+    ``--detector WEIGHTS.pt``). Per-stage timings come back in the standard
     ``Server-Timing`` header (``encode;dur=3.1, first_stage;dur=0.2, rerank;dur=4.0, ...`` in ms) and the notes
     (a clamped k, an option not applied) in ``X-Plugvlm-Notes`` (a JSON list).
 
@@ -70,7 +73,7 @@ import numpy as np
 from starlette.requests import Request  # module level: FastAPI resolves the routes' annotations here
 
 from extract.common.memory import rss_bytes
-from serve.service import DEFAULT_CANDIDATES, Busy, QueryImage, Served, decode_checked, encode_image
+from serve.service import DEFAULT_CANDIDATES, Busy, QueryImage, Served, box_note, decode_checked, encode_image
 from serve.request_guard import RequestGuard
 
 #: clip_back's de-duplication threshold: results whose normalised vectors have inner product >= this are one
@@ -244,12 +247,15 @@ def knn_service(served: Served, req: KnnRequest, base_url: str = "/") -> tuple[l
         if candidates is not None:
             notes.append("rerank: the model re-scores images against texts; a same-modality or embedding_input "
                          "query is searched by the first stage only")
-        vector, query, encode_ms = _query_vector(served, req, side)
+        vector, query, encode_ms, boxes = _query_vector(served, req, side)
         with served.gate.hold():
             hits = searcher.search_vector(vector, side, k, where=req.where, offset=req.offset, query=query)
         if encode_ms is not None:
             hits.timings = {"encode": encode_ms, **hits.timings}
+        hits.box_note = boxes
+        hits.notes += [boxes] if boxes else []
     notes += hits.notes
+    boxes = hits.box_note
     timings = dict(hits.timings)
     t0 = time.perf_counter()
     hits = list(hits)
@@ -261,6 +267,9 @@ def knn_service(served: Served, req: KnnRequest, base_url: str = "/") -> tuple[l
         timings["dedup"] = round((time.perf_counter() - t0) * 1000, 3)
     t0 = time.perf_counter()
     results = [_result(served, h, j < req.num_images, base_url, req.return_image) for j, h in enumerate(hits)]
+    if boxes:
+        for r in results:
+            r["box_note"] = boxes
     timings["results"] = round((time.perf_counter() - t0) * 1000, 3)
     timings["total"] = round((time.perf_counter() - started) * 1000, 3)
     return results, timings, notes
@@ -272,13 +281,15 @@ def _request_image(served: Served, data: bytes) -> QueryImage:
 
 
 def _query_vector(served: Served, req: KnnRequest, side: str):
-    """(first-stage vector of the query in ``side``'s space, its name, encoding ms or None)."""
+    """(first-stage vector of the query in ``side``'s space, its name, encoding ms or None, serve.service.box_note
+    for a query image the model has no boxes for, or None)."""
     import torch
 
     if req.embedding is not None:
-        return req.embedding, f"embedding_input ({len(req.embedding)} numbers)", None
+        return req.embedding, f"embedding_input ({len(req.embedding)} numbers)", None, None
     scorer = served.searcher.scorer
     started = time.perf_counter()
+    note = None
     with served.gate.hold(), torch.no_grad():
         if req.text is not None:  # captions like a text: the text's vector as text.index holds captions'
             text, _ = served.searcher.check_text(req.text)
@@ -286,9 +297,10 @@ def _query_vector(served: Served, req: KnnRequest, side: str):
             name = text
         else:  # images like an image: its vector as image.index holds images'
             image = _request_image(served, req.image)
+            note = box_note(scorer, image, "its first-stage vector was computed without them")
             vector = scorer.first_stage_image(encode_image(scorer, image), "t2i")
             name = "image"
-    return vector.float().cpu().numpy()[0], name, round((time.perf_counter() - started) * 1000, 3)
+    return vector.float().cpu().numpy()[0], name, round((time.perf_counter() - started) * 1000, 3), note
 
 
 def deduplicate(served: Served, side: str, hits: list) -> tuple[list, str | None]:

@@ -175,7 +175,8 @@ def load_model(opts: IndexOptions):
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
     annotations = opts.annotations or (opts.data if is_toyworld(opts.data) else None)
-    scorer = load_scorer(opts.model, opts.pretrained, device=device, annotations=annotations, detector=opts.detector)
+    scorer = load_scorer(opts.model, opts.pretrained, device=device, annotations=annotations, detector=opts.detector,
+                         max_missing_boxes=opts.max_missing_boxes)
     if not (hasattr(scorer, "first_stage_image") and hasattr(scorer, "first_stage_text")):
         raise ValueError(f"{scorer.name} ({type(scorer).__name__}) gives no first-stage vectors (first_stage_image / "
                          "first_stage_text), so it cannot be searched with an index")
@@ -195,7 +196,8 @@ def extraction_options(opts: IndexOptions, scorer, data: str, split: str | None)
     from extract.options import ExtractOptions
 
     run = {"data": str(data), "out": str(opts.cache_dir), "split": split, "image_root": opts.image_root,
-           "device": str(scorer.device), "workers": opts.workers, "batch_size": opts.batch_size, **source_flags(opts)}
+           "device": str(scorer.device), "workers": opts.workers, "batch_size": opts.batch_size,
+           "max_missing_boxes": opts.max_missing_boxes, **source_flags(opts)}
     meta = getattr(scorer, "meta", None) or {}
     if "extraction" in meta:
         names = {f.name for f in dataclasses.fields(ExtractOptions)}

@@ -58,13 +58,18 @@ class QueryOptions:
                           help="instead of a query: R@1/5/10 of the served results on the indexed collection itself "
                                "(each caption searching the images, each image the captions), first stage and "
                                "re-ranked with K = 10, 50, 100, next to train.eval's figures on the same cache")
+    live: bool = option(False, action="store_true",
+                        help="with --recall: encode each query as a user's is (each caption and image file alone, "
+                             "in fp32) instead of reading it from the cache, which holds them as extracted (fp16, "
+                             "in batches): what serving answers (extract/README, \"Batch invariance\")")
     model: str | None = option(None, group="model",
                                help="the model to query with (default: the index's; one with other weights is "
                                     "refused, naming both)")
     pretrained: str | None = option(None, group="model", help="weights for --model: tag, checkpoint path or 'none'")
     annotations: str | None = option(None, group="model",
-                                     help="boxes for image queries of adapters trained on ground-truth boxes: "
-                                          "objects.json or a toy-world folder (default: the indexed toy world's)")
+                                     help="boxes for image queries of adapters trained on ground-truth boxes: COCO "
+                                          "instances, Visual Genome objects.json or a toy-world folder, naming the "
+                                          "images by file name or id (default: the indexed toy world's)")
     detector: str | None = option(None, group="model",
                                   help="YOLO weights: detect boxes of query images for such adapters instead")
     device: str = option("cpu", group="model", help="torch device for encoding the query and re-ranking")
@@ -78,6 +83,8 @@ def build_parser() -> Parser:
 def _check(ns) -> None:
     if not ns.index:
         raise ValueError("give the index directory (written by python -m serve.index) first")
+    if ns.live and not ns.recall:
+        raise ValueError("--live applies to --recall (how its queries are encoded)")
     if ns.recall:
         if ns.query is not None or ns.image is not None or ns.vector is not None:
             raise ValueError("--recall measures the index on its own collection: give no query, --image or --vector "
@@ -179,7 +186,8 @@ def recall(opts: QueryOptions) -> tuple[object, str]:
         from extract.cache import FeatureCache
 
         evaluation = run_retrieval_cached(searcher.scorer, FeatureCache.open(searcher.manifest["cache"]["path"]))
-    return searcher, recall_table(searcher, RECALL_RERANKS, evaluation=evaluation)
+    return searcher, recall_table(searcher, RECALL_RERANKS, evaluation=evaluation,
+                                  queries="live" if opts.live else "cache")
 
 
 def as_json(searcher, hits) -> dict:
@@ -238,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             searcher, markdown = recall(opts)
             entry = searcher.manifest["indexes"]["image"]
             print(f"served R@k of {opts.index} ({searcher.scorer.name}; {entry['key']}; {searcher.num_images} images, "
-                  f"{searcher.num_captions} captions; each caption / image of the collection is a query):")
+                  f"{searcher.num_captions} captions; each caption / image of the collection is a query, "
+                  + ("encoded alone as a user's" if opts.live else "read from the cache") + "):")
             print(markdown, end="")
             return
         if opts.json:

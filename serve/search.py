@@ -127,7 +127,9 @@ class Hits(list):
     text, or the image's name), ``direction`` ("t2i": images for a text, "i2t": captions for an image), ``k``,
     ``rerank``, ``offset`` (as used, after clamping), ``considered`` (candidates that passed the filter);
     ``timings``: milliseconds per stage (``encode`` the query, ``first_stage`` with its filter, ``rerank``,
-    ``metadata``: the hits' rows), for the app's and /knn-service's per-stage figures."""
+    ``metadata``: the hits' rows), for the app's and /knn-service's per-stage figures. ``box_note``: set (also
+    among the notes) when the model reads ground-truth boxes and has none for the query image, which was then
+    searched by the first stage only (serve.service.box_note)."""
 
     def __init__(self, hits: Sequence[Hit] = (), *, query: str = "", direction: str = "t2i", k: int = 0,
                  rerank: int | None = None, offset: int = 0, considered: int = 0, notes: Sequence[str] = (),
@@ -137,11 +139,12 @@ class Hits(list):
         self.considered = considered
         self.notes = list(notes)
         self.timings = dict(timings or {})
+        self.box_note: str | None = None
 
     def to_dict(self) -> dict:
         return {"query": self.query, "direction": self.direction, "k": self.k, "rerank": self.rerank,
                 "offset": self.offset, "considered": self.considered, "notes": self.notes,
-                "timings": self.timings, "hits": [h.to_dict() for h in self]}
+                "box_note": self.box_note, "timings": self.timings, "hits": [h.to_dict() for h in self]}
 
 
 # --------------------------------------------------------------------------------------------- scorers and caches
@@ -486,18 +489,22 @@ class Searcher:
         hits.timings = {"encode": encode_ms, **hits.timings}
         return hits
 
-    def search_image(self, image, k: int = 10, rerank: int | None = None, where=None, offset: int = 0) -> Hits:
-        """Captions for an image (i2t): a path, encoded bytes or a PIL image; see :meth:`search_text`."""
+    def search_image(self, image, k: int = 10, rerank: int | None = None, where=None, offset: int = 0, *,
+                     missing_boxes: str = "error") -> Hits:
+        """Captions for an image (i2t): a path, encoded bytes or a PIL image; see :meth:`search_text`. A model that
+        reads ground-truth boxes needs the image's (its annotations name it by file name or id): without them the
+        search is refused (extract.data.boxes.MissingBoxes), or with ``missing_boxes="empty"`` encoded without
+        any, for a caller that says so and searches by the first stage only (serve.service.Served.image_to_text)."""
         if "text" not in self._sides:
             raise QueryError(f"index {self.index_dir} has no text.index (its collection has no captions): image "
                              "queries search captions")
-        if self._image_query_problem:
+        if self._image_query_problem and missing_boxes == "error":
             raise QueryError(self._image_query_problem)
         started = time.perf_counter()
         pil, name, notes = _query_image(image)
         with torch.no_grad():
             if hasattr(self.scorer, "encode_pil"):
-                reps = self.scorer.encode_pil([pil], [name])
+                reps = self.scorer.encode_pil([pil], [name], missing_boxes=missing_boxes)
             else:
                 reps = self.scorer.encode_images(self.scorer.preprocess(pil)[None])
         encode_ms = _ms_since(started)
@@ -828,8 +835,8 @@ def _default_boxes(model: str, manifest: dict, caches: list | None) -> tuple[Any
         if c and ((Path(c) / "annotations.json").is_file() or (Path(c).is_file() and str(c).endswith(".json"))):
             return c, None
     return {}, ("this adapter was trained on ground-truth boxes and the index names none for new images: open the "
-                "searcher with annotations=<toy-world folder | objects.json> or detector=WEIGHTS.pt (--annotations / "
-                "--detector) to search with images")
+                "searcher with annotations=FILE (COCO instances, Visual Genome objects.json or a toy-world folder) or "
+                "detector=WEIGHTS.pt (--annotations / --detector) to search with images")
 
 
 # --------------------------------------------------------------------------------------------- served recall

@@ -145,13 +145,14 @@ class QueryImage:
 class Heatmaps:
     """Heatmaps of one caption's phrases on one image: ``image`` and ``annotations`` as gr.AnnotatedImage takes
     them, ``maps`` (serve.heatmap.PhraseMap), ``explanation`` (ComAlign's score rebuilt from its parts, or None),
-    ``method``."""
+    ``method``; ``note``: why there are no boxes (:func:`box_note`), or None."""
 
     image: Any
     annotations: list
     maps: list
     explanation: Any
     method: str
+    note: str | None = None
 
 
 @dataclass
@@ -299,13 +300,19 @@ class Served:
             return self.searcher.search_text(query, k=k, rerank=rerank, where=where, offset=offset)
 
     def image_to_text(self, image: QueryImage, k: int = 10, rerank: int | None = None, where=None, offset: int = 0):
-        """Captions for a decoded query image (Searcher.search_image)."""
+        """Captions for a decoded query image (Searcher.search_image). A model that reads ground-truth boxes and has
+        none for the image (an upload its annotations do not name) is not asked to re-rank blind: the image is
+        searched by the first stage only, and the hits carry :func:`box_note` (``hits.box_note``, and a note)."""
         k, rerank = self._bounded(k, rerank)
         pil = image.image
         pil.filename = image.name  # the name Searcher reads from a PIL image: an adapter's boxes are found by it
+        boxes = box_note(self.searcher.scorer, image, "searched by the first stage only, not re-ranked"
+                         if rerank and self.searcher.has_second_stage else "searched by the first stage only")
         with self.gate.hold():
-            hits = self.searcher.search_image(pil, k=k, rerank=rerank, where=where, offset=offset)
-        notes = [n for n in (image.note and f"query image: {image.note}", box_note(self.searcher.scorer, image)) if n]
+            hits = self.searcher.search_image(pil, k=k, rerank=None if boxes else rerank, where=where, offset=offset,
+                                              missing_boxes="empty" if boxes else "error")
+        hits.box_note = boxes
+        notes = [n for n in (image.note and f"query image: {image.note}", boxes) if n]
         hits.notes[:0] = notes
         return hits
 
@@ -344,12 +351,19 @@ class Served:
         if method is not None and method not in self.heatmap_methods:
             raise QueryError(f"unknown heatmap method {method!r}; choose from {', '.join(self.heatmap_methods)}")
         mapper = self.heatmapper
+        chosen = method or self.heatmap_methods[0]
+        # the model's boxes come from the image's annotations: an image they do not name gets the maps alone
+        note = box_note(self.searcher.scorer, image, "its heatmaps are shown without boxes or a score explanation")
         with self.gate.hold():
-            maps, explanation = mapper.explained_maps(image.image, text, method, image_id=image.name)
+            if note is None:
+                maps, explanation = mapper.explained_maps(image.image, text, chosen, image_id=image.name)
+            else:
+                maps = mapper.maps_by_method(image.image, text, [chosen], image_id=image.name, explain=False)[chosen]
+                explanation = None
         if not explain:
             explanation = None
         pil, annotations = render(image.image, maps)
-        return Heatmaps(pil, annotations, maps, explanation, method or self.heatmap_methods[0])
+        return Heatmaps(pil, annotations, maps, explanation, chosen, note)
 
     # -- the caption probe -----------------------------------------------------------------------------
     def probe(self, image: QueryImage, caption_a, caption_b, method: str | None = None,
@@ -372,7 +386,8 @@ class Served:
         import torch
 
         scorer = self.searcher.scorer
-        rows, notes = [], [n for n in (box_note(scorer, image),) if n]
+        rows, notes = [], [n for n in (box_note(scorer, image, "its score here rests on the global terms (no entity "
+                                                               "or relation components)"),) if n]
         models = ([("base: " + self.base.name, self.base)] if self.base is not None else []) + [(scorer.name, scorer)]
         if self.base is None:
             notes.append(f"{scorer.name} is a bare backbone: there is no adapter to compare with (serve an adapter's "
@@ -460,24 +475,28 @@ def base_scorer(scorer):
     return BackboneScorer(backbone, name=str(base))
 
 
-def box_note(scorer, image: QueryImage) -> str | None:
-    """A note when ``scorer`` is an adapter trained on ground-truth boxes and none are known for ``image`` (an
-    upload): its entity / relation components are then empty and its score rests on the global terms."""
+def box_note(scorer, image: QueryImage, consequence: str) -> str | None:
+    """None, or the note (``consequence``: what the answer does about it) when ``scorer`` reads ground-truth boxes
+    and its annotations hold no entry for ``image`` (an upload they do not name by file name): the model would
+    score it blind, so the answer says so and how to give it boxes."""
     extractor = getattr(scorer, "extractor", None)
-    if extractor is None or getattr(extractor.components, "box_source", None) != "gt":
+    if extractor is None or not getattr(extractor, "reads_boxes", False):
         return None
-    from extract.components.regions import annotation_for
-
-    if annotation_for(extractor.annotations or {}, extractor.image_id(image.name)).get("objects"):
+    boxes = extractor.boxes
+    if boxes is not None and boxes.has(image.name):
         return None
-    return (f"{scorer.name} was trained on ground-truth boxes and none are known for this image: its entity and "
-            "relation components are empty, so its score rests on the global terms")
+    where = (f"{boxes.described} holds no entry for {os.path.basename(str(image.name))!r}" if boxes is not None
+             and len(boxes) else "no box file was given")
+    return (f"{scorer.name} reads ground-truth boxes and has none for this image ({where}): {consequence}. To give "
+            "it boxes, start the server with --annotations FILE (COCO instances, Visual Genome objects.json or a "
+            "toy world, naming the image by file name) or --detector WEIGHTS.pt")
 
 
 def encode_image(scorer, image: QueryImage):
-    """The scorer's representation of one decoded image (adapters: live component extraction, boxes by name)."""
+    """The scorer's representation of one decoded image (adapters: live component extraction, boxes by name). An
+    image the model has no boxes for is encoded without them: callers say so (:func:`box_note`)."""
     if hasattr(scorer, "encode_pil"):
-        return scorer.encode_pil([image.image], [image.name])
+        return scorer.encode_pil([image.image], [image.name], missing_boxes="empty")
     return scorer.encode_images(scorer.preprocess(image.image)[None])
 
 

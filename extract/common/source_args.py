@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from extract.common.cli import add_options, option
+from extract.common.config import fraction
+from extract.data.boxes import DEFAULT_MAX_MISSING, MAX_MISSING_HELP
 
 __all__ = ["DEFAULTS", "FLAGS", "SourceOptions", "add_source_args", "encoding_type", "parse_encoding", "parse_separator",
            "open_options", "separator_type", "source_flags", "source_options"]
@@ -96,14 +98,18 @@ class SourceOptions:
 
 @dataclass
 class BoxOptions:
-    """Where an adapter trained on boxes gets the boxes of images it has not seen (jobs that score new data with an
-    adapter inherit these two fields: ``train.eval``, ``serve.index``)."""
+    """Where an adapter trained on boxes gets the boxes of images it has not seen, and the share of a collection's
+    images its box file may leave out (jobs that score new data with an adapter inherit these fields: ``train.eval``,
+    ``serve.index``)."""
 
     annotations: str | None = option(None, group="adapters",
-                                     help="boxes for adapters trained on ground-truth boxes: objects.json or a "
-                                          "toy-world folder (default: --data when it is a toy world)")
+                                     help="boxes for adapters trained on ground-truth boxes: COCO instances, Visual "
+                                          "Genome objects.json or a toy-world folder (default: --data when it is a "
+                                          "toy world)")
     detector: str | None = option(None, group="adapters",
                                   help="YOLO weights: detect boxes for adapters instead of annotations")
+    max_missing_boxes: float = option(DEFAULT_MAX_MISSING, type=fraction, metavar="SHARE", group="adapters",
+                                      help=MAX_MISSING_HELP)
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

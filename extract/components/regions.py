@@ -26,10 +26,7 @@ Sources of the components
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -97,7 +94,8 @@ def pair_rows(m: int, r: int) -> np.ndarray:
 
 
 def gt_boxes(entry: dict) -> tuple[np.ndarray, list[str]]:
-    """Annotated entity boxes of a toy-world scene or a Visual-Genome-style image entry.
+    """Annotated entity boxes of one image's entry in a box file (:mod:`extract.data.boxes`, which reads COCO
+    instances as Visual-Genome-style entries): a toy-world scene or a Visual-Genome-style image entry.
 
     Toy world (``extract.data.toyworld``): ``entry["objects"][k]["box"]`` = [x0, y0, x1, y1] (end-exclusive px),
     label ``"{size} {colour} {shape}"`` (e.g. "small red circle"). Visual Genome: ``entry["objects"][k]``
@@ -116,41 +114,6 @@ def gt_boxes(entry: dict) -> tuple[np.ndarray, list[str]]:
             names = obj.get("names") or [obj["name"]]
             labels.append(names[0])
     return np.asarray(boxes, dtype=np.float64).reshape(-1, 4), labels
-
-
-def load_box_annotations(path) -> dict[str, dict]:
-    """A Visual-Genome-style box file (``objects.json``: a list of ``{"image_id": ..., "objects": [{x, y, w, h,
-    names}]}``, or ``{"images": [...]}`` holding such entries) -> {key: entry} for :func:`gt_boxes`.
-
-    Each entry is keyed by ``str(image_id)`` (or ``id``) and, when it names its file (``file_name``, ``url`` or
-    ``image``), also by that file's base name, so CSV sources (whose image ids are paths) find their boxes
-    through :func:`annotation_for`. Raises ValueError naming the file on anything else.
-    """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"box annotations {path}: cannot read JSON ({e})") from e
-    entries = data.get("images") if isinstance(data, dict) else data
-    if not isinstance(entries, list):
-        raise ValueError(f"box annotations {path}: expected a list of image entries (Visual Genome objects.json) "
-                         "or {'images': [...]}")
-    out: dict[str, dict] = {}
-    for k, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("objects", []), list):
-            raise ValueError(f"box annotations {path}: entry {k} is not {{'image_id': ..., 'objects': [...]}}")
-        key = entry.get("image_id", entry.get("id"))
-        if key is not None:
-            out[str(key)] = entry
-        for field in ("file_name", "url", "image"):
-            if isinstance(entry.get(field), str):
-                out.setdefault(os.path.basename(entry[field]), entry)
-    return out
-
-
-def annotation_for(annotations: dict[str, dict], image_id: str) -> dict:
-    """The entry of ``image_id`` (an id, or a path matched by base name); no entry = no objects."""
-    return annotations.get(image_id) or annotations.get(os.path.basename(image_id)) or {"objects": []}
 
 
 # --------------------------------------------------------------------------------------------- PowerCLIP-R boxes

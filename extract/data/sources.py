@@ -541,7 +541,8 @@ class ToyWorldSource(COCOSource):
 
     ``file_name`` entries are taken from the toy world directory (as its ``{split}.csv`` paths are).
     ``annotations`` maps image id (``str``, as in :class:`Sample`) to the scene dict of
-    ``annotations.json`` (objects, relations, captions) for the scenes of this split.
+    ``annotations.json`` (objects, relations, captions) for the scenes of this split (the truth of its captions);
+    :meth:`boxes` reads the world's boxes as every other box file is read.
     """
 
     def __init__(
@@ -559,7 +560,14 @@ class ToyWorldSource(COCOSource):
         super().__init__(coco, image_root=root, max_pixels=max_pixels, unusual=unusual)
         self.name = f"{root.name}:{split}"
         self.split = split
+        self.root = root
         self.annotations = _scenes(root / "annotations.json", split)
+
+    def boxes(self, max_missing: float | None = None):
+        """The world's boxes (:func:`extract.data.boxes.read_boxes` of its folder: every split's scenes)."""
+        from extract.data.boxes import read_boxes
+
+        return read_boxes(self.root, max_missing=max_missing)
 
 
 def _scenes(path: Path, split: str) -> dict[str, dict]:

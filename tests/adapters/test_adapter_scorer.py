@@ -10,12 +10,13 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from adapters.adapter_scorer import AdapterScorer, LiveExtractor, load_annotations
+from adapters.adapter_scorer import AdapterScorer, LiveExtractor
 from adapters.checkpoint import CheckpointError, read, read_meta, write
 from adapters.scoring import BackboneScorer
 from adapters.load import is_adapter_path, load_scorer
 from extract.models.backbone import load_backbone
 from extract.cache import FeatureCache
+from extract.data.boxes import MissingBoxes, read_boxes
 
 from fixtures.toy import toy_root, trained_comalign
 
@@ -68,11 +69,30 @@ def test_ground_truth_boxes_are_asked_for(run):
     root, out = run
     with pytest.raises(ValueError, match="ground-truth boxes.*annotations"):
         AdapterScorer.from_checkpoint(out / "adapter.safetensors")
-    boxes = load_annotations(root / "world")
+    boxes = read_boxes(root / "world")
     scene = json.loads((root / "world" / "annotations.json").read_text())["scenes"][3]
-    assert boxes[str(scene["image_id"])] is boxes["000003.png"]
+    assert boxes.entry(scene["image_id"]) is boxes.entry("000003.png")
     scorer = AdapterScorer.from_checkpoint(out / "adapter.safetensors", annotations=boxes)
     assert scorer.extractor.image_id(str(root / "world" / "images" / "000003.png")) == "3"
+    with pytest.raises(ValueError, match="test_coco.json is a COCO captions file"):  # what users pass by mistake
+        AdapterScorer.from_checkpoint(out / "adapter.safetensors", annotations=root / "world" / "test_coco.json")
+
+
+def test_integer_ids_and_an_image_without_boxes(run):
+    """COCO's ids are ints: encode_pil takes them as their str(); an image the annotations do not name is an error
+    naming the file and the image, not a score without its entity and relation terms."""
+    root, out = run
+    scenes = json.loads((root / "world" / "annotations.json").read_text())["scenes"][:2]
+    scorer = load_scorer(str(out), annotations={s["image_id"]: s for s in scenes})  # int keys
+    images = [Image.open(root / "world" / s["file_name"]).convert("RGB") for s in scenes]
+    texts = scorer.encode_texts([c["text"] for c in scenes[0]["captions"][:2]])
+    by_int = scorer.score(scorer.encode_pil(images, ids=[s["image_id"] for s in scenes]), texts)
+    by_str = scorer.score(scorer.encode_pil(images, ids=[str(s["image_id"]) for s in scenes]), texts)
+    torch.testing.assert_close(by_int, by_str)
+    with pytest.raises(MissingBoxes, match=r"the boxes given as a dict .* holds no boxes for image '1804'"):
+        scorer.encode_pil(images[:1], ids=[1804])
+    blind = scorer.encode_pil(images[:1], ids=[1804], missing_boxes="empty")  # a caller that says so itself
+    assert not blind["entity_valid"].any()
 
 
 def test_other_base_weights_are_refused_and_foreign_files_explained(run, tmp_path):

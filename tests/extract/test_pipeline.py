@@ -383,7 +383,10 @@ def test_bad_input_gets_a_clear_outcome(world, tmp_path):
     assert sum(skipped["image"].values()) == 1 and sum(skipped["caption"].values()) == 1
 
 
-def test_ground_truth_boxes_from_a_visual_genome_file(world, tmp_path):
+def test_ground_truth_boxes_from_a_visual_genome_file(world, tmp_path, capsys):
+    """Two images, one with an entry. The image without one used to be extracted with no boxes in silence; now the
+    run counts it and stops (50 % > --max-missing-boxes 0, the default), and goes on, boxless and said in the log,
+    only where the user allows that share."""
     src = sorted((world / "images").glob("*.png"))[:2]
     table = tmp_path / "pairs.csv"
     table.write_text("filepath,title\n" + "".join(f"{p},a shape\n" for p in src))
@@ -391,30 +394,73 @@ def test_ground_truth_boxes_from_a_visual_genome_file(world, tmp_path):
                 "objects": [{"x": 2, "y": 3, "w": 20, "h": 10, "names": ["shape"]},
                             {"x": 30, "y": 30, "w": 8, "h": 8, "names": ["thing"]}]}]
     (tmp_path / "objects.json").write_text(json.dumps(objects))
-    cache = build_cache(table, tmp_path / "cache", components=["entities", "relations", "regions"],
-                        annotations=tmp_path / "objects.json", regions="gt", workers=0)
+    options = dict(components=["entities", "relations", "regions"], annotations=tmp_path / "objects.json",
+                   regions="gt", workers=0)
+    with pytest.raises(ValueError, match=r"pairs.csv: 1 of 2 images \(50.00%\) have no entry in .*objects.json "
+                                         r"\(Visual Genome objects.json\).*--max-missing-boxes 0 allows"):
+        build_cache(table, tmp_path / "cache", **options)
+    cache = build_cache(table, tmp_path / "cache", max_missing_boxes=0.5, **options)
+    assert "boxes: pairs.csv: 1 of 2 images (50.00%) have no entry" in capsys.readouterr().out
     rows = {image_id: k for k, image_id in enumerate(cache.image_ids())}
     a, b = rows[str(src[0])], rows[str(src[1])]
     boxes = cache.gather("ventity_boxes", [a, b])
     np.testing.assert_array_equal(boxes[0, :2], [[2, 3, 22, 13], [30, 30, 38, 38]])
-    assert cache.gather("ventity_valid", [a, b]).sum(1).tolist() == [2, 0]  # no entry: global only
+    assert cache.gather("ventity_valid", [a, b]).sum(1).tolist() == [2, 0]  # no entry, allowed: global only
     assert cache.gather("vrelation_valid", [a, b]).sum(1).tolist() == [1, 0]
     assert cache.gather("region_valid", [a, b]).sum(1).tolist() == [2, 0]
     assert "annotations" in cache.settings
 
 
-def test_webdataset_source_gives_one_shard_per_tar(world, tmp_path):
-    src = sorted((world / "images").glob("*.png"))[:5]
+def test_a_box_file_of_other_images_is_refused_before_the_backbone_loads(world, tmp_path):
+    """A COCO captions file given as boxes, or boxes of other images: refused with what file is expected."""
+    table = tmp_path / "pairs.csv"
+    images = sorted((world / "images").glob("*.png"))[:2]
+    table.write_text("filepath,title\n" + "".join(f"{p},a shape\n" for p in images))
+    options = dict(components=["entities"], regions="random", workers=0, base="no-such-backbone")
+    with pytest.raises(ValueError, match="is a COCO captions file .* boxes come from a box file: COCO instances"):
+        build_cache(table, tmp_path / "cache", annotations=world / "train_coco.json", **options)
+    (tmp_path / "objects.json").write_text(json.dumps([{"image_id": 99, "objects": []}]))
+    with pytest.raises(ValueError, match="pairs.csv: none of the 2 images has an entry in .*expected the box file "
+                                         "of this collection"):
+        build_cache(table, tmp_path / "cache", annotations=tmp_path / "objects.json", max_missing_boxes=0.9, **options)
+
+
+def _two_tars(folder: Path, src: list[Path]) -> None:
+    """``src[:3]`` and ``src[3:]`` as webdataset shards 000.tar and 001.tar (image + caption per sample)."""
     for t, part in enumerate((src[:3], src[3:])):
-        with tarfile.open(tmp_path / f"{t:03d}.tar", "w") as tar:
+        with tarfile.open(folder / f"{t:03d}.tar", "w") as tar:
             for p in part:
                 for name, data in ((f"{p.stem}.png", p.read_bytes()), (f"{p.stem}.txt", b"a coloured shape")):
                     info = tarfile.TarInfo(name)
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_source_gives_one_shard_per_tar(world, tmp_path):
+    src = sorted((world / "images").glob("*.png"))[:5]
+    _two_tars(tmp_path, src)
     cache = build_cache(tmp_path, tmp_path / "cache", components=["patches", "tokens"], workers=0)
     assert [s["images"] for s in cache.manifest["shards"]] == [3, 2]
     assert cache.gather("patch_tokens", [0]).shape[1:] == (64, 64)
+
+
+def test_a_streams_images_without_boxes_are_counted_as_they_come(world, tmp_path, capsys):
+    """Webdataset shards list their images only as they are read: each shard counts those without an entry, and the
+    run is judged once all are in (before the manifest: a rerun with another share reuses the shards)."""
+    src = sorted((world / "images").glob("*.png"))[:5]
+    _two_tars(tmp_path, src)
+    objects = [{"image_id": p.stem, "objects": [{"x": 1, "y": 1, "w": 9, "h": 9, "names": ["shape"]}]} for p in src[1:]]
+    (tmp_path / "objects.json").write_text(json.dumps(objects))
+    options = dict(components=["entities"], annotations=tmp_path / "objects.json", workers=0)
+    with pytest.raises(ValueError, match=r": 1 of 5 images \(20.00%\) have no entry in .*'000000'.*--max-missing"):
+        build_cache(tmp_path, tmp_path / "cache", **options)
+    capsys.readouterr()
+    cache = build_cache(tmp_path, tmp_path / "cache", max_missing_boxes=0.25, **options)
+    assert "1 of 5 images (20.00%) have no entry" in capsys.readouterr().out
+    assert cache.gather("ventity_valid", np.arange(5)).sum(1).tolist() == [0, 1, 1, 1, 1]
+    (tmp_path / "objects.json").write_text(json.dumps([{"image_id": "elsewhere", "objects": []}]))
+    with pytest.raises(ValueError, match="none of the 3 images has an entry"):  # said after the first shard
+        build_cache(tmp_path, tmp_path / "other", **options)
 
 
 def test_build_cache_rejects_unknown_options(world, tmp_path):

@@ -447,23 +447,24 @@ def test_crop_regions_pad_keeps_a_wide_relation_box_whole():
 
 
 
-def test_box_annotations_by_id_and_file_name(tmp_path):
-    from extract.components.regions import annotation_for, load_box_annotations
+def test_gt_boxes_reads_the_box_readers_entries_and_no_entry_is_an_error(tmp_path):
+    """The entries of extract.data.boxes (its own tests read every format). An image without an entry used to get
+    ``{"objects": []}`` here (annotation_for), so a box file of other images gave a whole collection no boxes in
+    silence; it is an error naming the file and the image now."""
+    from extract.data.boxes import MissingBoxes, read_boxes
 
-    vg = [{"image_id": 7, "url": "https://x/VG_100K/7.jpg", "objects": [{"x": 1, "y": 2, "w": 3, "h": 4, "names": ["cat"]}]},
+    vg = [{"image_id": 7, "url": "https://x/VG_100K/7.jpg",
+           "objects": [{"x": 1, "y": 2, "w": 3, "h": 4, "names": ["cat"]}]},
           {"id": 8, "file_name": "imgs/8.png", "objects": []}]
     path = tmp_path / "objects.json"
     path.write_text(json.dumps(vg))
-    found = load_box_annotations(path)
-    boxes, labels = gt_boxes(annotation_for(found, "7"))
+    found = read_boxes(path)
+    boxes, labels = gt_boxes(found.entry("data/7.jpg"))  # CSV ids are paths: matched by base name
     np.testing.assert_array_equal(boxes, [[1, 2, 4, 6]])
     assert labels == ["cat"]
-    assert annotation_for(found, "data/7.jpg") is found["7"]  # CSV ids are paths: matched by base name
-    assert annotation_for(found, "8")["objects"] == []
-    assert annotation_for(found, "unknown") == {"objects": []}
-    path.write_text(json.dumps({"images": {"not": "a list"}}))
-    with pytest.raises(ValueError, match="objects.json"):
-        load_box_annotations(path)
+    assert gt_boxes(found.entry(8))[0].shape == (0, 4)  # an entry without objects: zero boxes, no error
+    with pytest.raises(MissingBoxes, match="objects.json .* holds no boxes for image 'unknown'"):
+        found.entry("unknown")
 
 
 def test_pair_rows_list_pairs_as_relation_boxes_does():

@@ -80,6 +80,7 @@ def test_a_hits_heatmap_has_one_map_per_phrase_and_comalign_explains_its_score(s
     for m in (m for m in heat.maps if m.box is not None):
         assert (m.box, round(m.box_score, 6)) in winners
         assert f"{m.phrase}: {m.box_kind} box, score {m.box_score:.3f}" in labels
+    assert served.heatmaps(image, QUERY, explain=False).explanation is None  # the probe's maps: no explanation
     with pytest.raises(QueryError, match="unknown heatmap method"):
         served.heatmaps(image, QUERY, "gradcam")
 

@@ -83,7 +83,8 @@ def test_a_clip_retrieval_client_works_unchanged(server, served):
     timing = response.headers["Server-Timing"]
     assert "encode;dur=" in timing and "first_stage;dur=" in timing and "total;dur=" in timing
 
-    # ClipClient with an image file: base64, modality image -> images like it, from the stored image vectors
+    # ClipClient with an image file: base64, modality image -> images like it, from the stored image vectors; the
+    # upload has no name the toy world's boxes know it by, so its vector is computed without boxes, and says so
     path = _path(served, results[3]["id"])
     encoded = base64.b64encode(open(path, "rb").read()).decode()
     alike = post(server, "knn-service", clip_client_body(image=encoded, num_images=5, deduplicate=False)).json()
@@ -94,6 +95,32 @@ def test_a_clip_retrieval_client_works_unchanged(server, served):
     order, scores = brute_force(stored(served, "image"), vector)
     assert [r["id"] for r in alike] == order[:5].tolist()
     np.testing.assert_allclose([r["similarity"] for r in alike], scores[:5], atol=1e-4)
+    assert "first-stage vector was computed without them" in alike[0]["box_note"]
+
+
+def test_an_upload_without_boxes_is_not_re_ranked_and_the_answer_says_how_to_give_some(server, served):
+    """ComAlign reads ground-truth boxes; the toy world's name none for an upload (base64 has no file name): the
+    answer is the first stage alone, each result carrying the note (and X-Plugvlm-Notes), not a blind re-ranking."""
+    path = _path(served, 3)
+    body = {"image": base64.b64encode(open(path, "rb").read()).decode(), "modality": "text", "num_images": 4,
+            "rerank": True, "k_candidates": 20}
+    response = post(server, "knn-service", body)
+    assert response.status_code == 200
+    results = response.json()
+    assert len(results) == 4 and all(r["rerank_similarity"] is None for r in results)
+    note = results[0]["box_note"]
+    assert all(r["box_note"] == note for r in results) and note in json.loads(response.headers["X-Plugvlm-Notes"])
+    assert "reads ground-truth boxes and has none for this image" in note and "'query'" in note
+    assert "searched by the first stage only, not re-ranked" in note
+    assert "--annotations FILE" in note and "--detector WEIGHTS.pt" in note
+    assert "rerank;dur=" not in response.headers["Server-Timing"]
+    first_stage = served.searcher.search_image(open(path, "rb").read(), k=4, missing_boxes="empty")  # as "query"
+    assert [r["id"] for r in results] == [h.row for h in first_stage]
+    # the same upload through the Python API is refused, naming the box file and the image
+    with pytest.raises(ValueError, match=r"\(toy world\) holds no boxes for image 'query'"):
+        served.searcher.search_image(open(path, "rb").read(), k=4, rerank=20)
+    # a text query has nothing to say about boxes
+    assert "box_note" not in post(server, "knn-service", {"text": QUERY, "num_images": 2}).json()[0]
 
 
 def test_knn_extensions_re_ranking_filter_paging(server, served):

@@ -72,6 +72,34 @@ def test_json_is_the_searchers_result_and_nothing_else(setup, capsys):
     assert {"row", "caption_id", "text", "image_row", "image_id", "cache_row"} <= set(data["hits"][0]["metadata"])
 
 
+def test_an_image_query_with_coco_instances_keyed_by_integer_ids(setup, tmp_path, capsys):
+    """--annotations in COCO's own layout (int ids, bbox [x, y, w, h]): the query image is found by its file name,
+    and its boxes (the toy world's, converted) re-rank exactly as the toy world's own do. An image the file does not
+    name is one error line naming the file and the image, not a re-ranking without boxes."""
+    scenes = json.loads((setup.world / "annotations.json").read_text())["scenes"]
+    scene = next(s for s in scenes if s["file_name"].endswith("000008.png"))
+    coco = {"images": [{"id": int(scene["image_id"]), "file_name": scene["file_name"], "width": scene["width"],
+                        "height": scene["height"]}],
+            "annotations": [{"id": k, "image_id": int(scene["image_id"]), "category_id": 1, "iscrowd": 0,
+                             "bbox": [o["box"][0], o["box"][1], o["box"][2] - o["box"][0], o["box"][3] - o["box"][1]]}
+                            for k, o in enumerate(scene["objects"])],
+            "categories": [{"id": 1, "name": "shape"}]}
+    (tmp_path / "instances.json").write_text(json.dumps(coco))
+    image = setup.world / "images" / "000008.png"
+    rc, out, err = _run(capsys, [setup.adapter_index, "--image", image, "--k", "4", "--rerank", "20", "--json",
+                                 "--annotations", tmp_path / "instances.json"])
+    assert rc == 0, err
+    expected = Searcher.open(setup.adapter_index).search_image(str(image), k=4, rerank=20)  # the world's own boxes
+    assert [h["row"] for h in json.loads(out)["hits"]] == [h.row for h in expected]
+    assert [h["rerank_score"] for h in json.loads(out)["hits"]] == pytest.approx([h.rerank_score for h in expected],
+                                                                                 abs=1e-5)
+    other = setup.world / "images" / "000009.png"
+    rc, out, err = _run(capsys, [setup.adapter_index, "--image", other, "--k", "4", "--rerank", "20",
+                                 "--annotations", tmp_path / "instances.json"])
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1
+    assert "instances.json (COCO instances) holds no boxes for image" in err and "000009.png" in err
+
+
 def test_filters_and_pages_from_the_command_line(setup, capsys):
     searcher = Searcher.open(setup.backbone_index)
     full = searcher.search_text(QUERY, k=12)
@@ -104,6 +132,13 @@ def test_recall_prints_the_served_and_evaluated_rows_and_they_agree(setup, capsy
     first, evaluated = (line.split("|")[2:] for line in out.splitlines()
                         if line.startswith(("| served, first stage", "| train.eval |")))
     assert first == evaluated
+    # --live: every caption and image file encoded alone, as a user's query (served_recall(queries="live"))
+    rc, live, err = _run(capsys, [setup.backbone_index, "--recall", "--live"])
+    assert rc == 0, err
+    assert "encoded alone as a user's" in live and "read from the cache" in out
+    with pytest.raises(SystemExit) as e:  # --live belongs to --recall
+        main([str(setup.backbone_index), QUERY, "--live"])
+    assert e.value.code == 2 and "--live applies to --recall" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -275,6 +275,44 @@ def test_an_adapter_is_evaluated_from_a_cache_extracted_with_its_settings(tmp_pa
     assert "components: ['entities', 'relations'] -> ['patches']" in err
 
 
+def test_an_adapter_on_coco_files_with_integer_ids_and_a_box_file_that_leaves_an_image_out(tmp_path_factory, tmp_path,
+                                                                                            capsys):
+    """--retrieval-data a COCO captions file and --annotations a COCO instances file (both keyed by int ids), the
+    instances naming two of the three images: counted and refused under the default --max-missing-boxes 0, run and
+    counted in the log where the user allows a third; the captions file given as boxes is refused, saying what is
+    expected."""
+    from fixtures.serve import serve_setup
+
+    s = serve_setup(tmp_path_factory)  # ComAlign on a 120-scene toy world (ground-truth boxes)
+    scenes = json.loads((s.world / "annotations.json").read_text())["scenes"][:3]
+    images = [{"id": 1000 + k, "file_name": sc["file_name"], "width": sc["width"], "height": sc["height"]}
+              for k, sc in enumerate(scenes)]
+    captions = {"images": images, "annotations": [{"id": 7000 + k, "image_id": 1000 + k,
+                                                   "caption": sc["captions"][0]["text"]} for k, sc in enumerate(scenes)]}
+    boxes = {"images": images[:2], "categories": [{"id": 1, "name": "shape"}],
+             "annotations": [{"id": j, "image_id": 1000 + k, "category_id": 1,
+                              "bbox": [o["box"][0], o["box"][1], o["box"][2] - o["box"][0], o["box"][3] - o["box"][1]]}
+                             for k, sc in enumerate(scenes[:2]) for j, o in enumerate(sc["objects"])]}
+    (tmp_path / "captions.json").write_text(json.dumps(captions))
+    (tmp_path / "instances.json").write_text(json.dumps(boxes))
+    argv = ["--model", str(s.run), "--tasks", "retrieval", "--retrieval-data", str(tmp_path / "captions.json"),
+            "--image-root", str(s.world), "--annotations", str(tmp_path / "instances.json")]
+    capsys.readouterr()
+    assert main(argv + ["--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "retrieval images: 1 of 3 images (33.33%) have no entry in" in err and "(COCO instances)" in err
+    assert "more than --max-missing-boxes 0 allows" in err and "000002.png" in err
+    assert main(argv + ["--out", str(tmp_path / "ok"), "--max-missing-boxes", "0.4"]) == 0
+    out = capsys.readouterr().out
+    assert "boxes: retrieval images: 1 of 3 images (33.33%) have no entry" in out
+    assert "within --max-missing-boxes 0.4: they get no boxes" in out
+    got = json.loads((tmp_path / "ok" / "results.json").read_text())["results"]["tiny + comalign"]["retrieval"]
+    assert got["images"] == 3
+    argv[-1] = str(tmp_path / "captions.json")
+    assert main(argv + ["--out", str(tmp_path / "captions")]) == 2
+    assert "captions.json is a COCO captions file (its annotations have captions, no bbox)" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- multi-positive, intervals
 def test_multi_positive_retrieval_matches_the_reference(world, report):
     """The toy world's multi-positive section: any-true R@1 and mAP of the live run equal the per-query reference

@@ -27,10 +27,12 @@ What it does, in order:
    ``torchrun``: each rank's loss sees the global batch, gathered by the head). Batches are caption rows
    gathered from the memory-mapped cache, shuffled per epoch by ``(seed, epoch)``, with no image twice in a
    batch (``train.adapter.data.epoch_batches``).
-4. Evaluates on the held-out split every epoch from cached features (retrieval R@k; per-type accuracy on the
-   toy world's hard negatives), logs to ``metrics.csv``, ``history.json`` and TensorBoard (``RUN/tb``), and
-   writes ``RUN/checkpoints/last.safetensors`` (``--resume`` continues from it exactly: weights, optimizer,
-   schedule, RNG and position in the data order).
+4. Evaluates on the held-out split from cached features (retrieval R@k; per-type accuracy on the toy world's hard
+   negatives), logs to ``metrics.csv``, ``history.json`` and TensorBoard (``RUN/tb``), and writes
+   ``RUN/checkpoints/last.safetensors`` (``--resume`` continues from it exactly: weights, optimizer, schedule, RNG,
+   position in the data order and the stopping rule's state). Without ``--epochs`` the run ends when the held-out
+   figures stop improving, after a cool-down of the learning rate (``train.adapter.stopping``); with it, after that
+   many epochs of warm-up + cosine (or ``--schedule``).
 5. Fits the head's inference-only parameters on the held-out split (``fit_inference``: ComAlign's fusion
    weights, eq. 10-11), saves ``RUN/adapter.safetensors`` (+ ``.json``), a self-describing checkpoint that
    ``python -m train.eval --model RUN/adapter.safetensors`` and serving rebuild from the file alone, and
@@ -88,17 +90,17 @@ from extract.data.toyworld import is_toyworld
 from train.bad_steps import MAX_BAD_STEPS, BadSteps
 from train.adapter.data import (cache_config, caption_rows_of, check_cache, epoch_batches, extraction_options,
                                 final_table_data, obtain_cache, split_images)
+from train.adapter.stopping import EVAL_STEPS, Plateau, held_out_score
 from train.adapter.heldout import CachedBase, HeldOut, attach_toyworld_negatives, encode_heldout, evaluate_heldout, \
     heldout_split
 
 # options that must not change across --resume for the continuation to be exact
-_RESUME_KEYS = ("method", "base", "epochs", "batch_size", "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
+_RESUME_KEYS = ("method", "base", "epochs", "patience", "min_delta", "cooldown", "max_epochs", "batch_size", "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
                 "schedule", "warmup", "step_epochs", "gamma", "precision", "grad_clip", "seed", "unfreeze",
                 "backbone_lr", "context_length")
 # values of keys added since the first checkpoints, so those still resume
-_RESUME_KEY_DEFAULTS = {"unfreeze": False, "backbone_lr": None, "context_length": None}
-EPOCHS = 10               # --epochs on data you name
-TOY_EPOCHS = 5            # --epochs on the embedded toy world (no --data): the demo's setting, minutes on a CPU
+_RESUME_KEY_DEFAULTS = {"unfreeze": False, "backbone_lr": None, "context_length": None, "patience": 3,
+                        "min_delta": 0.5, "cooldown": 0.2, "max_epochs": 30}
 DEFAULT_LR = 5e-4          # head learning rate when its class names no head_lr
 DEFAULT_BATCH_SIZE = 256   # per process, when --unfreeze does not take the head class's unfreeze_batch_size
 PROG = "python -m train.adapter"
@@ -161,8 +163,9 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
                                     help="extraction: backbone precision")
     # optimisation
     epochs: int | None = option(None, type=positive_int, group="optimisation",
-                                help=f"passes over the training captions (default: {EPOCHS}; {TOY_EPOCHS} on the "
-                                     "embedded toy world, so a first run ends in minutes on a CPU)")
+                                help="passes over the training captions, with --schedule (default: none, train "
+                                     "until the held-out score stops improving, then cool down: the options under "
+                                     "'when to stop'; train/adapter/stopping.py)")
     batch_size: int | None = option(None, type=positive_int, group="optimisation",
                                     help=f"contrastive batch per process (the global batch is this x processes; "
                                          f"default {DEFAULT_BATCH_SIZE}, with --unfreeze the head class's "
@@ -182,6 +185,17 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
                          help="warm-up steps (cosine; at most a tenth of the run)")
     step_epochs: int = option(5, type=positive_int, group="optimisation", help="StepLR: epochs between decays")
     gamma: float = option(0.1, type=positive_float, group="optimisation", help="StepLR: decay factor")
+    # when to stop without --epochs (train.adapter.stopping)
+    patience: int = option(3, type=positive_int, group="when to stop (without --epochs)",
+                           help=f"held-out evaluations (at least {EVAL_STEPS} steps apart) without a gain of --min-delta "
+                                "before the cool-down starts")
+    min_delta: float = option(0.5, type=nonnegative_float, group="when to stop (without --epochs)",
+                              help="the gain, in points of the held-out score, that counts as an improvement")
+    cooldown: float = option(0.2, type=fraction, group="when to stop (without --epochs)",
+                             help="the cool-down's length, a share of the steps before it (whole epochs): the "
+                                  "learning rate falls linearly to 0, then the run ends")
+    max_epochs: int = option(30, type=positive_int, group="when to stop (without --epochs)",
+                             help="the most epochs a run takes, its cool-down included")
     grad_clip: float = option(0.0, type=nonnegative_float, group="optimisation",
                               help="clip the gradient norm (0: off)")
     precision: str = option("fp32", choices=["fp32", "bf16", "fp16"], group="optimisation",
@@ -216,8 +230,9 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
     eval_batch_size: int = option(1024, type=positive_int, group="run",
                                   help="held-out evaluation: rows encoded at once")
     eval_every: int = option(1, type=nonnegative_int, group="run",
-                             help="held-out evaluation every N epochs, logged and in history.json (0: only the "
-                                  "final one, after the last epoch and the inference fit)")
+                             help="with --epochs: held-out evaluation every N epochs, logged and in history.json "
+                                  "(0: only the final one, after the last epoch and the inference fit); without "
+                                  f"--epochs the stopping rule evaluates at least {EVAL_STEPS} steps apart")
     final_eval: bool = option(True, action=argparse.BooleanOptionalAction, group="run",
                               help="write the frozen base vs base + adapter table on the test split (default: on)")
     eval_tasks: str = option("retrieval,compositional", group="run", help="train.eval tasks of the final table")
@@ -404,13 +419,12 @@ def resolve(opts: AdapterOptions, parser: Parser | None = None) -> AdapterOption
         backbone_lr = getattr(head_cls, "backbone_lr", None)
         if backbone_lr is None:
             raise ValueError(f"--unfreeze: {head_cls.__name__} names no backbone_lr; pass --backbone-lr")
-    epochs = opts.epochs
-    if epochs is None:
-        epochs = TOY_EPOCHS if opts.data is None and opts.cache is None else EPOCHS
+    if opts.epochs is None and not opts.cooldown > 0:
+        raise ValueError("--cooldown must be above 0 without --epochs (the run ends when its cool-down does)")
     spec = opts.hard_negatives if opts.hard_negatives is not None else getattr(head_cls, "hard_negatives", "none")
     hard = ",".join(parse_types(spec)) or "none"
     resolved = dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components,
-                                   backbone_lr=backbone_lr, epochs=epochs, hard_negatives=hard)
+                                   backbone_lr=backbone_lr, hard_negatives=hard)
     object.__setattr__(resolved, "_resolved", True)  # not a field: dataclasses.replace of it starts unresolved
     return resolved
 
@@ -452,8 +466,11 @@ def make_optimizer(head: AdapterHead, args, backbone_model: torch.nn.Module | No
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
 
 
-def make_scheduler(optimizer, args, total_steps: int, steps_per_epoch: int):
-    """Per optimizer step: warm-up + cosine to 0, StepLR every ``--step-epochs`` epochs, or constant."""
+def make_scheduler(optimizer, args, total_steps: int, steps_per_epoch: int, plateau: Plateau | None = None):
+    """Per optimizer step: warm-up + cosine to 0, StepLR every ``--step-epochs`` epochs, or constant; without
+    ``--epochs``, ``plateau``'s warm-up, stable phase and cool-down (train.adapter.stopping)."""
+    if plateau is not None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, plateau.lr_factor)
     if args.schedule == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, args.step_epochs * steps_per_epoch),
                                                gamma=args.gamma)
@@ -749,6 +766,7 @@ class Model:
     optimizer: torch.optim.Optimizer
     scheduler: object
     resume_key: dict             # what a --resume must agree on
+    plateau: Plateau | None = None  # without --epochs: when the run stops (train.adapter.stopping)
 
 
 @dataclass
@@ -801,7 +819,7 @@ def place_run(opts: AdapterOptions, env: Env) -> AdapterOptions:
     from extract.common.run_dir import claim, default_out
 
     if opts.data is None and opts.cache is None:
-        env.say(f"no --data: training on the embedded toy world for {opts.epochs} epoch{'s' * (opts.epochs != 1)}")
+        env.say(f"no --data: training on the embedded toy world {_length(opts)}")
         if env.is_main:  # DEFAULT_N read at call time, so a test can make the default world small
             toyworld.ensure(toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED, say=env.say)
         env.accelerator.wait_for_everyone()
@@ -941,11 +959,15 @@ def build_model(opts: AdapterOptions, env: Env, data: TrainData) -> Model:
 
         trained, modules = LiveModel(backbone, head), {"backbone": backbone.model}
     optimizer = make_optimizer(head, opts, backbone.model if data.live is not None else None)
-    scheduler = make_scheduler(optimizer, opts, data.steps_per_epoch * opts.epochs, data.steps_per_epoch)
+    plateau = None
+    if opts.epochs is None:  # the steps an epoch really takes (a batch holds each image once): the first epoch's
+        plateau = Plateau.from_options(opts, len(_batches(opts, data, 0)))
+    scheduler = make_scheduler(optimizer, opts, data.steps_per_epoch * (opts.epochs or 0), data.steps_per_epoch,
+                               plateau)
     resume_key = {k: getattr(opts, k) for k in _RESUME_KEYS} | {
         "head_config": head.config_dict(), "weights_sha256": env.base_info["weights_sha256"],
         "cache": data.key, "world_size": env.ctx.world, "train_rows": int(len(data.train_rows))}
-    return Model(head, trained, modules, optimizer, scheduler, resume_key)
+    return Model(head, trained, modules, optimizer, scheduler, resume_key, plateau)
 
 
 def start_or_resume(opts: AdapterOptions, env: Env, model: Model) -> State:
@@ -965,6 +987,8 @@ def start_or_resume(opts: AdapterOptions, env: Env, model: Model) -> State:
         state = State(meta["epoch"], meta["batch"], meta["step"], meta.get("history", []),
                       bad=BadSteps(opts.max_bad_steps))
         state.bad.load(meta)
+        if model.plateau is not None:
+            model.plateau.load(meta.get("plateau") or {})
         torch.set_rng_state(load_rng_for_rank(path, env.ctx.rank))
         env.say(f"resuming {path} at epoch {state.epoch}, batch {state.batch} (step {state.step})")
     if env.is_main:
@@ -992,8 +1016,8 @@ def begin(run: Run) -> None:
         info.get("weights"), f"open_clip weights '{info.get('pretrained')}'")
     env.say(f"backbone: {opts.base} ({info.get('model')}, {weights})")
     env.say(f"{opts.method} on {opts.base}{' (fine-tuning the backbone)' if data.live is not None else ''}: "
-            f"{len(data.train_rows)} training captions of {n_images} images, {held}; {data.steps_per_epoch} "
-            f"steps/epoch x {opts.epochs} epochs, global batch {data.global_batch} on {env.ctx.world} process(es), "
+            f"{len(data.train_rows)} training captions of {n_images} images, {held}; {run.model.plateau.steps_per_epoch if run.model.plateau else data.steps_per_epoch} "
+            f"steps/epoch {_length(opts, run.model.plateau)}, global batch {data.global_batch} on {env.ctx.world} process(es), "
             f"{trainable:,} trainable parameters{tuned}")
     if env.is_main and not opts.resume:
         base = _flat_metrics(evaluate_heldout(CachedBase(), data.val, env.ctx.device, opts.eval_batch_size))
@@ -1006,8 +1030,7 @@ def train_epoch(run: Run, epoch: int) -> None:
     state is saved and ``state.stopped`` set)."""
     opts, env, data, model, state = run.opts, run.env, run.data, run.model, run.state
     ctx, head_cls = env.ctx, type(model.head)
-    batches = epoch_batches(data.train_rows, data.caption_image, data.global_batch, opts.seed, epoch,
-                            data.steps_per_epoch)
+    batches = _batches(opts, data, epoch)
 
     def mine(rows: np.ndarray) -> np.ndarray:  # this rank's slice of a global batch
         return rows[ctx.rank * opts.batch_size:(ctx.rank + 1) * opts.batch_size]
@@ -1025,7 +1048,7 @@ def train_epoch(run: Run, epoch: int) -> None:
 
         trained = NegativeLoss(model.trained, opts.hard_negative_weight, data.negatives.types)
     model.trained.train()
-    bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs}", unit="step",
+    bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs or model.plateau.end_epoch}", unit="step",
                    disable=not env.is_main)
     for b in bar:
         t0 = time.perf_counter()
@@ -1093,6 +1116,7 @@ def save_state(run: Run) -> bool:
         save_training_state(path, model.head, model.optimizer, model.scheduler, env.ctx.scaler, {
             "epoch": state.epoch, "batch": state.batch, "step": state.step, **state.bad.state(),
             "history": state.history, "resume_key": model.resume_key,
+            "plateau": model.plateau.state() if model.plateau is not None else None,
             "args": _jsonable(run.opts), "base": env.base_info, "extraction": run.data.extraction}, model.modules)
     _save_rank_rng(path, env.ctx.rank)
     env.accelerator.wait_for_everyone()
@@ -1103,20 +1127,57 @@ def end_epoch(run: Run, epoch: int) -> None:
     """Held-out figures after ``epoch`` when ``--eval-every`` says so, and after the last one (rank 0; with --unfreeze
     the split re-encoded by the backbone as it is now), logged and added to history.json; then the training state at
     the next epoch's start."""
-    opts, env, data, state = run.opts, run.env, run.data, run.state
-    due = opts.eval_every > 0 and ((epoch + 1) % opts.eval_every == 0 or epoch + 1 == opts.epochs)
+    opts, env, data, state, plateau = run.opts, run.env, run.data, run.state, run.model.plateau
+    done = epoch + 1
+    if plateau is not None:  # without --epochs: the stopping rule's evaluations (train.adapter.stopping)
+        due = plateau.due(done)
+    else:
+        due = opts.eval_every > 0 and (done % opts.eval_every == 0 or done == opts.epochs)
+    score = None
     if env.is_main and due:
         if data.live is not None:
             data.val = data.live.heldout(opts.extract_batch_size, _workers(opts))
         metrics = _flat_metrics(evaluate_heldout(run.model.head, data.val, env.ctx.device, opts.eval_batch_size))
-        state.history.append({"epoch": epoch + 1, "step": state.step, "model": opts.method, **metrics})
-        run.logs.scalars("val", metrics, state.step)
-        env.say(f"epoch {epoch + 1}/{opts.epochs}: {data.val.name}: {_summary_line(metrics)}")
+        row = {"epoch": done, "step": state.step, "model": opts.method, **metrics}
+        if plateau is not None:
+            row["held-out score"] = score = held_out_score(metrics)
+        state.history.append(row)
+        run.logs.scalars("val", {k: v for k, v in row.items() if k not in ("epoch", "step", "model")}, state.step)
+        env.say(f"epoch {done}/{opts.epochs or plateau.end_epoch}: {data.val.name}: {_summary_line(metrics)}")
         (env.out / "history.json").write_text(json.dumps(state.history, indent=2) + "\n")
     elif data.live is not None:
         data.val = None  # encoded by an earlier backbone: the final evaluation encodes it again
-    state.epoch, state.batch = epoch + 1, 0
+    if plateau is not None:
+        if env.is_main:
+            for line in plateau.update(done, state.step, score, lambda e: len(_batches(opts, data, e))):
+                env.say("  " + line)
+        _share_plateau(plateau, env.ctx)
+    state.epoch, state.batch = done, 0
     save_state(run)
+
+
+def _batches(opts: AdapterOptions, data: TrainData, epoch: int) -> list[np.ndarray]:
+    """The global batches of ``epoch`` (caption rows; the same on every rank and on a --resume)."""
+    return epoch_batches(data.train_rows, data.caption_image, data.global_batch, opts.seed, epoch, data.steps_per_epoch)
+
+
+def _share_plateau(plateau: Plateau, ctx: AdapterRun) -> None:
+    """Rank 0's decisions (it alone evaluates) to every rank: the learning rate and the last epoch follow them."""
+    if ctx.world <= 1:
+        return
+    import torch.distributed as dist
+
+    box = [plateau.state() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    plateau.load(box[0])
+
+
+def _length(opts: AdapterOptions, plateau: Plateau | None = None) -> str:
+    """How long the run trains, in words."""
+    if opts.epochs is not None:
+        return f"for {opts.epochs} epoch{'s' * (opts.epochs != 1)}"
+    every = f" every {plateau.eval_every} epoch{'s' * (plateau.eval_every != 1)}" if plateau else ""
+    return f"until the held-out score stops improving ({opts.patience} evaluations{every}; at most {opts.max_epochs} epochs)"
 
 
 def finish(run: Run, summary: dict) -> dict:
@@ -1141,11 +1202,13 @@ def finish(run: Run, summary: dict) -> dict:
             env.warn(f"warning: skipped while training: {data.live.report.summary()} (listed in "
                      f"{out / 'data_report.json'})")
     adapter_path = save_adapter(out / "adapter.safetensors", head, {
-        "base": env.base_info, "extraction": data.extraction, "args": _jsonable(opts), "epoch": opts.epochs,
+        "base": env.base_info, "extraction": data.extraction, "args": _jsonable(opts), "epoch": run.state.epoch,
         "step": run.state.step, "metrics": {"val": final_val}, "inference": fitted, "history": run.state.history,
         **tuned})
     env.say(f"checkpoint: {adapter_path} (held-out after fitting: {_summary_line(final_val)})")
     summary.update(adapter=str(adapter_path), val=final_val, inference=fitted)
+    if model.plateau is not None:
+        summary["stopping"] = model.plateau.summary()
     if tuned:
         summary["backbone"] = str(out / tuned["backbone"]["file"])
     if opts.final_eval and data.test:
@@ -1175,11 +1238,12 @@ def train(opts: AdapterOptions) -> dict:
     run = Run(opts, env, data, model, state, _Logs(env.out, env.is_main, state.step if opts.resume else None))
     begin(run)
     started = time.perf_counter()
-    for epoch in range(state.epoch, opts.epochs):  # 4. the loop
-        train_epoch(run, epoch)
+    plateau = model.plateau                    # 4. the loop: --epochs, or until the held-out score stops improving
+    while state.epoch < (opts.epochs or plateau.end_epoch) and not (plateau is not None and plateau.done):
+        train_epoch(run, state.epoch)
         if state.stopped:
             break
-        end_epoch(run, epoch)
+        end_epoch(run, state.epoch)
     run.logs.close()
     summary = {"out": str(env.out), "data": opts.data, "steps": state.step, "skipped_steps": state.bad.total,
                "stopped": state.stopped, "seconds": time.perf_counter() - started, "history": state.history}

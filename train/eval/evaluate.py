@@ -241,22 +241,35 @@ def encode_image_files(scorer, items: Sequence[tuple[str, object]], batch_size: 
 
     Scorers with ``encode_pil`` (adapters whose components are cropped or detected on the original image) get
     the decoded images and their ids (the path; a cropped item's id names the crop, so annotated boxes of the
-    whole image are not applied to it)."""
-    loaders = ((path if crop is None else f"{path}#crop={','.join(map(str, crop))}",
-                lambda path=path, crop=crop: _load(path, crop)) for path, crop in items)
+    whole image are not applied to it: a model that reads ground-truth boxes needs them from elsewhere)."""
+    loaders = [(path if crop is None else f"{path}#crop={','.join(map(str, crop))}",
+                lambda path=path, crop=crop: _load(path, crop)) for path, crop in items]
     return encode_loaded(scorer, loaders, batch_size, desc, total=len(items))
 
 
 @torch.no_grad()
 def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int, desc: str, total: int | None = None):
     """:func:`encode_image_files` over ``(id, load)`` pairs, ``load()`` giving a PIL image or raising BadImage /
-    OSError (skipped, with the reason): files, records of a data source, or samples a stream already decoded."""
+    OSError (skipped, with the reason): files, records of a data source, or samples a stream already decoded.
+
+    A scorer that reads ground-truth boxes has its box file's coverage of the items counted (``box_coverage``): a
+    list of items before any is encoded, a stream as it comes (judged at its end); the count goes to the log, and
+    past ``--max-missing-boxes`` (or with no item matched) the run stops."""
     pil = hasattr(scorer, "encode_pil")
+    coverage = scorer.box_coverage(desc) if pil and hasattr(scorer, "box_coverage") else None
+    streamed = not isinstance(items, Sequence)
+    if coverage is not None and not streamed:
+        coverage.add(item_id for item_id, _ in items)
+        coverage.close()
     parts, kept, skipped, batch = [], [], [], []
 
     def flush():
         if pil:
-            parts.append(scorer.encode_pil([im for im, _ in batch], [i for _, i in batch]))
+            ids = [i for _, i in batch]
+            if coverage is not None and streamed:
+                coverage.add(ids)
+            parts.append(scorer.encode_pil([im for im, _ in batch], ids,
+                                           missing_boxes="error" if coverage is None else "empty"))
         else:
             parts.append(scorer.encode_images(torch.stack(batch)))
         batch.clear()
@@ -272,6 +285,8 @@ def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int
             flush()
     if batch:
         flush()
+    if coverage is not None and streamed:
+        coverage.close()
     return cat_reps(parts), kept, skipped
 
 
@@ -738,7 +753,8 @@ def evaluate(opts: EvaluateOptions) -> dict:
     for k, (model, pretrained) in enumerate(zip(opts.model, opts.pretrained)):
         started = time.perf_counter()
         scorer = load_scorer(model, pretrained, device=device, detector=opts.detector,
-                             annotations=opts.annotations or (opts.data if opts.data else None))
+                             annotations=opts.annotations or (opts.data if opts.data else None),
+                             max_missing_boxes=opts.max_missing_boxes)
         res: dict = {}
         queries = PerQuery()
         if "retrieval" in tasks:

@@ -409,9 +409,9 @@ class FrozenBackbone(nn.Module):
         else is embedded with it, in this process or another (kernels choose their summation order by the
         shapes they are given; here the shape is the text's own). What the cache's phrases use
         (``extract.pipeline.ShardBuilder``): a phrase recurs across shards, ranks and reruns with other
-        batch mates each time. It costs a forward per text (2,885 toy-world phrases: 2.1 s against 0.3 s in
-        batches of 512, toy-negclip on two CPU threads, ~0.8 ms a forward of its 2-layer text tower, most of it
-        module-call overhead; extract/README, "Batch invariance")."""
+        batch mates each time. It costs a forward per text: 2,929 toy-world phrases in 2.15 s against 0.20 s in
+        batches of 512 (toy-negclip on two CPU threads, ~0.7 ms a forward of its 2-layer text tower, most of it
+        module-call overhead; ``python -m train.bench.extract --only phrases --base toy-negclip``)."""
         texts = list(texts)
         out = torch.zeros(len(texts), self.embed_dim)
         if not texts:

@@ -95,7 +95,8 @@ from train.adapter.heldout import CachedBase, HeldOut, attach_toyworld_negatives
     heldout_split
 
 # options that must not change across --resume for the continuation to be exact
-_RESUME_KEYS = ("method", "base", "epochs", "patience", "min_delta", "cooldown", "max_epochs", "batch_size", "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
+_RESUME_KEYS = ("method", "base", "epochs", "patience", "min_delta", "cooldown", "max_epochs", "batch_size",
+                "accum_steps", "lr", "weight_decay", "beta1", "beta2", "eps",
                 "schedule", "warmup", "step_epochs", "gamma", "precision", "grad_clip", "seed", "unfreeze",
                 "backbone_lr", "context_length")
 # values of keys added since the first checkpoints, so those still resume
@@ -187,8 +188,8 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
     gamma: float = option(0.1, type=positive_float, group="optimisation", help="StepLR: decay factor")
     # when to stop without --epochs (train.adapter.stopping)
     patience: int = option(3, type=positive_int, group="when to stop (without --epochs)",
-                           help=f"held-out evaluations (at least {EVAL_STEPS} steps apart) without a gain of --min-delta "
-                                "before the cool-down starts")
+                           help=f"held-out evaluations (at least {EVAL_STEPS} steps apart) without a gain of "
+                                "--min-delta before the cool-down starts")
     min_delta: float = option(0.5, type=nonnegative_float, group="when to stop (without --epochs)",
                               help="the gain, in points of the held-out score, that counts as an improvement")
     cooldown: float = option(0.2, type=fraction, group="when to stop (without --epochs)",
@@ -1015,9 +1016,11 @@ def begin(run: Run) -> None:
     weights = {"random": "random weights", "file": f"weights {info.get('weights_file')}"}.get(
         info.get("weights"), f"open_clip weights '{info.get('pretrained')}'")
     env.say(f"backbone: {opts.base} ({info.get('model')}, {weights})")
+    plateau = run.model.plateau  # without --epochs: the steps an epoch really takes
+    per_epoch = plateau.steps_per_epoch if plateau is not None else data.steps_per_epoch
     env.say(f"{opts.method} on {opts.base}{' (fine-tuning the backbone)' if data.live is not None else ''}: "
-            f"{len(data.train_rows)} training captions of {n_images} images, {held}; {run.model.plateau.steps_per_epoch if run.model.plateau else data.steps_per_epoch} "
-            f"steps/epoch {_length(opts, run.model.plateau)}, global batch {data.global_batch} on {env.ctx.world} process(es), "
+            f"{len(data.train_rows)} training captions of {n_images} images, {held}; {per_epoch} steps/epoch "
+            f"{_length(opts, plateau)}, global batch {data.global_batch} on {env.ctx.world} process(es), "
             f"{trainable:,} trainable parameters{tuned}")
     if env.is_main and not opts.resume:
         base = _flat_metrics(evaluate_heldout(CachedBase(), data.val, env.ctx.device, opts.eval_batch_size))
@@ -1048,8 +1051,8 @@ def train_epoch(run: Run, epoch: int) -> None:
 
         trained = NegativeLoss(model.trained, opts.hard_negative_weight, data.negatives.types)
     model.trained.train()
-    bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs or model.plateau.end_epoch}", unit="step",
-                   disable=not env.is_main)
+    bar = progress(range(state.batch, len(batches)), desc=f"epoch {epoch + 1}/{opts.epochs or model.plateau.end_epoch}",
+                   unit="step", disable=not env.is_main)
     for b in bar:
         t0 = time.perf_counter()
         if data.live is not None:
@@ -1177,7 +1180,8 @@ def _length(opts: AdapterOptions, plateau: Plateau | None = None) -> str:
     if opts.epochs is not None:
         return f"for {opts.epochs} epoch{'s' * (opts.epochs != 1)}"
     every = f" every {plateau.eval_every} epoch{'s' * (plateau.eval_every != 1)}" if plateau else ""
-    return f"until the held-out score stops improving ({opts.patience} evaluations{every}; at most {opts.max_epochs} epochs)"
+    return (f"until the held-out score stops improving ({opts.patience} evaluations{every}; at most "
+            f"{opts.max_epochs} epochs)")
 
 
 def finish(run: Run, summary: dict) -> dict:

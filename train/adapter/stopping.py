@@ -6,7 +6,8 @@ learnt, above / below not; issue 52). So without ``--epochs`` the run watches it
 
 - **Schedule: warm-up, stable, cool-down** (warmup-stable-decay; Hägele et al. 2024, "Scaling Laws and
   Compute-Optimal Training Beyond Fixed Training Durations": a constant learning rate, then a linear cool-down of
-  a fifth or so of the run, matches a cosine schedule of the same length, which needs the length in advance). Warm-up: ``--warmup`` steps, at most one epoch; then the head's learning rate, constant.
+  a fifth or so of the run, matches a cosine schedule of the same length, which needs the length in advance).
+  Warm-up: ``--warmup`` steps, at most one epoch; then the head's learning rate, constant.
 - **Held-out score** (:func:`held_out_score`): the mean of the retrieval part (R@1, R@5, R@10 in both directions)
   and, on a toy world, the binding part (the accuracy on each type of hard negative, every type weighing the same:
   replace-rel is a tenth of the negatives and the hardest). One number for every head, read the same way.

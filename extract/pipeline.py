@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from extract.components.overlap import FEATURES as OVERLAP_FEATURES
 from extract.models.backbone import FrozenBackbone, load_backbone
 from extract.cache import CacheDir, FeatureCache, settings_diff
 from extract.common.cli import check_options, progress, run_job
@@ -45,7 +46,7 @@ from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
-PIPELINE_VERSION = 2  # 2: ventity_image_size
+PIPELINE_VERSION = 3  # 2: ventity_image_size; 3: ventity_overlap
 #: distinct entity / relation / role phrases whose embeddings a shard builder keeps (a phrase is embedded on its own,
 #: so it has one embedding whatever caption it came from)
 PHRASE_MEMO = 100_000
@@ -315,6 +316,7 @@ class ShardBuilder:
     def _visual_components(self, raws, image_ids, missing_boxes: str = "error") -> dict[str, np.ndarray]:
         from PIL import Image
 
+        from extract.components.overlap import ownership
         from extract.components.regions import crop_regions, gt_boxes, relation_boxes
 
         a, d = self.args, self.bb.embed_dim
@@ -324,6 +326,8 @@ class ShardBuilder:
                "vrelation_boxes": np.zeros((n, R, 4), np.float32), "vrelation_scores": np.zeros((n, R), np.float32),
                "vrelation_embed": np.zeros((n, R, d), np.float16), "vrelation_valid": np.zeros((n, R), bool),
                "vrelation_pairs": np.zeros((n, R, 2), np.int16),
+               # who owns each pair's overlap, from the pixels (extract/components/overlap.py)
+               "ventity_overlap": np.zeros((n, E, E, OVERLAP_FEATURES), np.float16),
                # (width, height) of the image the boxes are in: box geometry in image units needs it
                "ventity_image_size": np.asarray([(r.shape[1], r.shape[0]) for r in raws], np.float32).reshape(n, 2)}
         pils = [Image.fromarray(r) for r in raws]
@@ -345,6 +349,7 @@ class ShardBuilder:
                                               scale=self.args.crop_scale if kind == "ventity" else 1.0))
                     where += [(kind, i, j) for j in range(k)]
             out["vrelation_pairs"][i, : len(pairs)] = pairs
+            out["ventity_overlap"][i] = ownership(raws[i], boxes, E)
         if crops:
             emb = self._encode_image_tensor(torch.cat(crops)).astype(np.float16)
             for (kind, i, j), e in zip(where, emb):

@@ -12,7 +12,8 @@ head learns "on", "under", "holding" from a detector's boxes on real captions.
 
 Inputs (cached by ``python -m extract``):
   per image: the global embedding, up to E entity boxes (ground truth or a detector's) with the backbone's
-  embedding of each crop, and the image's size (box geometry in image units);
+  embedding of each crop, the image's size (box geometry in image units) and, for every pair of boxes, the pixels'
+  evidence of which one owns their overlap (``ventity_overlap``: the front one does; boxes alone cannot say);
   per caption: the global embedding, the spaCy entity phrases ("small red circle", "circle"), and for every
   relation triplet of the parse its subject, predicate and object phrases, each embedded on its own by the
   text tower (component ``roles``).
@@ -25,7 +26,7 @@ Score of image i and caption t (all three terms are differentiable; nothing here
   entities    E(i, t) = mean over the caption's entity phrases of max_b g(x, b);
   relations   for a triplet (s, p, o): the subject and object are grounded softly,
               a_s(b) = softmax_b(g(s, b) / tau), a_o likewise, and the predicate scores every ordered pair of
-              distinct boxes from their geometry, f(b, b') = <U p, H(geom(b, b'))> + <v, p>;
+              distinct boxes from their geometry and overlap, f(b, b') = <U p, H(geom(b, b'), own(b, b'))> + <v, p>;
               R(s, p, o) = log sum_{b != b'} a_s(b) a_o(b') sigmoid(f(b, b')): the log-probability that the
               relation holds between the things the subject and object name. R(i, t) = mean over the caption's
               triplets; a caption without a relation gets 0, so it falls back to the other terms.
@@ -54,6 +55,7 @@ from torch import Tensor, nn
 from adapters.heads.base import AdapterHead, Reps
 from adapters.losses.contrastive import gather, local_rows
 from adapters.registry import ADAPTERS
+from extract.components.overlap import FEATURES as OVERLAP_FEATURES
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
 BOX_FEATURES = 7    # x0, y0, x1, y1, w, h, sqrt(area): one box in image units
@@ -77,6 +79,10 @@ class GroundedConfig:
         "help": "weight of the relation term's own loss: each caption's triplets hold in its image, those of its "
                 "swap-obj / replace-rel negatives do not (binary cross-entropy on P(caption's triplets hold))"})
     logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
+    appearance: bool = field(default=True, metadata={
+        "help": "let the predicate read who owns two boxes' overlap in the pixels (ventity_overlap, "
+                "extract/components/overlap.py) next to their geometry: in front of / behind, which boxes cannot tell "
+                "(off: geometry alone, the control)"})
 
     def __post_init__(self):
         if self.hidden < 1:
@@ -135,7 +141,8 @@ class Grounded(AdapterHead):
     Config = GroundedConfig
     components = ("entities", "roles")
     extract_options: dict = {}
-    image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size")
+    image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size",
+                  "ventity_overlap")
     text_keys = ("text_embed", "entity_embed", "entity_valid", "role_subject_embed", "role_predicate_embed",
                  "role_object_embed", "role_valid")
     #: NegCLIP's hard negatives unless the run says otherwise: the relation term learns from converses
@@ -151,7 +158,8 @@ class Grounded(AdapterHead):
         self.box_code = _mlp(BOX_FEATURES, h)               # G(box)
         self.phrase_geometry = nn.Linear(embed_dim, h, bias=False)  # A: what a phrase asks of a box's geometry
         nn.init.zeros_(self.phrase_geometry.weight)
-        self.pair_code = _mlp(PAIR_FEATURES, h)             # H(geom(b, b'))
+        # H(geom(b, b')), with the pixels' evidence of who is in front of whom where the config reads it
+        self.pair_code = _mlp(PAIR_FEATURES + (OVERLAP_FEATURES if config.appearance else 0), h)
         self.predicate = nn.Linear(embed_dim, h)            # U p
         self.predicate_bias = nn.Linear(embed_dim, 1)       # <v, p>
         self.log_temperature = nn.Parameter(torch.tensor(math.log(config.temperature)))
@@ -169,7 +177,10 @@ class Grounded(AdapterHead):
         # stays the cache's, which two processes gather
         e = _trim(valid)
         pairs = geom.new_zeros(*geom.shape[:2], geom.shape[1], self.config.hidden)
-        pairs[:, :e, :e] = self.pair_code(pair_features(geom[:, :e]))
+        feats = pair_features(geom[:, :e])
+        if self.config.appearance:
+            feats = torch.cat([feats, batch["ventity_overlap"][:, :e, :e].float()], -1)
+        pairs[:, :e, :e] = self.pair_code(feats)
         return {"base": F.normalize(batch["image_embed"].float(), dim=-1),
                 "crops": F.normalize(batch["ventity_embed"].float(), dim=-1),
                 "box_valid": valid, "box_geom": self.box_code(geom), "pairs": pairs}

@@ -11,8 +11,8 @@ objects``):
   h, names: [category name]}`` at load time, so :func:`extract.components.regions.gt_boxes` reads every format.
 - **Visual Genome** ``objects.json``: a list of ``{"image_id", "objects": [{x, y, w, h, names | name}]}``, or
   ``{"images": [...]}`` of those.
-- **a toy world**: its folder or its ``annotations.json`` (every split's scenes; the scenes of its controlled test,
-  ``controlled.json``, by file name).
+- **a toy world**: its folder or its ``annotations.json`` (every split's scenes; the scenes of its controlled tests,
+  ``controlled.json`` or the hard world's ``controlled_a.json`` / ``controlled_b.json``, by file name).
 - **a dict** ``{image id: {"objects": [...]}}`` (the Python API), objects in either of the forms above.
 
 Refused with a sentence saying what file is expected: a COCO captions file (annotations without ``bbox``) and
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from extract.common.cli import say
+from extract.data.hardworld import CONTROLLED_FILES
 
 __all__ = ["BoxAnnotations", "Coverage", "DEFAULT_MAX_MISSING", "MAX_MISSING_HELP", "MissingBoxes", "judge", "read_boxes"]
 
@@ -246,11 +247,12 @@ def _toy_world(path: Path, data: dict) -> BoxAnnotations:
     out = BoxAnnotations(str(path.parent if path.name == "annotations.json" else path), "toy world")
     for scene in data["scenes"]:
         out.add(scene["image_id"], scene)
-    controlled = path.parent / "controlled.json"
-    if controlled.is_file():  # the controlled test's scenes have no id: found by file name
-        for entry in read_json(controlled).get("sets", []):
-            for scene in entry.get("scenes", []):
-                out.add(None, scene)
+    for name in ("controlled.json", *CONTROLLED_FILES.values()):  # version 2's test, the hard world's two
+        controlled = path.parent / name
+        if controlled.is_file():  # the controlled tests' scenes have no id: found by file name
+            for entry in read_json(controlled).get("sets", []):
+                for scene in entry.get("scenes", []):
+                    out.add(None, scene)
     return out
 
 

@@ -107,7 +107,6 @@ Output layout in DIR
 """
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 import math
@@ -125,19 +124,14 @@ from PIL import Image, ImageDraw
 from extract.common.cli import Parser, from_namespace, option, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, parse_with_config, positive_int
+# the shared pieces (extract/data/sceneparts.py), also this module's public names as before
+from extract.data import hardworld
+from extract.data.sceneparts import (COLOURS, COUNT_WORDS, NEGATIVE_TYPES, SHAPES, SPLITS, article, combos,
+                                     count_files, describe, draw_shape, dump_json, heldout_of, is_toyworld,
+                                     join_words, mutations, noun, parse_holdout, parse_splits, render_struct,
+                                     split_of, write_split)
 
 VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
-SHAPES = ("circle", "square", "triangle", "diamond", "star", "hexagon")
-COLOURS = {
-    "red": (230, 25, 25),
-    "green": (30, 190, 50),
-    "blue": (40, 90, 255),
-    "yellow": (250, 225, 30),
-    "purple": (150, 50, 220),
-    "orange": (255, 135, 0),
-    "white": (245, 245, 245),
-    "gray": (128, 128, 128),
-}
 SIZES = {"small": 0.20, "large": 0.35}  # box side as a fraction of the image side
 PREDICATES = ("left of", "right of", "above", "below", "next to")
 # What captions (and replace-rel negatives) say. "next to" holds in scenes (``relations``) but no caption names it:
@@ -147,8 +141,6 @@ PREDICATES = ("left of", "right of", "above", "below", "next to")
 # (caption predicate, negative predicate) pair is as likely as the reverse one.
 CAPTION_PREDICATES = ("left of", "right of", "above", "below")
 CONVERSE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
-NEGATIVE_TYPES = ("replace-att", "replace-obj", "replace-rel", "swap-att", "swap-obj", "add-obj")
-SPLITS = ("train", "val", "test")
 BACKGROUND = (0, 0, 0)
 MAX_OBJECTS = 4
 CAPTION_SLOTS = 8  # >= MAX_OBJECTS one-object captions + 1 relation + 1 long
@@ -167,32 +159,8 @@ NEAR = 0.15
 LENIENT_DIRECTION_MARGIN = 0.05
 LENIENT_NEAR = 0.30
 
-_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
-_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 _DEFAULT_PHRASES = {"left of": "to the left of", "right of": "to the right of",
             "above": "above", "below": "below", "next to": "next to"}
-_UNIT_POLYGONS = {  # vertices in the unit box, each touching all four sides
-    "triangle": ((0.5, 0.0), (1.0, 1.0), (0.0, 1.0)),
-    "diamond": ((0.5, 0.0), (1.0, 0.5), (0.5, 1.0), (0.0, 0.5)),
-    "hexagon": ((0.25, 0.0), (0.75, 0.0), (1.0, 0.5), (0.75, 1.0), (0.25, 1.0), (0.0, 0.5)),
-}
-
-
-def _unit_star(points: int = 5, inner: float = 0.45) -> tuple[tuple[float, float], ...]:
-    raw = []
-    for k in range(2 * points):
-        radius = inner if k % 2 else 1.0
-        angle = -math.pi / 2 + k * math.pi / points
-        raw.append((radius * math.cos(angle), radius * math.sin(angle)))
-    xs, ys = [p[0] for p in raw], [p[1] for p in raw]
-    # Stretch to the unit box so the star touches its box like every other shape.
-    return tuple(((x - min(xs)) / (max(xs) - min(xs)), (y - min(ys)) / (max(ys) - min(ys)))
-                 for x, y in raw)
-
-
-_UNIT_POLYGONS["star"] = _unit_star()
-
-
 @dataclass(frozen=True)
 class _Settings:
     """What defines the dataset (worker count excluded: it never changes the output)."""
@@ -217,27 +185,6 @@ class _Settings:
 # --------------------------------------------------------------------------- option parsing
 
 
-def parse_holdout(spec: str | Iterable) -> frozenset:
-    """Parse ``"red circle,blue square"`` (or an iterable of such strings / (colour, shape) pairs).
-
-    Returns a frozenset of (colour, shape). Raises ValueError naming the vocabulary on a bad entry.
-    """
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    combos = set()
-    for item in items:
-        words = item.split() if isinstance(item, str) else list(item)
-        if not words:
-            continue
-        if len(words) != 2 or words[0].lower() not in COLOURS or words[1].lower() not in SHAPES:
-            raise ValueError(
-                f"invalid holdout combination {item!r}: expected '<colour> <shape>' with colour in "
-                f"{', '.join(COLOURS)} and shape in {', '.join(SHAPES)}")
-        combos.add((words[0].lower(), words[1].lower()))
-    if len(combos) == len(COLOURS) * len(SHAPES):
-        raise ValueError("holdout names every (colour, shape) combination: nothing left for train")
-    return frozenset(combos)
-
-
 def parse_phrases(spec: str | dict | Iterable | None) -> tuple:
     """``"left of=above,above=to the left of"`` (or a dict / pairs) -> sorted (predicate, phrase) pairs: the words
     captions use for those predicates instead of the default ones. The meaning stays the predicate's: a world where
@@ -256,42 +203,6 @@ def parse_phrases(spec: str | dict | Iterable | None) -> tuple:
                              f" got {predicate!r}={phrase!r}")
         out[predicate] = phrase
     return tuple(sorted(out.items()))
-
-
-def is_toyworld(path: str | os.PathLike | None) -> bool:
-    """Whether ``path`` is a generated toy world (a folder with ``meta.json`` and ``annotations.json``): the one test
-    every command uses to decide that a ``--data`` is one."""
-    folder = Path(str(path)) if path else None
-    return folder is not None and (folder / "meta.json").is_file() and (folder / "annotations.json").is_file()
-
-
-def heldout_of(world: str | os.PathLike) -> frozenset:
-    """The (colour, shape) combinations a generated toy world held out of its train split (``meta.json``)."""
-    meta = json.loads((Path(world) / "meta.json").read_text())
-    return parse_holdout(meta.get("holdout", []))
-
-
-def parse_splits(spec: str | Sequence[float]) -> tuple[float, float, float]:
-    """Parse ``"0.8,0.1,0.1"`` (or three numbers): train/val/test fractions, >= 0, summing to 1."""
-    try:
-        values = tuple(float(v) for v in (spec.split(",") if isinstance(spec, str) else spec))
-    except ValueError as err:
-        raise ValueError(f"invalid splits {spec!r}: expected three numbers like 0.8,0.1,0.1") from err
-    if len(values) != 3 or min(values) < 0 or abs(sum(values) - 1.0) > 1e-6:
-        raise ValueError(f"invalid splits {spec!r}: need three fractions >= 0 that sum to 1")
-    return values
-
-
-def split_of(index: int, splits: Sequence[float] = (0.8, 0.1, 0.1)) -> str:
-    """The split of scene ``index``: a fixed function of the index (see the module docstring)."""
-    u = (index * _GOLDEN) % 1.0
-    cumulative = 0.0
-    for name, fraction in zip(SPLITS, splits):
-        cumulative += fraction
-        if u < cumulative:
-            return name
-    # u sits within rounding of 1 with a zero-width last split: take the last non-empty one.
-    return [name for name, fraction in zip(SPLITS, splits) if fraction > 0][-1]
 
 
 # --------------------------------------------------------------------------- geometry and truth
@@ -336,8 +247,11 @@ def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     True iff the struct's objects map injectively onto scene objects whose attributes match the
     ones the struct names, every ``[i, predicate, j]`` holds between the mapped boxes
     (:func:`relation_holds`, with ``lenient`` thresholds if asked) and, when ``count`` is present,
-    the scene has exactly that many objects.
+    the scene has exactly that many objects. A hard-world scene (it carries its own relation tables, ``lenient``
+    among them) is judged by its world's rules (:func:`extract.data.hardworld.satisfies`).
     """
+    if "lenient" in scene:
+        return hardworld.satisfies(scene, struct, lenient=lenient)
     objects = scene["objects"]
     if "count" in struct and struct["count"] != len(objects):
         return False
@@ -356,39 +270,13 @@ def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
 # --------------------------------------------------------------------------- captions
 
 
-def _article(phrase: str) -> str:
-    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
-
-
-def _noun(obj: dict, with_size: bool = True) -> str:
-    words = [obj["size"]] if with_size and "size" in obj else []
-    return " ".join(words + [obj["colour"], obj["shape"]])
-
-
-def _join(phrases: list[str]) -> str:
-    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
-
-
 def render(struct: dict, phrases: dict | None = None) -> str:
     """The caption text of ``struct`` (grammar: module docstring). Non-long structs hold <= 1 relation.
     ``phrases``: the words of some predicates instead of the default ones (``--phrases``)."""
     words = {**_DEFAULT_PHRASES, **(phrases or {})}
-    objects = struct["objects"]
     if struct.get("dense"):
         return _render_dense(struct, words)
-    if "count" in struct:
-        count = struct["count"]
-        text = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
-                + _join([_article(_noun(o)) for o in objects]))
-        clauses = [f"the {_noun(objects[i], False)} is {words[p]} the {_noun(objects[j], False)}"
-                   for i, p, j in struct["relations"]]
-        return text + ("; " + ", ".join(clauses) if clauses else "")
-    if not struct["relations"]:
-        return " and ".join(_article(_noun(o)) for o in objects)
-    (i, predicate, j), = struct["relations"]
-    text = f"{_article(_noun(objects[i]))} {words[predicate]} {_article(_noun(objects[j]))}"
-    extras = [_article(_noun(o)) for k, o in enumerate(objects) if k not in (i, j)]
-    return ", and ".join([text] + extras)
+    return render_struct(struct, words)
 
 
 def _render_dense(struct: dict, words: dict) -> str:
@@ -398,19 +286,14 @@ def _render_dense(struct: dict, words: dict) -> str:
     objects = struct["objects"]
     sentences, run = [], []
     for k, (i, predicate, j) in enumerate(struct["relations"]):
-        run.append(f"{words[predicate]} the {_noun(objects[j])}")
+        run.append(f"{words[predicate]} the {noun(objects[j])}")
         if k + 1 == len(struct["relations"]) or struct["relations"][k + 1][0] != i:
-            sentences.append(f"the {_noun(objects[i])} is {_join(run)}.")
+            sentences.append(f"the {noun(objects[i])} is {join_words(run)}.")
             run = []
     count = struct["count"]
-    head = (f"{_COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
-            + _join([_article(_noun(o)) for o in objects]) + ".")
+    head = (f"{COUNT_WORDS[count]} object{'s' if count > 1 else ''}: "
+            + join_words([article(noun(o)) for o in objects]) + ".")
     return " ".join([head] + sentences)
-
-
-def _describe(obj: dict, with_size: bool) -> dict:
-    keys = ("size", "colour", "shape") if with_size else ("colour", "shape")
-    return {key: obj[key] for key in keys}
 
 
 def _relation_struct(scene: dict, rng: np.random.Generator) -> dict | None:
@@ -424,7 +307,7 @@ def _relation_struct(scene: dict, rng: np.random.Generator) -> dict | None:
     i, j = pairs[rng.integers(len(pairs))]
     predicate = by_pair[(i, j)][rng.integers(len(by_pair[(i, j)]))]
     objects = scene["objects"]
-    return {"objects": [_describe(objects[i], False), _describe(objects[j], False)],
+    return {"objects": [describe(objects[i], False), describe(objects[j], False)],
             "relations": [[0, predicate, 1]]}
 
 
@@ -449,7 +332,7 @@ def _long_struct(scene: dict, rng: np.random.Generator) -> dict:
         predicate = _primary_predicate(objects[i]["box"], objects[i + 1]["box"], scene["width"])
         if predicate is not None:
             relations.append([i, predicate, i + 1] if rng.random() < 0.5 else [i + 1, CONVERSE[predicate], i])
-    return {"objects": [_describe(o, True) for o in objects], "relations": relations,
+    return {"objects": [describe(o, True) for o in objects], "relations": relations,
             "count": len(objects)}
 
 
@@ -467,13 +350,13 @@ def _dense_struct(scene: dict) -> dict:
         picked = [[i, p, j] for j in others
                   if (p := _primary_predicate(a["box"], objects[j]["box"], scene["width"])) is not None]
         relations += picked[:partners]
-    return {"objects": [_describe(o, True) for o in objects], "relations": relations,
+    return {"objects": [describe(o, True) for o in objects], "relations": relations,
             "count": len(objects), "dense": True}
 
 
 def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False,
               phrases: dict | None = None) -> list[dict]:
-    structs = [("one-object", {"objects": [_describe(o, True)], "relations": []})
+    structs = [("one-object", {"objects": [describe(o, True)], "relations": []})
                for o in scene["objects"]]
     relation = _relation_struct(scene, rng)
     if relation is not None:
@@ -488,75 +371,11 @@ def _captions(scene: dict, rng: np.random.Generator, long_captions: bool = False
 # --------------------------------------------------------------------------- hard negatives
 
 
-def _with(struct: dict, obj_index: int | None = None, relation_index: int | None = None,
-          relation: list | None = None, **attributes) -> dict:
-    """A copy of ``struct`` with one object's attributes and/or one relation replaced."""
-    objects = [dict(o) for o in struct["objects"]]
-    relations = [list(r) for r in struct["relations"]]
-    if obj_index is not None:
-        objects[obj_index].update(attributes)
-    if relation_index is not None:
-        relations[relation_index] = relation
-    return {**struct, "objects": objects, "relations": relations}
-
-
-def _replace_att(struct: dict) -> list[dict]:
-    out = []
-    for i, obj in enumerate(struct["objects"]):
-        out += [_with(struct, i, colour=c) for c in COLOURS if c != obj["colour"]]
-        out += [_with(struct, i, size=s) for s in SIZES if "size" in obj and s != obj["size"]]
-    return out
-
-
-def _replace_obj(struct: dict) -> list[dict]:
-    return [_with(struct, i, shape=s)
-            for i, obj in enumerate(struct["objects"]) for s in SHAPES if s != obj["shape"]]
-
-
-def _replace_rel(struct: dict) -> list[dict]:
-    return [_with(struct, relation_index=r, relation=[i, q, j])
-            for r, (i, p, j) in enumerate(struct["relations"]) for q in CAPTION_PREDICATES if q != p]
-
-
-def _swap_att(struct: dict) -> list[dict]:
-    out = []
-    objects = struct["objects"]
-    for i, j in itertools.combinations(range(len(objects)), 2):
-        for key in ("colour", "size"):
-            if key in objects[i] and objects[i][key] != objects[j][key]:
-                swapped = _with(struct, i, **{key: objects[j][key]})
-                swapped["objects"][j][key] = objects[i][key]
-                out.append(swapped)
-    return out
-
-
-def _swap_obj(struct: dict) -> list[dict]:
-    return [_with(struct, relation_index=r, relation=[j, p, i])
-            for r, (i, p, j) in enumerate(struct["relations"])]
-
-
-def _add_obj(struct: dict) -> list[dict]:
-    if "count" in struct:
-        return []
-    sizes = list(SIZES) if "size" in struct["objects"][0] else [None]
-    return [{**struct, "objects": struct["objects"] + [
-                {"colour": c, "shape": s} if z is None else {"size": z, "colour": c, "shape": s}]}
-            for c in COLOURS for s in SHAPES for z in sizes]
-
-
-_MUTATORS = {"replace-att": _replace_att, "replace-obj": _replace_obj, "replace-rel": _replace_rel,
-             "swap-att": _swap_att, "swap-obj": _swap_obj, "add-obj": _add_obj}
-
-
-def _combos(struct: dict) -> list[tuple[str, str]]:
-    return [(o["colour"], o["shape"]) for o in struct["objects"]]
-
-
 def _acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
-    combos = _combos(struct)
-    if len(set(combos)) < len(combos):
+    named = combos(struct)
+    if len(set(named)) < len(named):
         return False  # "the red circle" would be ambiguous within the caption itself
-    if scene["split"] == "train" and holdout.intersection(combos):
+    if scene["split"] == "train" and holdout.intersection(named):
         return False
     return not satisfies(scene, struct, lenient=True)
 
@@ -566,14 +385,14 @@ def negative_candidates(scene: dict, struct: dict, neg_type: str,
     """Every candidate of ``neg_type`` for caption ``struct`` of ``scene``, each with whether it is acceptable
     (false of the scene even under the lenient rules, no (colour, shape) named twice, no held-out combination in
     the train split): what :func:`generate` draws one from. Text-only generators are checked against it."""
-    return [(c, _acceptable(scene, c, holdout)) for c in _MUTATORS[neg_type](struct)]
+    return [(c, _acceptable(scene, c, holdout)) for c in mutations(struct, neg_type, CAPTION_PREDICATES)]
 
 
 def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset,
                phrases: dict | None = None) -> list[dict]:
     out = []
     for neg_type in NEGATIVE_TYPES:
-        candidates = _MUTATORS[neg_type](caption["struct"])
+        candidates = mutations(caption["struct"], neg_type, CAPTION_PREDICATES)
         # Random order, first acceptable: one uniform pick without testing every candidate.
         for k in rng.permutation(len(candidates)):
             if _acceptable(scene, candidates[k], holdout):
@@ -637,16 +456,7 @@ def draw(scene: dict) -> Image.Image:
     image = Image.new("RGB", (scene["width"], scene["height"]), BACKGROUND)
     pen = ImageDraw.Draw(image)
     for obj in scene["objects"]:
-        x0, y0, x1, y1 = obj["box"]
-        fill = COLOURS[obj["colour"]]
-        # PIL's coordinates are inclusive: the last covered pixel is x1 - 1.
-        if obj["shape"] == "circle":
-            pen.ellipse([x0, y0, x1 - 1, y1 - 1], fill=fill)
-        elif obj["shape"] == "square":
-            pen.rectangle([x0, y0, x1 - 1, y1 - 1], fill=fill)
-        else:
-            w, h = x1 - 1 - x0, y1 - 1 - y0
-            pen.polygon([(x0 + u * w, y0 + v * h) for u, v in _UNIT_POLYGONS[obj["shape"]]], fill=fill)
+        draw_shape(pen, obj["shape"], obj["box"], COLOURS[obj["colour"]])
     return image
 
 
@@ -719,7 +529,7 @@ def _controlled_set(index: int, settings: _Settings) -> dict:
     scenes = []
     for predicate in CONTROLLED_DIRECTIONS:
         boxes = _controlled_boxes(rng, sides, predicate, settings.size)
-        struct = {"objects": [_describe(o, False) for o in objects], "relations": [[0, predicate, 1]]}
+        struct = {"objects": [describe(o, False) for o in objects], "relations": [[0, predicate, 1]]}
         scenes.append({"predicate": predicate, "width": settings.size, "height": settings.size,
                        "file_name": f"images/controlled/{index:04d}-{predicate.replace(' ', '-')}.png",
                        "objects": [{**o, "box": b} for o, b in zip(objects, boxes)],
@@ -742,8 +552,18 @@ def generate_controlled(out_dir: str | os.PathLike, settings: _Settings) -> dict
         for scene in entry["scenes"]:
             draw(scene).save(out / scene["file_name"])
     data = {"version": CONTROLLED_VERSION, "sets": sets}
-    _dump_json(out / CONTROLLED_FILE, data)
+    dump_json(out / CONTROLLED_FILE, data)
     return data
+
+
+def controlled_tests(world: str | os.PathLike) -> list[tuple[str, Path]]:
+    """The controlled tests of a toy world as (benchmark name, file): a version-2 world's four-way direction test
+    (``toyworld-controlled``, written now if the world predates it: :func:`ensure_controlled`), a hard world's
+    Controlled-A and -B analogues (``toyworld-controlled-A`` / ``-B``, :mod:`extract.data.hardworld`)."""
+    if hardworld.is_hard(world):
+        return [(f"toyworld-controlled-{test}", Path(world) / file)
+                for test, file in hardworld.CONTROLLED_FILES.items()]
+    return [("toyworld-controlled", ensure_controlled(world))]
 
 
 def ensure_controlled(world: str | os.PathLike) -> Path:
@@ -768,25 +588,6 @@ def ensure_controlled(world: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- writing
 
 
-def _dump_json(path: Path, obj) -> None:
-    # compact: indent makes json fall back to its pure-Python encoder (3x slower, 40% larger on disk)
-    path.write_text(json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
-
-
-def _write_split(out: Path, split: str, scenes: list[dict], settings: _Settings) -> None:
-    with open(out / f"{split}.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(["filepath", "title"])
-        writer.writerows([s["file_name"], c["text"]] for s in scenes for c in s["captions"])
-    coco = {"info": {"description": "plugvlm toy world", "version": VERSION, "split": split,
-                     "seed": settings.seed},
-            "images": [{"id": s["image_id"], "file_name": s["file_name"], "width": s["width"],
-                        "height": s["height"]} for s in scenes],
-            "annotations": [{"id": c["id"], "image_id": s["image_id"], "caption": c["text"]}
-                            for s in scenes for c in s["captions"]]}
-    _dump_json(out / f"{split}_coco.json", coco)
-
-
 def _settings_dict(settings: _Settings) -> dict:
     out = {"version": VERSION, "n": settings.n, "seed": settings.seed, "size": settings.size,
            "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
@@ -808,23 +609,6 @@ def _vocabulary(settings: _Settings) -> dict:
                            "lenient_direction_margin": LENIENT_DIRECTION_MARGIN,
                            "lenient_near": LENIENT_NEAR, "unit": "fraction of image side"},
             "caption_id": f"image_id * {settings.caption_slots} + k"}
-
-
-def _counts(scenes: list[dict], items: list[dict], holdout: frozenset) -> dict:
-    per_split = {name: {"images": 0, "captions": 0, "negatives": 0, "heldout_objects": 0}
-                 for name in SPLITS}
-    for scene in scenes:
-        entry = per_split[scene["split"]]
-        entry["images"] += 1
-        entry["captions"] += len(scene["captions"])
-        entry["heldout_objects"] += sum((o["colour"], o["shape"]) in holdout for o in scene["objects"])
-    by_type = dict.fromkeys(NEGATIVE_TYPES, 0)
-    for item in items:
-        per_split[item["split"]]["negatives"] += len(item["negatives"])
-        for negative in item["negatives"]:
-            by_type[negative["type"]] += 1
-    return {"splits": per_split, "negatives_by_type": by_type,
-            "objects": sum(len(s["objects"]) for s in scenes)}
 
 
 def _run(settings: _Settings, out: Path, workers: int) -> list[tuple[dict, list[dict]]]:
@@ -868,14 +652,14 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 64,
     scenes = [scene for scene, _ in results]
     items = [item for _, scene_items in results for item in scene_items]
     core = _settings_dict(settings)
-    _dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)},
+    dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)},
                                           "scenes": scenes})
-    _dump_json(out / "negatives.json", {"items": items})
+    dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
-        _write_split(out, split, [s for s in scenes if s["split"] == split], settings)
-    counts = _counts(scenes, items, settings.holdout)
+        write_split(out, split, [s for s in scenes if s["split"] == split], settings.seed, VERSION)
+    counts = count_files(scenes, items, settings.holdout)
     counts["controlled_sets"] = len(generate_controlled(out, settings)["sets"])
-    _dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
+    dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
     return {**core, "out": str(out), "workers": workers, "counts": counts,
             "seconds": time.perf_counter() - started}
 
@@ -980,7 +764,9 @@ class ToyWorldOptions:
     out: str | None = option(None, metavar="DIR", help="output folder (created; files there are overwritten)")
     n: int = option(1000, type=positive_int, help="number of scenes")
     seed: int = option(0, type=nonnegative_int, help="random seed: the same seed gives byte-identical files")
-    size: int = option(64, type=positive_int, help=f"image side in px (>= {MIN_IMAGE_SIZE})")
+    size: int | None = option(None, type=positive_int,
+                              help=f"image side in px (>= {MIN_IMAGE_SIZE}; default 64, with --hard "
+                                   f"{hardworld.DEFAULT_SIZE})")
     holdout: Any = option("", metavar="COMBOS", help='(colour, shape) combinations held out of the train split, '
                                                      'e.g. "red circle,blue square" (default: none)')
     splits: Any = option("0.8,0.1,0.1", metavar="TRAIN,VAL,TEST", help="split fractions, summing to 1")
@@ -991,12 +777,19 @@ class ToyWorldOptions:
                                       "scene and a dense description of each (100-250 CLIP tokens: a 77-token text "
                                       "encoder truncates it; Long-CLIP's 248 tokens read it whole)")
 
+    hard: bool = option(False, action="store_true",
+                        help="the hard world (extract/data/hardworld.py): objects that overlap (the later-drawn one in "
+                             "front) or rest on one another, 2-8 objects with distractors, backgrounds that are not "
+                             "black, captions with on / under / in front of / behind too, and What'sUp's Controlled-A "
+                             "and -B analogues")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
                                'what predicate words mean from captions; default: none)')
 
     def __post_init__(self):
+        if self.size is None:
+            self.size = hardworld.DEFAULT_SIZE if self.hard else 64
         self.holdout = parse_holdout(self.holdout)
         self.splits = parse_splits(self.splits)
         self.phrases = parse_phrases(self.phrases)
@@ -1019,14 +812,22 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
     if not ns.out:
         parser.error("--out is required (on the command line or as 'out' in --config), e.g. --out runs/toy")
     try:
-        return from_namespace(ToyWorldOptions, ns)
+        opts = from_namespace(ToyWorldOptions, ns)
     except ValueError as err:
         parser.error(str(err))
+    if opts.hard and (opts.long_captions or opts.phrases):
+        parser.error("--hard has its own scenes and predicate words: drop --long-captions / --phrases")
+    return opts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
     def job(opts: ToyWorldOptions) -> None:
+        if opts.hard:
+            print(hardworld.format_summary(hardworld.generate(
+                opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
+                splits=opts.splits, workers=opts.workers)))
+            return
         print(format_summary(generate(opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,
                                       splits=opts.splits, workers=opts.workers, long_captions=opts.long_captions,
                                       phrases=opts.phrases)))

@@ -744,15 +744,18 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
 
 
 def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = None,
-                             image_root: str | os.PathLike | None = None) -> Benchmark:
+                             image_root: str | os.PathLike | None = None, file: str = "controlled.json",
+                             name: str = "toyworld-controlled") -> Benchmark:
     """The toy world's controlled test (``controlled.json``, :func:`extract.data.toyworld.generate_controlled`): one
     "set" item per set, ``images`` its four scenes and ``texts`` their four captions in the same order (caption k
     true of image k alone), ``subtype`` ``four-way``, tagged ``held-out four-way`` when it names a combination the
     world held out of training. ``split`` is accepted for symmetry with :func:`read_toyworld` and ignored: the sets
-    are an evaluation set of their own, drawn from every combination."""
+    are an evaluation set of their own, drawn from every combination. ``file`` / ``name``: another test in the same
+    schema and the benchmark's name (the hard world's ``controlled_a.json`` as ``toyworld-controlled-A`` ...,
+    ``extract.data.toyworld.controlled_tests``)."""
     world = Path(world_dir).expanduser()
     root = Path(image_root).expanduser() if image_root is not None else world
-    file = world / "controlled.json"
+    file = world / file
     pending = []
     for index, (where, entry) in enumerate(_listed(file, "sets", "set")):
         scenes = entry.get("scenes")
@@ -768,7 +771,7 @@ def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = N
         tags = ("held-out four-way",) if entry.get("heldout") else ()
         pending.append(_Pending(Item(f"controlled/{entry.get('id', index)}", tuple(images), tuple(texts), "four-way",
                                      tags=tags), f"{file}: {where}"))
-    return _finish("toyworld-controlled", "set", pending)
+    return _finish(name, "set", pending)
 
 
 #: the toy world's row of swap-att items between two objects of the same shape ("a red circle left of a blue

@@ -138,14 +138,16 @@ def parse_args(argv: Sequence[str] | None = None) -> EvaluateOptions:
 
 # --------------------------------------------------------------------------------------------- data (before models)
 def _toy_classification(world: Path, split: str) -> ClassificationSet:
-    """Single-object scenes of a toy-world split, labelled "colour shape" (zero-shot and linear probe)."""
+    """Single-object scenes of a toy-world split (a hard world: its objects' crops), labelled "colour shape"."""
     scenes = json.loads((world / "annotations.json").read_text())["scenes"]
-    chosen = [s for s in scenes if s.get("split") == split and len(s["objects"]) == 1]
-    labels = [f"{s['objects'][0]['colour']} {s['objects'][0]['shape']}" for s in chosen]
+    chosen = [(s["file_name"], s["objects"][0]) for s in scenes if s.get("split") == split and len(s["objects"]) == 1]
+    # a hard world has no single-object scene: each object's crop, partly hidden ones included (its "crop" file)
+    chosen += [(o["crop"], o) for s in scenes if s.get("split") == split for o in s["objects"] if "crop" in o]
+    labels = [f"{o['colour']} {o['shape']}" for _, o in chosen]
     classes = sorted(set(labels))
     index = {c: k for k, c in enumerate(classes)}
-    return ClassificationSet(f"toyworld:{split}", [str(world / s["file_name"]) for s in chosen],
-                             [index[c] for c in labels], classes)
+    return ClassificationSet(f"toyworld:{split}", [str(world / f) for f, _ in chosen], [index[c] for c in labels],
+                             classes)
 
 
 def _toy_counting(world: Path, split: str) -> ClassificationSet:
@@ -192,11 +194,12 @@ def load_tasks(args: EvaluateOptions) -> dict:
     if "compositional" in args.tasks:
         found = []
         if world:
-            from extract.data.toyworld import ensure_controlled
+            from extract.data.toyworld import controlled_tests
 
             found.append(bm.read_toyworld(world, split=args.split))
-            ensure_controlled(world)  # a world generated before the controlled test existed gets it now
-            found.append(bm.read_toyworld_controlled(world))
+            # version 2's four-way test (written now for a world that predates it), a hard world's Controlled-A / -B
+            for name, file in controlled_tests(world):
+                found.append(bm.read_toyworld_controlled(world, file=file.name, name=name))
         for entry in args.benchmark:
             if "=" not in entry:
                 raise ValueError(f"--benchmark {entry!r}: expected NAME=PATH with NAME one of {', '.join(bm.READERS)}")

@@ -11,8 +11,8 @@ from train.eval.overlap_probe import main
 
 def test_boxes_read_chance_on_controlled_b_and_the_overlap_code_reads_the_front_object(tmp_path, capsys):
     world = tmp_path / "hard"
-    hardworld.generate(world, 160, seed=2, workers=1)
-    assert main(["--data", str(world), "--json-out", str(tmp_path / "probe.json")]) == 0
+    hardworld.generate(world, 120, seed=2, workers=1)
+    assert main(["--data", str(world), "--steps", "300", "--json-out", str(tmp_path / "probe.json")]) == 0
     out = capsys.readouterr().out
     assert "| source | reader | fit (n=" in out
     rows = {(r["source"], r["reader"]): r for r in json.loads((tmp_path / "probe.json").read_text())}

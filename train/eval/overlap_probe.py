@@ -28,7 +28,7 @@ import torch
 
 from extract.common.cli import Parser, option, parse_options, run_job
 from extract.common.cli import build_parser as build_cli
-from extract.common.config import nonnegative_int
+from extract.common.config import nonnegative_int, positive_int
 
 PROG = "python -m train.eval.overlap_probe"
 #: the overlap features' rules, each a difference whose sign says "this one is in front" (overlap.py's columns)
@@ -38,7 +38,8 @@ RULES = {"own colour seen in the overlap": 3, "own colour spans its box": 6, "bi
 @dataclass
 class OverlapProbeOptions:
     data: str | None = option(None, metavar="WORLD", help="a hard toy world (python -m extract.data.toyworld --hard)")
-    seed: int = option(0, type=nonnegative_int, help="seed of the probes' initialisation and batches")
+    seed: int = option(0, type=nonnegative_int, help="seed of the probes' initialisation")
+    steps: int = option(1500, type=positive_int, help="full-batch Adam steps of each fitted probe")
     json_out: str | None = option(None, help="also write the figures to this JSON file")
 
 
@@ -86,7 +87,7 @@ def load(world: str | Path) -> tuple[dict, dict]:
             "Controlled-B": _pairs(world, controlled)}
 
 
-def _fit(x: torch.Tensor, y: torch.Tensor, hidden: int | None, seed: int, steps: int = 1500) -> torch.nn.Module:
+def _fit(x: torch.Tensor, y: torch.Tensor, hidden: int | None, seed: int, steps: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     width = x.shape[1]
     model = torch.nn.Linear(width, 1) if hidden is None else torch.nn.Sequential(
@@ -119,7 +120,7 @@ def probe(opts: OverlapProbeOptions) -> list[dict]:
         mean, std = fit[source].mean(0), fit[source].std(0) + 1e-6
         x = torch.from_numpy((fit[source] - mean) / std)
         for reader, hidden in (("logistic regression", None), ("MLP (2 x 64)", 64)):
-            model = _fit(x, torch.from_numpy(fit["label"]), hidden, opts.seed)
+            model = _fit(x, torch.from_numpy(fit["label"]), hidden, opts.seed, opts.steps)
             with torch.no_grad():
                 row(source, reader, lambda d, m=model, s=source: (
                     m(torch.from_numpy((d[s] - mean) / std))[:, 0] > 0).numpy())

@@ -158,8 +158,7 @@ class Grounded(AdapterHead):
         self.box_code = _mlp(BOX_FEATURES, h)               # G(box)
         self.phrase_geometry = nn.Linear(embed_dim, h, bias=False)  # A: what a phrase asks of a box's geometry
         nn.init.zeros_(self.phrase_geometry.weight)
-        # H(geom(b, b')), with the pixels' evidence of who is in front of whom where the config reads it
-        self.pair_code = _mlp(PAIR_FEATURES + (OVERLAP_FEATURES if config.appearance else 0), h)
+        self.pair_code = _mlp(PAIR_FEATURES, h)             # H(geom(b, b'))
         self.predicate = nn.Linear(embed_dim, h)            # U p
         self.predicate_bias = nn.Linear(embed_dim, 1)       # <v, p>
         self.log_temperature = nn.Parameter(torch.tensor(math.log(config.temperature)))
@@ -167,6 +166,12 @@ class Grounded(AdapterHead):
         self.relation_weight = nn.Parameter(torch.tensor(float(config.relation_weight)),
                                             requires_grad=config.relations)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)))
+        if config.appearance:
+            # the pixels' evidence of who owns the overlap enters H's first layer through its own weights, zero at the
+            # start and drawn from no random stream: the head starts as the geometry-only one, to the bit, and where
+            # no two boxes overlap (the version-2 world) it stays that head (a wider first layer drawn at random had
+            # scaled the geometry's weights down and cost the demo's toy-negclip + grounded its 100s: 88.5 four-way)
+            self.overlap_code = nn.Parameter(torch.zeros(OVERLAP_FEATURES, h))
 
     # -- encoders --------------------------------------------------------------------------------------
     def encode_image(self, batch: dict[str, Tensor]) -> Reps:
@@ -177,13 +182,19 @@ class Grounded(AdapterHead):
         # stays the cache's, which two processes gather
         e = _trim(valid)
         pairs = geom.new_zeros(*geom.shape[:2], geom.shape[1], self.config.hidden)
-        feats = pair_features(geom[:, :e])
-        if self.config.appearance:
-            feats = torch.cat([feats, batch["ventity_overlap"][:, :e, :e].float()], -1)
-        pairs[:, :e, :e] = self.pair_code(feats)
+        pairs[:, :e, :e] = self.code_pairs(pair_features(geom[:, :e]),
+                                           batch["ventity_overlap"][:, :e, :e] if self.config.appearance else None)
         return {"base": F.normalize(batch["image_embed"].float(), dim=-1),
                 "crops": F.normalize(batch["ventity_embed"].float(), dim=-1),
                 "box_valid": valid, "box_geom": self.box_code(geom), "pairs": pairs}
+
+    def code_pairs(self, geometry: Tensor, overlap: Tensor | None) -> Tensor:
+        """H of every pair: its geometry [..., PAIR_FEATURES] through the pair code, the overlap evidence [...,
+        OVERLAP_FEATURES] (or None) added to the first layer's pre-activation."""
+        first = self.pair_code[0](geometry)
+        if overlap is not None:
+            first = first + overlap.float() @ self.overlap_code
+        return self.pair_code[1:](first)
 
     def encode_text(self, batch: dict[str, Tensor]) -> Reps:
         pred = F.normalize(batch["role_predicate_embed"].float(), dim=-1)

@@ -276,8 +276,7 @@ def test_pair_codes_only_on_used_slots_give_the_full_codes_scores_losses_and_gra
     def reference(batch):  # the pair code of every ordered pair of the E slots
         reps = head.encode_image(batch)
         geom = box_features(batch["ventity_boxes"], batch["ventity_image_size"])
-        feats = torch.cat([pair_features(geom), batch["ventity_overlap"].float()], -1)
-        return {**reps, "pairs": head.pair_code(feats)}
+        return {**reps, "pairs": head.code_pairs(pair_features(geom), batch["ventity_overlap"])}
 
     def outputs(img):
         txt, nt = head.encode_text(pos), head.encode_text(neg)

@@ -205,3 +205,10 @@ def test_cli_writes_a_hard_world_at_96_px_and_refuses_the_version_2_modes(tmp_pa
         tw.main(["--out", str(tmp_path / "x"), "--hard", "--long-captions"])
     assert err.value.code == 2
     assert "--hard has its own scenes" in capsys.readouterr().err
+
+
+def test_the_default_world_is_never_written_over_a_hard_world_of_the_same_size_and_seed(tmp_path):
+    hw.generate(tmp_path / "w", 20, seed=0, workers=1)
+    with pytest.raises(ValueError, match="not the toy world asked for"):
+        tw.ensure(tmp_path / "w", n=20, seed=0, say=lambda line: None)
+    assert json.loads((tmp_path / "w" / "meta.json").read_text())["hard"] is True

@@ -263,7 +263,8 @@ def match_detections(pred: np.ndarray, scores: np.ndarray, gt: np.ndarray, iou: 
 def detection_report(detector, world: Path, split: str = "val", batch: int = 64) -> dict:
     """What ``detector`` (anything with ``detect(images) -> list[Detections]``: a YoloDetector, RandomBoxes)
     finds on ``world``'s ``split``: ``recall`` (share of objects matched at IoU >= 0.5, and per object size
-    under ``recall_by_size``), ``precision`` (share of detections matched), ``mean_iou`` (of the matched pairs),
+    under ``recall_by_size``; on a hard world by how much of the object other objects hide, ``recall_by_hidden``
+    with ``objects_by_hidden``), ``precision`` (share of detections matched), ``mean_iou`` (of the matched pairs),
     ``detections_per_image``, ``objects``, ``images``."""
     from PIL import Image
 
@@ -271,6 +272,7 @@ def detection_report(detector, world: Path, split: str = "val", batch: int = 64)
     found = matched = dets = 0
     ious: list[float] = []
     by_size: dict[str, list[int]] = {}
+    by_hidden: dict[str, list[int]] = {}
     for start in range(0, len(scenes), batch):
         chunk = scenes[start:start + batch]
         images = []
@@ -284,14 +286,29 @@ def detection_report(detector, world: Path, split: str = "val", batch: int = 64)
             matched += int((m >= 0).sum())
             ious += [float(box_iou(det.boxes[k:k + 1], g[None])[0, 0]) for k, g in zip(m, gt) if k >= 0]
             for obj, k in zip(scene["objects"], m):
-                hit = by_size.setdefault(obj.get("size", "all"), [0, 0])
-                hit[0] += int(k >= 0)
-                hit[1] += 1
+                for table, key in ((by_size, obj.get("size", "all")), (by_hidden, _hidden_bin(obj))):
+                    if key is not None:
+                        hit = table.setdefault(key, [0, 0])
+                        hit[0] += int(k >= 0)
+                        hit[1] += 1
             found += len(gt)
     return {"split": split, "images": len(scenes), "objects": found, "recall": matched / max(found, 1),
             "precision": matched / max(dets, 1), "detections_per_image": dets / max(len(scenes), 1),
             "mean_iou": float(np.mean(ious)) if ious else 0.0,
-            "recall_by_size": {k: v[0] / v[1] for k, v in sorted(by_size.items())}}
+            "recall_by_size": {k: v[0] / v[1] for k, v in sorted(by_size.items())},
+            **({"recall_by_hidden": {k: v[0] / v[1] for k, v in sorted(by_hidden.items())},
+                "objects_by_hidden": {k: v[1] for k, v in sorted(by_hidden.items())}} if by_hidden else {})}
+
+
+HIDDEN_BINS = ((0.001, "whole"), (0.25, "hidden < 25%"), (1.0, "hidden 25-50%"))  # upper bounds of the hidden share
+
+
+def _hidden_bin(obj: dict) -> str | None:
+    """The bin of an object's hidden share (a hard world's ``visible``); None where the world does not record it."""
+    if "visible" not in obj:
+        return None
+    hidden = 1.0 - float(obj["visible"])
+    return next(name for bound, name in HIDDEN_BINS if hidden < bound or bound == 1.0)
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -440,7 +457,10 @@ def summary(result: dict) -> str:
             f"({sizes}), precision {100 * v['precision']:.1f}%, "
             + (f"mean IoU of the matches {v['mean_iou']:.3f}, " if "mean_iou" in v else "")
             + f"{v['detections_per_image']:.2f} detections per image\n"
-            f"  use it: python -m train.adapter --method comalign --boxes yolo --detector {result['weights']}")
+            + ("  recall by hidden share: " + ", ".join(
+                f"{k} {100 * r:.1f} ({v['objects_by_hidden'][k]})" for k, r in v["recall_by_hidden"].items()) + "\n"
+               if v.get("recall_by_hidden") else "")
+            + f"  use it: python -m train.adapter --method comalign --boxes yolo --detector {result['weights']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -156,8 +156,25 @@ def test_controlled_b_in_front_and_behind_share_their_boxes_only_the_drawing_ord
         front, behind = entry["scenes"][0], entry["scenes"][1]
         key = lambda s: sorted((o["colour"], o["shape"], tuple(o["box"])) for o in s["objects"])  # noqa: E731
         assert key(front) == key(behind)
-        assert [o["colour"] for o in front["objects"]] == [o["colour"] for o in behind["objects"]][::-1]
+        shown = lambda s: [{k: v for k, v in o.items() if k != "visible"} for o in s["objects"]]  # noqa: E731
+        assert shown(front)[:2] == shown(behind)[:2]  # the clutter, drawn first
+        assert shown(front)[2:] == shown(behind)[2:][::-1]  # the named pair, in the other order
         assert (out / front["file_name"]).read_bytes() != (out / behind["file_name"]).read_bytes()
+
+
+@pytest.mark.parametrize("test", ["A", "B"])
+def test_each_controlled_set_holds_the_same_related_clutter_in_all_four_images_clear_of_the_pair(world, test):
+    out, _, _, _ = world
+    for entry in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"]:
+        clutter = [scene["objects"][:2] for scene in entry["scenes"]]
+        assert all(c == clutter[0] for c in clutter)
+        named = {(o["colour"], o["shape"]) for o in entry["objects"]}
+        assert not named & {(o["colour"], o["shape"]) for o in clutter[0]}
+        for scene in entry["scenes"]:
+            # the clutter related as the test's own pairs can be (so "do two things overlap / touch?" picks no
+            # image), and no relation at all between it and the named pair
+            assert [0, {"A": "on", "B": "behind"}[test], 1] in scene["relations"]  # B's drawn front last
+            assert not [r for r in scene["lenient"] if (r[0] < 2) != (r[2] < 2) and r[1] not in hw.PREDICATES[:4]]
 
 
 def test_whatsup_layout_is_read_back_by_the_benchmarks_reader_with_its_boxes(world):
@@ -177,7 +194,7 @@ def test_whatsup_layout_is_read_back_by_the_benchmarks_reader_with_its_boxes(wor
     boxes = read_boxes(str(out / hw.WHATSUP_DIR / "objects.json"))
     assert boxes.format == "Visual Genome objects.json"
     for item in bench.items:
-        assert len(boxes.entry(item.images[0])["objects"]) == 2
+        assert len(boxes.entry(item.images[0])["objects"]) == 4  # the named pair and the clutter
 
 
 def test_the_toy_world_box_reader_finds_every_controlled_scene_by_file_name(world):
@@ -189,7 +206,7 @@ def test_the_toy_world_box_reader_finds_every_controlled_scene_by_file_name(worl
              for e in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"] for s in e["scenes"]]
     assert len({n.rsplit("/", 1)[1] for n in names}) == len(names)  # unique base names across both tests
     for name in names[:8]:
-        assert len(boxes.entry(str(out / name))["objects"]) == 2
+        assert len(boxes.entry(str(out / name))["objects"]) == 4
 
 
 # --------------------------------------------------------------------------- command line

@@ -150,3 +150,35 @@ def test_a_missing_world_is_one_error_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         td.parse_args(["--imgsz", "100"])
     assert e.value.code == 2
+
+
+def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
+    """On a hard world the report splits recall by how much of each object the others hide (its ``visible``): a
+    detector that finds exactly the whole objects reads 100 on "whole" and 0 on the partly hidden bins."""
+    from extract.components.detectors import Detections
+    from extract.data import hardworld
+
+    world = tmp_path / "hard"
+    hardworld.generate(world, 40, seed=4, workers=1)
+    val = _scenes(world, "val")
+    by_file = {s["file_name"]: s for s in val}
+    order = iter(val)
+
+    class WholeOnly:  # reads the scenes in the report's order
+        def detect(self, images):
+            out = []
+            for _ in images:
+                boxes = [o["box"] for o in next(order)["objects"] if o["visible"] >= 0.999]
+                out.append(Detections(np.asarray(boxes, np.float32).reshape(-1, 4),
+                                      np.linspace(0.9, 0.5, len(boxes)).astype(np.float32),
+                                      np.zeros(len(boxes), np.int64), ["object"] * len(boxes)))
+            return out
+
+    report = td.detection_report(WholeOnly(), world, "val")
+    objects = [o for s in by_file.values() for o in s["objects"]]
+    hidden = [o for o in objects if o["visible"] < 0.999]
+    assert hidden, "the world should hide some objects"
+    assert report["recall_by_hidden"]["whole"] == 1.0
+    assert all(report["recall_by_hidden"][k] == 0.0 for k in report["recall_by_hidden"] if k != "whole")
+    assert sum(report["objects_by_hidden"].values()) == len(objects)
+    assert report["recall"] == pytest.approx(1 - len(hidden) / len(objects))

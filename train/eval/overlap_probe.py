@@ -80,9 +80,13 @@ def load(world: str | Path) -> tuple[dict, dict]:
             front, back = ((pair["subject"], pair["object"]) if pair["predicate"] == "in front of"
                            else (pair["object"], pair["subject"]))
             named["train" if scene["split"] == "train" else "held-out"].append((scene, front, back))
-    controlled = [(scene, len(scene["objects"]) - 1, 0)  # two objects; the one drawn last is in front
-                  for entry in json.loads((world / hardworld.CONTROLLED_FILES["B"]).read_text())["sets"]
-                  for scene in entry["scenes"] if scene["predicate"] in ("in front of", "behind")]
+    controlled = []
+    for entry in json.loads((world / hardworld.CONTROLLED_FILES["B"]).read_text())["sets"]:
+        named_pair = [(o["colour"], o["shape"]) for o in entry["objects"]]
+        for scene in entry["scenes"]:
+            if scene["predicate"] in ("in front of", "behind"):  # of the named pair, the one drawn last is in front
+                drawn = [k for k, o in enumerate(scene["objects"]) if (o["colour"], o["shape"]) in named_pair]
+                controlled.append((scene, drawn[1], drawn[0]))
     return {"fit": _pairs(world, named["train"]), "held-out scenes": _pairs(world, named["held-out"]),
             "Controlled-B": _pairs(world, controlled)}
 

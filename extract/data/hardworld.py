@@ -51,8 +51,8 @@ Controlled tests (What'sUp's Controlled-A and -B analogues, :func:`generate_cont
     right of, the in-front and behind images holding the same two boxes (only the drawing order differs: no box
     tells them apart). One background per set, and one clutter pair (:data:`CLUTTER_PREDICATE`: two other objects,
     one on the other in A, one overlapping the other in B) drawn first in the same place in all four images, clear
-    of the named pair: whether two things touch or overlap then tells no image from another. Each image satisfies its caption and, under the lenient rules, none
-    of the other three (tested). Schema as the version-2 ``controlled.json``; the same tests are also written in
+    of the named pair: whether two things touch or overlap then tells no image from another. Each image satisfies
+    its caption and, under the lenient rules, none of the other three (tested). Schema as the version-2 ``controlled.json``; the same tests are also written in
     What'sUp's published layout under ``whatsup/`` (:func:`write_whatsup`: ``controlled_images_dataset.json`` +
     ``controlled_images/``, ``controlled_clevr_dataset.json`` + ``controlled_clevr/``, JPEG, file names
     ``<object>_<preposition>_<object>.jpeg`` as the authors', and ``objects.json``, the boxes in Visual Genome's
@@ -60,8 +60,8 @@ Controlled tests (What'sUp's Controlled-A and -B analogues, :func:`generate_cont
     DIR/whatsup/objects.json`` scores the toy copy with the reader of the real benchmark.
 
 Zero-shot set: every val / test object's crop (:func:`zero_shot_crop`: its box on a black square CROP_SCALE times its
-side, as the grounded head's entity crops; partly hidden objects included) in ``objects/<image_id>-<k>.png``, named in the object's ``crop``; ``python -m train.eval`` classifies them
-by "colour shape".
+side, as the grounded head's entity crops; partly hidden objects included) in ``objects/<image_id>-<k>.png``,
+named in the object's ``crop``; ``python -m train.eval`` classifies them by "colour shape".
 
 Layout, splits, hold-out and determinism as version 2 (``meta.json`` says ``"hard": true``).
 """

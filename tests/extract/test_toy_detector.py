@@ -161,7 +161,6 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
     world = tmp_path / "hard"
     hardworld.generate(world, 40, seed=4, workers=1)
     val = _scenes(world, "val")
-    by_file = {s["file_name"]: s for s in val}
     order = iter(val)
 
     class WholeOnly:  # reads the scenes in the report's order
@@ -175,7 +174,7 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
             return out
 
     report = td.detection_report(WholeOnly(), world, "val")
-    objects = [o for s in by_file.values() for o in s["objects"]]
+    objects = [o for s in val for o in s["objects"]]
     hidden = [o for o in objects if o["visible"] < 0.999]
     assert hidden, "the world should hide some objects"
     assert report["recall_by_hidden"]["whole"] == 1.0

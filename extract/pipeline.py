@@ -158,6 +158,9 @@ class ExtractionComponents:
             self.annotations_file = args.annotations
             boxes = read_boxes(args.annotations, max_missing=max_missing)
         elif boxes is None and isinstance(source, ToyWorldSource):
+            # the world's own box file enters the fingerprint like --annotations: the records' hash reads images
+            # and captions, not the boxes, and a cache built on other boxes must not be reused
+            self.annotations_file = source.root / "annotations.json"
             boxes = source.boxes(max_missing=max_missing)
         #: the ground-truth boxes (extract.data.boxes.BoxAnnotations), None without any
         self.boxes = boxes

@@ -114,18 +114,27 @@ def test_every_flag_the_readme_shows_exists():
     """A README command with a flag its module no longer has fails for the user at once: check them all."""
     import importlib
 
+    from adapters.registry import ADAPTERS
+
     parsers, unknown, checked, ours = {}, [], 0, {"extract", "adapters", "train", "serve"}
     for name, args in _readme_commands():
         module_name = {"extract": "extract.pipeline", "serve": "serve.__main__", "train.eval": "train.eval.evaluate"}.get(name, name)
-        if module_name not in parsers:
+        # train.adapter's head flags exist once --method names the head (its Config's fields)
+        found = re.search(r"--method (\w+)", args) if name == "train.adapter" else None
+        method = found.group(1) if found and found.group(1) in ADAPTERS.names() else None
+        key = (module_name, method)
+        if key not in parsers:
             try:
                 module = importlib.import_module(module_name)
             except ImportError as e:  # one of ours that does not import fails the user at once: so it fails here
                 assert name.split(".")[0] not in ours, f"the README runs python -m {name}, which does not import: {e}"
-                parsers[module_name] = None
+                parsers[key] = None
             else:
-                parsers[module_name] = module.build_parser() if hasattr(module, "build_parser") else None
-        parser = parsers[module_name]
+                if method is not None:
+                    parsers[key] = module.build_parser(ADAPTERS.get(method))
+                else:
+                    parsers[key] = module.build_parser() if hasattr(module, "build_parser") else None
+        parser = parsers[key]
         if parser is None or any(a.nargs == argparse.REMAINDER for a in parser._actions):
             continue  # no parser of its own, or one that passes its options on to another program's
         known = {s for a in parser._actions for s in a.option_strings}

@@ -27,9 +27,15 @@ Score of image i and caption t (all three terms are differentiable; nothing here
   relations   for a triplet (s, p, o): the subject and object are grounded softly,
               a_s(b) = softmax_b(g(s, b) / tau), a_o likewise, and the predicate scores every ordered pair of
               distinct boxes from their geometry and overlap, f(b, b') = <U p, H(geom(b, b'), own(b, b'))> + <v, p>;
-              R(s, p, o) = log sum_{b != b'} a_s(b) a_o(b') sigmoid(f(b, b')): the log-probability that the
-              relation holds between the things the subject and object name. R(i, t) = mean over the caption's
-              triplets; a caption without a relation gets 0, so it falls back to the other terms.
+              P(s, p, o) = sum_{b != b'} a_s(b) a_o(b') sigmoid(f(b, b')) + (1 - Z) pi, the probability that the
+              relation holds between the things the subject and object name, where Z = sum_{b != b'} a_s(b) a_o(b')
+              is the grounding mass on two distinct boxes: the share where both phrases land on one box (the
+              other's box missed by a detector, or one crop showing both) reads the prior pi (``same_box_prior``)
+              instead of whatever other pair the softmax leaves weight on; and
+              R(s, p, o) = log(eps + (1 - eps) P): with the floor eps (``relation_floor``) one failing triplet
+              costs at most log(eps), so a box the detector got wrong cannot sink a caption without bound, and
+              w_R can grow where the relations are read well. R(i, t) = mean over the caption's triplets; a caption
+              without a relation gets 0, so it falls back to the other terms.
   total       S(i, t) = <base_i, base_t> + w_E E(i, t) + w_R R(i, t).
 
 Every learned part starts where it changes nothing it should not: A is zero (grounding = the base's cosine), the
@@ -71,6 +77,11 @@ class GroundedConfig:
     temperature: float = field(default=0.05, metadata={
         "help": "initial temperature of the soft grounding of subject and object over the boxes (learned)"})
     entity_weight: float = field(default=1.0, metadata={"help": "initial weight w_E of the entity term (learned)"})
+    # the hard world's detected boxes want 0.25 with the two guards below (--relation-weight 0.25 --relation-floor 0.02
+    # --same-box-prior 0.5): with these defaults w_R stayed near 0.08 there and the relation term lost Controlled-B's
+    # image direction to the crops (the hidden object's crop matches its name worse): 88.5 over three seeds, 96.5 with
+    # the three (train/README, the hard world). The version-2 world reads 100 either way (the demo, seed 0); the
+    # defaults stay those its published tables were measured with until those are measured again.
     relation_weight: float = field(default=0.05, metadata={
         "help": "initial weight w_R of the relation term (learned; 0 with --no-relations)"})
     relations: bool = field(default=True, metadata={"help": "score relation triplets (off: entities + base only, "
@@ -78,6 +89,12 @@ class GroundedConfig:
     relation_loss: float = field(default=1.0, metadata={
         "help": "weight of the relation term's own loss: each caption's triplets hold in its image, those of its "
                 "swap-obj / replace-rel negatives do not (binary cross-entropy on P(caption's triplets hold))"})
+    same_box_prior: float = field(default=0.0, metadata={
+        "help": "P(triplet holds) where its subject and object ground to the same box, e.g. one of the two boxes "
+                "missed by the detector: the relation is then undetermined, not false (0: off; 0.5 on detected boxes)"})
+    relation_floor: float = field(default=0.0, metadata={
+        "help": "P(triplet holds) is read as eps + (1 - eps) P: one triplet costs a caption at most log(eps) (0: off; "
+                "0.02 on detected boxes)"})
     logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
     appearance: bool = field(default=True, metadata={
         "help": "let the predicate read who owns two boxes' overlap in the pixels (ventity_overlap, "
@@ -91,6 +108,8 @@ class GroundedConfig:
             raise ValueError("grounded: temperature must be > 0")
         if self.entity_weight < 0 or self.relation_weight < 0 or self.relation_loss < 0:
             raise ValueError("grounded: entity_weight, relation_weight and relation_loss must be >= 0")
+        if not (0 <= self.same_box_prior < 1 and 0 <= self.relation_floor < 1):
+            raise ValueError("grounded: same_box_prior and relation_floor must lie in [0, 1)")
 
 
 def box_features(boxes: Tensor, size: Tensor) -> Tensor:
@@ -260,6 +279,16 @@ class Grounded(AdapterHead):
         joint = a_s[..., :, None] + a_o[..., None, :] + F.logsigmoid(f)                # [I, T, R, E, E]
         joint = joint.masked_fill(~pair_ok[lead], NEG)
         held = torch.logsumexp(joint.flatten(-2), -1)                                  # [I, T, R]
+        if self.config.same_box_prior > 0:
+            # Where the subject and the object ground to one box (the other's box missed by a detector, or both
+            # phrases fitting one crop), the boxes cannot tell the relation: that share 1 - Z of the grounding
+            # mass reads the prior instead of whichever other pair the softmax leaves some weight on.
+            distinct = torch.logsumexp((a_s[..., :, None] + a_o[..., None, :]).masked_fill(
+                ~pair_ok[lead], NEG).flatten(-2), -1)                                 # log Z [I, T, R]
+            held = torch.logaddexp(held, _log1mexp(distinct) + math.log(self.config.same_box_prior))
+        if self.config.relation_floor > 0:
+            eps = self.config.relation_floor
+            held = torch.logaddexp(torch.full_like(held, math.log(eps)), held + math.log1p(-eps))
         any_pair = pair_ok.flatten(1).any(1)
         usable = (text_reps["role_valid"] & any_pair[:, None]) if paired else \
             (text_reps["role_valid"][None] & any_pair[:, None, None])

@@ -6,15 +6,20 @@ object and not like the one behind. Boxes cannot say it (the hard world's Contro
 overlapping renderings toy-negclip's embeddings of the two tight crops told the front object 51-69% of the time,
 the crop of the overlap 51-57% (issue 53). The pixels do, and they cost no forward pass.
 
-For every ordered pair of entity boxes (b, c) of one image, with O = b ∩ c, B' = b outside c and C' = c outside b
-(each a box's own pixels; the whole box where the other covers it entirely), and h(.) a region's colour histogram
-(HIST_LEVELS levels per RGB channel, normalised to sum 1), the features are
+For every ordered pair of entity boxes (b, c) of one image, with O = b ∩ c and each object's colour the histogram
+bin (HIST_LEVELS levels per RGB channel) that its box fills most beyond the image's border colours (read outside the
+other box where enough of it is left, OWN_SHARE), the FEATURES = 12 are
 
-    [overlaps, own_b, own_c, own_b - own_c, |O| / |b|, |O| / |c|],   own_x = sum_k min(h(O)_k, h(X')_k)
+    [overlaps, seen_b, seen_c, seen_b - seen_c, extent_b, extent_c, extent_b - extent_c,
+     bite_b, bite_c, bite_c - bite_b, |O| / |b|, |O| / |c|]
 
-(histogram intersection, Swain & Ballard 1991): own_b > own_c says the overlap looks like b, i.e. b is in front.
-A pair whose boxes share fewer than MIN_OVERLAP pixels gets zeros. A function of the image and its boxes alone.
-The grounded head reads it next to the pair's geometry (``adapters/heads/grounded.py``), so what "in front of"
+seen_x: the share of O showing x's colour over the share of its own box it fills (the front object owns the
+overlap, Swain & Ballard's histogram intersection in spirit); extent_x: the bounding box of x's colour pixels over
+its box (a hidden part often takes an extreme point with it); bite_x: the share of the convex hull of x's pixels
+that shows the other's colour inside the other's box (the bite the front object takes out of the one behind). Each
+difference says "b is in front" by its sign; ``python -m train.eval.overlap_probe`` measures each rule alone and
+fitted. A pair whose boxes share fewer than MIN_OVERLAP pixels gets zeros. A function of the image and its boxes
+alone. The grounded head reads it next to the pair's geometry (``adapters/heads/grounded.py``), so what "in front of"
 means is still learned from captions.
 """
 from __future__ import annotations

@@ -413,3 +413,41 @@ def test_in_front_of_is_learned_from_who_owns_the_overlap_where_the_two_boxes_ar
                                   control.encode_text(captions)) for code in (b_front, a_front)]
         assert torch.equal(both[0], both[1])  # geometry alone: the same boxes, the same scores
     assert sum(right) / len(right) >= 0.95, sum(right) / len(right)
+
+
+def test_a_triplet_costs_at_most_log_of_the_floor_and_no_floor_is_the_plain_log_probability(head):
+    """relation_floor eps: log(eps + (1 - eps) P), so one triplet that fails (or a box the detector missed) moves a
+    score by at most log(eps) x w_R; at eps = 0 the term is the log-probability itself, to the bit."""
+    images = image_batch([((0, box_at(16, 32)), (1, box_at(48, 32))), ((2, box_at(32, 14)), (3, box_at(32, 50)))])
+    captions = text_batch([[(0, p, 1)] for p in range(4)] + [[(1, p, 0)] for p in range(4)])
+    plain = Grounded(GroundedConfig(hidden=32, relation_floor=0.0, same_box_prior=0.0), D).eval()
+    plain.load_state_dict(head.state_dict())
+    floored = Grounded(GroundedConfig(hidden=32, relation_floor=0.02, same_box_prior=0.0), D).eval()
+    floored.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        img, txt = plain.encode_image(images), plain.encode_text(captions)
+        p = plain.relation_triplets(img, txt)[..., 0]
+        q = floored.relation_triplets(img, txt)[..., 0]
+    assert p.min() < math.log(0.02)  # the trained head says the converses fail outright
+    assert q.min() >= math.log(0.02) - 1e-6
+    assert torch.allclose(q.exp(), 0.02 + 0.98 * p.exp(), atol=1e-6)
+
+
+def test_where_subject_and_object_ground_to_one_box_every_predicate_reads_the_prior(head):
+    """The object's own box missing, its phrase lands on the subject's box (a crop showing both, as the front
+    object's crop shows the hidden one): the boxes cannot tell the relation, so with same_box_prior every predicate
+    scores alike and the caption falls back to what the image still says; without it the predicates read the one
+    other box, far away, and rank each other."""
+    images = image_batch([((0, box_at(20, 32)), (2, box_at(52, 32)))])
+    images["ventity_embed"][0, 0] = F.normalize(OBJECTS[0] + OBJECTS[1], dim=0)  # red, and blue behind it
+    captions = text_batch([[(0, p, 1)] for p in range(4)])  # "red <p> blue", blue's box missing
+    off = Grounded(GroundedConfig(hidden=32, same_box_prior=0.0, relation_floor=0.0), D).eval()
+    off.load_state_dict(head.state_dict())
+    on = Grounded(GroundedConfig(hidden=32, same_box_prior=0.5, relation_floor=0.0), D).eval()
+    on.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        r_off = off.relation_triplets(off.encode_image(images), off.encode_text(captions))[0, :, 0]
+        r_on = on.relation_triplets(on.encode_image(images), on.encode_text(captions))[0, :, 0]
+    assert (r_off.max() - r_off.min()) > 1.0, r_off
+    assert (r_on.max() - r_on.min()) < 0.05, r_on
+    assert torch.allclose(r_on, torch.full_like(r_on, math.log(0.5)), atol=0.05)

@@ -236,6 +236,28 @@ def test_data_path_spelling_reuses_the_cache_and_changed_content_does_not(world,
     assert len(list(out.glob("*/manifest.json"))) == 2
 
 
+def test_a_toy_worlds_edited_boxes_never_reuse_the_old_cache(world, tmp_path, capsys):
+    """The records' hash reads images and captions; the world's box file enters the settings on its own."""
+    toy = tmp_path / "toy"
+    shutil.copytree(world, toy)
+    out = tmp_path / "cache"
+    flags = ["--components", "entities", "--boxes", "gt"]
+    assert main(_argv(toy, out, *flags)) == 0
+    assert main(_argv(toy, out, *flags)) == 0
+    assert "cache up to date" in capsys.readouterr().out
+    annotations = toy / "annotations.json"
+    data = json.loads(annotations.read_text())
+    x0, y0, x1, y1 = data["scenes"][0]["objects"][0]["box"]
+    data["scenes"][0]["objects"][0]["box"] = [x0 + 1, y0, x1 + 1, y1]
+    annotations.write_text(json.dumps(data))
+    assert main(_argv(toy, out, *flags)) == 0
+    said = capsys.readouterr().out
+    assert "extracting" in said and "cache up to date" not in said
+    cache = FeatureCache.open(out, settings=None, fingerprint=json.loads(max(
+        out.glob("*/manifest.json"), key=lambda p: p.stat().st_mtime_ns).read_text())["fingerprint"])
+    assert cache.settings["annotations"]["file"] == str(annotations.resolve())
+
+
 def test_data_fingerprint_resolves_csv_image_root_and_shard_paths(world, tmp_path, monkeypatch):
     src = sorted((world / "images").glob("*.png"))[:2]
     (tmp_path / "pairs.csv").write_text("filepath,title\n" + "".join(f"{p.name},a shape\n" for p in src))

@@ -29,6 +29,9 @@ with it, one example query shows the first-stage hits next to the adapter's own 
 graded swaps (``serve.service.grade_examples``: attribute swaps, object swaps, replaced relations) show one the served
 model gets right and, if any, one it gets wrong.
 
+Last, support and depth, which the toy world has not: the frozen bases, the text-only floor and the served adapter
+on both controlled tests of a small hard world (``--hard-n`` scenes; :mod:`train.demo_hard`).
+
 Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
 fitted on the training captions against their negatives, no image), and the binding table the controlled test
 (``toyworld-controlled``: four arrangements of the same two objects, four-way choices both ways, chance 25).
@@ -55,6 +58,7 @@ from adapters.registry import ADAPTERS
 from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
+from train.demo_hard import HARD_N, hard_controlled
 
 PROG = "python -m train.demo"
 #: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/models/bases); the first is the reference
@@ -95,6 +99,10 @@ class DemoOptions:
                              "term alone (the control of its powerset loss), PowerCLIP fine-tuning the backbone "
                              "against the same fine-tune without its powerset loss, and SmartCLIP on a long-caption toy world "
                              "(frozen, --unfreeze with 248 tokens, trained on short captions only)")
+    hard_n: int = option(HARD_N, type=nonnegative_int,
+                         help="scenes of the small hard world whose controlled tests (What'sUp's Controlled-A / -B "
+                              "analogues: support, depth) score the bases, the text-only floor and the served adapter "
+                              "at the end (train/demo_hard.py; 0: skip)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -402,8 +410,8 @@ def demo(opts: DemoOptions) -> dict:
     methods = opts.methods
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
-    step = Steps(4 + len(bases) + several + (1 + ("smartclip" in methods) + ("powerclip" in methods)
-                                             if opts.full else 0))
+    step = Steps(4 + len(bases) + several + bool(opts.hard_n) + (1 + ("smartclip" in methods) + ("powerclip" in methods)
+                                                                 if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
     infos = {}
@@ -480,9 +488,16 @@ def demo(opts: DemoOptions) -> dict:
         if fine_tune.get("reports"):
             fine_tune["paired"] = paired_table(json.loads(Path(fine_tune["reports"][0]).read_text())["table"])
     served = serve_best(opts, results, world, out, step)
+    hard = None
+    if opts.hard_n:
+        step(f"a hard world's controlled tests ({opts.hard_n} scenes: support and depth, which the toy world has not) "
+             "for the bases, the text-only floor" + (" and the served adapter" if served else ""))
+        models = [(b, weights[b]) for b in bases] + ([(served["checkpoint"], None)] if served else [])
+        hard = hard_controlled(out, models, n=opts.hard_n, seed=opts.seed, holdout=holdout, device=opts.device,
+                               say=say)
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
-              "powerclip_fine_tune": fine_tune,
+              "powerclip_fine_tune": fine_tune, "hard_world": hard,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
               "seconds": time.perf_counter() - started}
@@ -532,10 +547,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"\"{p['negative']}\"")
             print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50; the caption "
                   f"probe: python -m serve --index {served['index']}")
+        hard = report.get("hard_world")
+        if hard:
+            print("\nsupport and depth, which the toy world has not: a hard world's controlled tests (What'sUp's "
+                  "Controlled-A / -B analogues; four-way choices; the demo's models never saw this world; a head "
+                  "trained on it: train/README, the hard world):")
+            print(hard["markdown"])
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "
             "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
             + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
-            + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else ""))
+            + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else "")
+            + (", hardworld-eval/results.{json,md,png}" if report.get("hard_world") else ""))
 
     return run_job(job, parse_args(argv))
 

@@ -14,7 +14,8 @@ from train.demo import DEFAULT_BASES, bases_of, binding_score, main, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
-         "--batch-size", "32"]
+         "--batch-size", "32", "--hard-n", "0"]
+HARD = ["--hard-n", "40"]  # the end-to-end run's hard world: 2 sets per controlled test
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def logged_demo(tmp_path_factory):
     """`python -m train.demo > demo.log 2>&1` on the small settings, run once for the tests that read its log and its
     outputs: (out folder, the log)."""
     out = tmp_path_factory.mktemp("demo") / "demo"
-    log = subprocess.run([sys.executable, "-m", "train.demo", "--out", str(out), *SMALL], cwd=ROOT,
+    log = subprocess.run([sys.executable, "-m", "train.demo", "--out", str(out), *SMALL, *HARD], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert log.returncode == 0, log.stdout[-3000:]
@@ -35,7 +36,7 @@ def test_demo_end_to_end(logged_demo, capsys):
     the bases never saw, the binding table, the bases compared, and the best adapter of all served."""
     out, printed = logged_demo
     argv = ["--out", str(out), *SMALL]
-    assert "[7/7]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
+    assert "[8/8]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
     report = json.loads((out / "demo_report.json").read_text())
     # nothing is pre-trained: the bases come with weights
     assert report["pretrained"] == {"toy-clip": None, "toy-negclip": None} and not (out / "base").exists()
@@ -84,6 +85,19 @@ def test_demo_end_to_end(logged_demo, capsys):
                                     for p in served["probes"])
     assert {p["verdict"].rsplit(" ", 1)[1] for p in served["probes"]} <= {"right", "wrong"}
     assert json.loads((out / "config.json").read_text())["n"] == 80
+    # it ends with support and depth: both controlled tests of a small hard world for the bases, the text-only floor
+    # and the served adapter, printed once; the text alone cannot choose a caption (the four images' scores tie)
+    hard = report["hard_world"]
+    assert json.loads((Path(hard["world"]) / "meta.json").read_text())["hard"] is True
+    names = [r["model"] for r in hard["rows"]]
+    assert names[:1] == ["toy-clip"] and "toy-negclip" in names and "text only (toy-clip)" in names
+    assert any(served["method"] in name for name in names) and len(names) == 4
+    for row in hard["rows"]:
+        for test in ("toyworld-controlled-A", "toyworld-controlled-B"):
+            assert row[test]["sets"] == 2 and all(0 <= row[test][k] <= 100 for k in ("text", "image", "group"))
+    floor = next(r for r in hard["rows"] if r["model"].startswith("text only"))
+    assert floor["toyworld-controlled-A"]["text"] == floor["toyworld-controlled-B"]["text"] == 25.0
+    assert printed.count(hard["markdown"]) == 1
     # a second run reuses the toy world (one base and one adapter are enough to see it)
     assert main(argv + ["--base", DEFAULT_BASES[0], "--methods", ADAPTERS.names()[0]]) == 0
     printed = capsys.readouterr().out

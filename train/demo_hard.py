@@ -9,39 +9,17 @@ reads the world's own boxes. The demo's models were trained on the version-2 wor
 depth: the rows say where they stand there. What a head trained on the hard world reads is in train/README
 ("The hard world").
 
-``HARD_N`` scenes give 20 sets per test (one per 20 scenes) in about 3 s; the evaluation of three models takes
-about half a minute here, inside the demo's 7 minutes.
+``HARD_N`` scenes give 20 sets per test (one per 20 scenes); generating them and scoring three models took about
+20 s here, inside the demo's 7 minutes.
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Sequence
 
 HARD_N = 400  # scenes of the demo's hard world: 20 sets per controlled test
 TESTS = ("toyworld-controlled-A", "toyworld-controlled-B")
 SCORES = ("text", "image", "group")
-
-
-def hard_world(out: Path, n: int, seed: int, holdout: Sequence[str] = (), say=print) -> Path:
-    """The hard world at ``out`` (reused when its meta says the same n, seed and holdout; else generated anew)."""
-    from extract.data import hardworld
-
-    meta = out / "meta.json"
-    if meta.is_file():
-        try:
-            m = json.loads(meta.read_text())
-            if (m.get("hard"), m.get("n"), m.get("seed"), sorted(m.get("holdout") or [])) == (True, n, seed,
-                                                                                             sorted(holdout)):
-                say(f"  reusing the hard world {out} ({n} scenes, seed {seed})")
-                return out
-        except (OSError, ValueError):
-            pass
-    shutil.rmtree(out, ignore_errors=True)
-    summary = hardworld.generate(out, n, seed, holdout=",".join(holdout), workers=1)
-    say(f"  hard world: {n} scenes, seed {seed} -> {out} ({summary['seconds']:.1f} s)")
-    return out
 
 
 def controlled_rows(results: dict) -> list[dict]:
@@ -76,9 +54,11 @@ def hard_controlled(out: Path, models: Sequence[tuple[str, str | None]], *, n: i
     """Generate the small hard world under ``out / "hardworld"`` and score ``models`` ((model, pretrained) pairs as
     ``train.eval`` takes them; the first one's text tower gives the text-only floor) on its controlled tests;
     returns ``{"world", "rows", "markdown", "reports"}``."""
+    from extract.data import toyworld
     from train.eval.evaluate import EvaluateOptions, evaluate
 
-    world = hard_world(out / "hardworld", n, seed, holdout, say=say)
+    world = toyworld.ensure(out / "hardworld", n, seed, say=lambda line: say("  " + line), replace=True,
+                            holdout=holdout, hard=True)
     result = evaluate(EvaluateOptions(model=[m for m, _ in models], pretrained=[p for _, p in models],
                                       data=str(world), tasks="compositional", out=str(out / "hardworld-eval"),
                                       device=device, seed=seed))

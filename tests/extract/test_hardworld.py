@@ -229,3 +229,17 @@ def test_the_default_world_is_never_written_over_a_hard_world_of_the_same_size_a
     with pytest.raises(ValueError, match="not the toy world asked for"):
         tw.ensure(tmp_path / "w", n=20, seed=0, say=lambda line: None)
     assert json.loads((tmp_path / "w" / "meta.json").read_text())["hard"] is True
+
+
+def test_ensure_makes_a_hard_world_once_and_tells_it_from_a_version_2_one(tmp_path):
+    lines, out = [], tmp_path / "hw"
+    tw.ensure(out, 40, 0, say=lines.append, hard=True)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["hard"] is True and meta["n"] == 40 and (out / "controlled_b.json").is_file()
+    stamp = (out / "meta.json").stat().st_mtime_ns
+    tw.ensure(out, 40, 0, say=lines.append, hard=True)
+    assert "reused" in lines[-1] and (out / "meta.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="not the toy world asked for"):
+        tw.ensure(out, 40, 0, say=lines.append)  # a version-2 world asked for: never silently the hard one
+    tw.ensure(out, 40, 1, say=lines.append, hard=True, replace=True)
+    assert json.loads((out / "meta.json").read_text())["seed"] == 1

@@ -148,6 +148,17 @@ def mask_of(shape: str, box: Sequence[int], size: int) -> np.ndarray:
     return np.asarray(image) > 0
 
 
+def visible_masks(objects: Sequence[dict], size: int) -> list[np.ndarray]:
+    """Each object's visible pixels (boolean ``size`` x ``size``): its own, less those of the objects drawn after it."""
+    covered = np.zeros((size, size), dtype=bool)
+    out = [covered] * len(objects)
+    for k in range(len(objects) - 1, -1, -1):  # front to back
+        mask = mask_of(objects[k]["shape"], objects[k]["box"], size)
+        out[k] = mask & ~covered
+        covered = covered | mask
+    return out
+
+
 def _centre(box: Sequence[int]) -> tuple[float, float]:
     return (box[0] + box[2]) / 2.0, (box[1] + box[3]) / 2.0
 

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 from extract.components.regions import masks_to_grid, preprocess_geometry
-from extract.components.toy_segmenter import ToySegmenter, connected_components
-from extract.data import toyworld
+from extract.components.toy_segmenter import ToySegmenter, check_world, connected_components, main
+from extract.data import hardworld, toyworld
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,10 @@ def test_connected_components_8_neighbours_in_raster_order():
     assert n == 4  # the diagonal pair joins; the right column is one; two more below
     assert labels.tolist() == [[1, 0, 0, 2], [0, 1, 0, 2], [0, 0, 0, 0], [3, 3, 0, 4]]
     assert connected_components(np.zeros((3, 3), bool))[1] == 0
+    # with classes, touching runs of two colours stay apart and one colour joins only itself
+    classes = np.array([[0, 0, 1, 1]] * 2)
+    labels, n = connected_components(np.ones((2, 4), bool), classes=classes)
+    assert n == 2 and labels.tolist() == [[1, 1, 2, 2], [1, 1, 2, 2]]
 
 
 def test_one_mask_per_object_equal_to_its_pixels(world):
@@ -55,6 +59,51 @@ def test_one_mask_per_object_equal_to_its_pixels(world):
         for pixels in truth:  # each object is exactly one mask
             assert sum(bool((m == pixels).all()) for m in found.masks) == 1
     assert len(ToySegmenter(max_masks=1).generate(Image.open(world / scenes[0]["file_name"]))) <= 1
+
+
+@pytest.fixture(scope="module")
+def hard_world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toyseg") / "hard"
+    hardworld.generate(root, 30, seed=4, workers=1)
+    return root
+
+
+def test_hard_world_masks_are_visible_pixels_of_one_colour(hard_world):
+    """On the hard world (textured backgrounds, overlaps) each mask is a run of one object colour, and each
+    object's visible pixels are one mask, part of one mask it shares with a touching object of its colour, or
+    split into masks that each lie within them; no background pixel enters a mask."""
+    scenes = json.loads((hard_world / "annotations.json").read_text())["scenes"]
+    seg, kinds = ToySegmenter(), {"exact": 0, "shared": 0, "split": 0}
+    for scene in scenes:
+        image = Image.open(hard_world / scene["file_name"])
+        found = seg.generate(image).masks
+        rgb = np.asarray(image.convert("RGB"))
+        visible = hardworld.visible_masks(scene["objects"], scene["width"])
+        drawn = np.any(visible, axis=0)
+        assert not (found.any(0) & ~drawn).any()  # the background never
+        for m in found:
+            assert len({tuple(p) for p in rgb[m]}) == 1
+        for obj, pixels in zip(scene["objects"], visible):
+            holding = [m for m in found if (m & pixels).any()]
+            assert holding and all((rgb[m] == toyworld.COLOURS[obj["colour"]]).all() for m in holding)
+            if len(holding) > 1:
+                kinds["split"] += 1
+                assert all(not (m & ~pixels).any() for m in holding)
+            elif np.array_equal(holding[0], pixels):
+                kinds["exact"] += 1
+            else:
+                kinds["shared"] += 1
+                assert not (pixels & ~holding[0]).any()
+    assert kinds["exact"] > 0.85 * sum(kinds.values())
+    assert check_world(hard_world) == {"objects": sum(kinds.values()), **kinds}
+
+
+def test_check_command_counts_and_refuses_a_folder_without_a_world(hard_world, tmp_path, capsys):
+    assert main(["--data", str(hard_world), "--limit", "5"]) == 0
+    assert "objects: exact" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--data", str(tmp_path)])
+    assert "python -m extract.data.toyworld" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -189,6 +189,16 @@ def test_variants_are_columns_of_their_method_with_their_own_settings(tmp_path, 
     assert table.columns == ["{name} (control)"] * 2 + ["{name}"] * 3 + ["{name} (tuned)"] * 2
     assert table.result_labels[:3] == ["{name} (control) seed 0", "{name} (control) seed 1", "{name}"]
     assert CompareOptions(data=str(world), methods=["powerclip"], reference="powerclip").reference_key() == "powerclip"
+
+    # --methods none: only the variants' columns (a fine-tune and its control, without the frozen head's)
+    evaluated.clear(), trained.clear()
+    compare(parse_args(["--data", str(world), "--out", str(tmp_path / "n"), "--methods", "none", "--reference",
+                        "control", "--variant", "tuned=powerclip --unfreeze",
+                        "--variant", "control=powerclip --unfreeze --lam 0"]))
+    assert [o.out for o in trained] == [str(tmp_path / "n" / k) for k in ("powerclip-tuned", "powerclip-control")]
+    assert evaluated[0].columns == ["{name} (control)", "{name}", "{name} (tuned)"]
+    with pytest.raises(ValueError, match="none: only the --variant columns"):
+        CompareOptions(data=str(world), methods="none")
     with pytest.raises(ValueError, match="--reference 'ctrl': no such column"):
         CompareOptions(data=str(world), methods=["powerclip"], reference="ctrl")
 

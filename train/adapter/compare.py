@@ -103,7 +103,8 @@ class CompareOptions(SourceOptions):
 
     data: str | None = option(None, help="training data, required (a toy-world folder gives train/val/test splits)")
     out: str = option("runs/compare", help="output folder: one run folder per method, the table, compare.json")
-    methods: Any = option("all", help=f"comma list from {', '.join(ADAPTERS.names())}, or all")
+    methods: Any = option("all", help=f"comma list from {', '.join(ADAPTERS.names())}, all, or none (only the "
+                                      "--variant columns)")
     base: str = option("tiny", help="backbone alias or open_clip model name")
     pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
     epochs: int = option(10, type=positive_int, help="training epochs of every adapter")
@@ -139,14 +140,15 @@ class CompareOptions(SourceOptions):
         names = ADAPTERS.names()
         methods = self.methods
         if isinstance(methods, str):
-            methods = names if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+            named = {"all": names, "none": []}
+            methods = named[methods] if methods in named else [m.strip() for m in methods.split(",") if m.strip()]
         self.methods = list(methods)
-        unknown = [m for m in self.methods if m not in names]
-        if unknown or not self.methods:
-            raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
-                             f"{', '.join(names)}")
         self.variants = [*self.variants, *(parse_variant(v) for v in self.variant)]
         self.variant = []  # parsed into variants (once)
+        unknown = [m for m in self.methods if m not in names]
+        if unknown or not (self.methods or self.variants):
+            raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; choose from "
+                             f"{', '.join(names)} (none: only the --variant columns, at least one)")
         keys = [*self.methods, *(v.key for v in self.variants)]
         clash = sorted({k for k in keys if keys.count(k) > 1})
         if clash:

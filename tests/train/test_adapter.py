@@ -414,11 +414,11 @@ def test_two_processes_train_like_one_process_on_the_global_batch(root, tmp_path
 
 def test_per_rank_rng_files_are_verified(tmp_path):
     from extract.common.tensorfile import DamagedFileError
-    from train.adapter.engine import _save_rank_rng, load_rng_for_rank
+    from train.adapter.resume import load_rng_for_rank, save_rank_rng
 
     state = tmp_path / "checkpoints" / "last.safetensors"
     torch.manual_seed(7)
-    _save_rank_rng(state, 1)
+    save_rank_rng(state, 1)
     expected = torch.get_rng_state()
     assert torch.equal(load_rng_for_rank(state, 1), expected)
     rng = state.with_name("rng-rank1.safetensors")

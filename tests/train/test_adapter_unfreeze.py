@@ -405,7 +405,7 @@ def test_bucketed_gradient_all_reduce_reassembles_every_parameter(monkeypatch):
 
     import torch.distributed as dist
 
-    import train.adapter.engine as ta
+    import train.adapter.step as ta
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ accuracy on the test split), through ``train.eval``.
 Every method is trained by ``train.adapter``'s job (``train.adapter.train``) in ``OUT/<method>`` (its own logs,
 checkpoint and history); the components of all methods are extracted into one shared cache (``--components`` =
 their union), so the backbone runs over the data once for methods whose extraction options agree. Arguments after
-``--`` are ``train.adapter`` flags for every run, parsed once (``train.adapter.engine.parse_overrides``); every run's
+``--`` are ``train.adapter`` flags for every run, parsed once (``train.adapter.options.parse_overrides``); every run's
 settings are checked before the first one trains. Output: ``OUT/results.{json,md,png}`` (train.eval's report,
 one column per model) and ``OUT/compare.json`` (per method: steps, training time, held-out metrics, fitted
 inference parameters). Every adapter cell shows its difference from the frozen base with a 95% paired bootstrap
@@ -53,7 +53,7 @@ PROG = "python -m train.adapter.compare"
 
 @dataclass(frozen=True)
 class Variant:
-    """One more column of the table: ``method`` trained with ``overrides`` (``train.adapter.engine.AdapterOptions`` fields,
+    """One more column of the table: ``method`` trained with ``overrides`` (``train.adapter.options.AdapterOptions`` fields,
     as :attr:`CompareOptions.overrides`, applied after them; ``head_config`` / ``extract_options`` merge key by
     key), shown as ``<base> + <method> (<label>)``."""
 
@@ -69,10 +69,10 @@ class Variant:
 
 def parse_variant(text: str) -> Variant:
     """``--variant "LABEL=METHOD [train.adapter flags]"`` as a :class:`Variant` (the flags through
-    ``train.adapter.engine.parse_overrides``, which exits with status 2 on a bad one)."""
+    ``train.adapter.options.parse_overrides``, which exits with status 2 on a bad one)."""
     import shlex
 
-    from train.adapter.engine import parse_overrides
+    from train.adapter.options import parse_overrides
 
     label, sep, rest = str(text).partition("=")
     words = shlex.split(rest)
@@ -97,7 +97,7 @@ def merge_overrides(first: dict, then: dict) -> dict:
 @dataclass
 class CompareOptions(SourceOptions):
     """What ``python -m train.adapter.compare`` does, as data. ``methods``: "all", a comma string or a list of
-    registered names (a list after construction). ``overrides``: ``train.adapter.engine.AdapterOptions`` fields set in
+    registered names (a list after construction). ``overrides``: ``train.adapter.options.AdapterOptions`` fields set in
     every run (the command line's arguments after ``--``), e.g. ``{"lr": 1e-4, "head_config": {"dropout": 0.0},
     "extract_options": {"max_entities": 5}}``; they win over the fields this job sets."""
 
@@ -172,7 +172,7 @@ def build_parser() -> Parser:
 
 def parse_args(argv: Sequence[str] | None = None) -> CompareOptions:
     """The command line as CompareOptions; arguments after ``--`` become ``overrides``."""
-    from train.adapter.engine import parse_overrides
+    from train.adapter.options import parse_overrides
 
     argv = list(argv if argv is not None else sys.argv[1:])
     extra: list[str] = []
@@ -205,12 +205,12 @@ def columns(opts: CompareOptions) -> list[tuple[str, str, dict, str | None]]:
 
 
 def adapter_runs(opts: CompareOptions) -> list:
-    """``(column key, resolved train.adapter.engine.AdapterOptions)`` per column and seed (:func:`columns` in order, seeds
+    """``(column key, resolved train.adapter.options.AdapterOptions)`` per column and seed (:func:`columns` in order, seeds
     ``seed`` .. ``seed + seeds - 1``): shared data, backbone, schedule and cache (with the union of the methods'
     components; the seed changes no extraction setting, so every seed reads the same cache), then
     ``opts.overrides``, then a variant's own. Raises ValueError (naming the column) when any run's settings are
     refused, before anything trains."""
-    from train.adapter.engine import AdapterOptions, resolve
+    from train.adapter.options import AdapterOptions, resolve
 
     out = Path(opts.out)
     components = sorted({c for _, m, _, _ in columns(opts) for c in ADAPTERS.get(m).components})

@@ -44,7 +44,7 @@ def listed_images(spec, split: str | None = None, **options) -> int | None:
 def extraction_options(opts, data, split: str | None = None, *, device: str | None = None,
                        workers: int | None = None):
     """The ``python -m extract`` options (an ``extract.pipeline.ExtractOptions``) of one cache of the adapter run
-    ``opts`` (a ``train.adapter.engine.AdapterOptions``): its backbone, components, pass-through extraction options,
+    ``opts`` (a ``train.adapter.options.AdapterOptions``): its backbone, components, pass-through extraction options,
     data-source options, batch size and precision into ``opts.cache_dir``; ``data`` / ``split`` name the source,
     ``device`` / ``workers`` say how it runs (neither changes the cache; default workers: extract's)."""
     from extract.options import DEFAULT_WORKERS, ExtractOptions

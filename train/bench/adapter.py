@@ -183,7 +183,7 @@ def train_epoch(head, cache: FeatureCache, batch_size: int, device, seed: int, m
     """One epoch of the training loop's steps over the cache; returns seconds, steps, samples, step seconds."""
     from accelerate import Accelerator
 
-    from train.adapter.engine import AdapterRun, compute_gradients, optimizer_step
+    from train.adapter.step import AdapterRun, compute_gradients, optimizer_step
 
     ns = argparse.Namespace(grad_clip=0.0)
     ctx = AdapterRun(Accelerator(cpu=torch.device(device).type == "cpu"), 0, 1, torch.device(device), None)

@@ -128,3 +128,43 @@ def test_no_two_modules_import_each_other():
     """Within a package too: two modules that import each other are one concept split in two, or a helper in the
     wrong one (as scoring / adapter_scorer and the index layout / FAISS types were)."""
     assert module_cycles() == []
+
+
+#: inside train/, each part may import those before it (the README's Layout lists them in this order); a module
+#: at train/'s top level other than the demo's is shared by all of them and imports none
+TRAIN_ORDER = ("train.bad_steps", "train.measure", "train.eval", "train.adapter", "train.pretrain", "train.bench",
+               "train.demo_hard", "train.demo")
+TRAIN_PEERS = {"train.adapter": {"train.pretrain"}, "train.pretrain": {"train.adapter"}}  # neither imports the other
+
+
+def train_part(module: str) -> str | None:
+    """The part of train/ ``module`` belongs to (``train.adapter.engine`` -> ``train.adapter``), None outside."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "train" and len(parts) > 1 else None
+
+
+def train_violations(module: str, source: str, where: str = "<source>") -> list[str]:
+    """The imports of ``source`` (a module of train/) that reach a part of train/ after its own in
+    :data:`TRAIN_ORDER`, or a peer it must not import."""
+    own = train_part(module)
+    if own not in TRAIN_ORDER:
+        return [f"{where}: {own} is not in TRAIN_ORDER: place it"]
+    allowed = set(TRAIN_ORDER[:TRAIN_ORDER.index(own) + 1]) - TRAIN_PEERS.get(own, set())
+    return [f"{where}:{line} imports {name}" for line, name in imported(source)
+            if train_part(name) is not None and train_part(name) not in allowed]
+
+
+def test_train_parts_import_in_one_direction():
+    """Function-level imports count: hiding an import inside a function does not change its direction."""
+    bad = []
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        if module == "train":
+            continue
+        bad += train_violations(module, path.read_text(), str(path.relative_to(ROOT)))
+    assert not bad, "\n".join(bad)
+    hidden = "def report():\n    from train.bench.nla import make_batch\n"
+    assert train_violations("train.eval.nla_report", hidden) == ["<source>:2 imports train.bench.nla"]
+    assert train_violations("train.adapter.engine", "from train.pretrain.engine import train\n") == [
+        "<source>:1 imports train.pretrain.engine"]
+    assert train_violations("train.bench.adapter", "from train.adapter.step import AdapterRun\n") == []

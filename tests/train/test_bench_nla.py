@@ -10,7 +10,9 @@ import torch
 
 from adapters.losses.contrastive import clip_loss, triplet_rows
 from adapters.losses.nla import NLAConfig, PowerCLIPLossConfig, exact_pair_similarities, pair_scale
+from train import measure
 from train.bench import nla as nb
+from train.eval import nla_batches
 
 TOY = ["--batch", "6", "--k", "4", "--dim", "16", "--m-low", "2", "--m-high", "4", "--exact-m", "4",
        "--exact-batch", "4", "--mem-batch", "24", "--mem-m", "3", "--chunk-size", "5", "--repeats", "1"]
@@ -63,7 +65,7 @@ def test_paired_ratio_alternates_and_takes_the_median_round(monkeypatch):
 
 
 def test_exact_loss_equals_hand_composition():
-    batch = nb.make_batch(5, 3, 4, 8, seed=2, requires_grad=False)
+    batch = nla_batches.make_batch(5, 3, 4, 8, seed=2, requires_grad=False)
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     cfg = PowerCLIPLossConfig(lam=0.4, margin=0.1, w_t2r=0.3, w_r2t=0.7)
     t2r, r2t = exact_pair_similarities(batch["regions"], batch["region_mask"], batch["nodes"], batch["node_mask"])
@@ -71,45 +73,45 @@ def test_exact_loss_equals_hand_composition():
     pos = torch.arange(5)
     want = clip_loss(batch["image_features"], batch["text_features"], 100.0) + 0.4 * (
         triplet_rows(s, pos, 0.1) + triplet_rows(s.T, pos, 0.1))
-    assert nb.exact_loss(batch, cfg).item() == pytest.approx(want.item(), rel=1e-5)
+    assert nla_batches.exact_loss(batch, cfg).item() == pytest.approx(want.item(), rel=1e-5)
 
 
 def test_nla_loss_approaches_exact_loss_with_tiny_tau_on_t2r():
-    batch = nb.make_batch(6, 4, 5, 8, seed=3)
+    batch = nla_batches.make_batch(6, 4, 5, 8, seed=3)
     cfg = PowerCLIPLossConfig(w_t2r=1.0, w_r2t=0.0, margin=0.5, nla=NLAConfig(1e-5, 1e-5, 0.75))
-    assert nb.nla_loss(batch, cfg).item() == pytest.approx(nb.exact_loss(batch, cfg).item(), abs=1e-4)
+    assert nla_batches.nla_loss(batch, cfg).item() == pytest.approx(nla_batches.exact_loss(batch, cfg).item(), abs=1e-4)
     # ... and both step functions leave finite gradients on every input
     for kind in ("nla", "exact"):
-        nb.loss_step(kind, batch, replace(cfg, w_r2t=0.5))
+        nla_batches.loss_step(kind, batch, replace(cfg, w_r2t=0.5))
         assert all(torch.isfinite(batch[k].grad).all() for k in ("regions", "nodes", "image_features"))
 
 
 @pytest.mark.parametrize("p", [1, 2, 5, 9])
 def test_random_tree_is_a_binary_span_tree(p):
-    tree = nb.random_tree(p, torch.Generator().manual_seed(p))
+    tree = nla_batches.random_tree(p, torch.Generator().manual_seed(p))
     assert tree.shape == (2 * p - 1, p)
     assert len({tuple(r.tolist()) for r in tree}) == 2 * p - 1  # distinct nodes
     for row in tree:  # every node a contiguous span
         idx = row.nonzero().flatten()
         assert (idx == torch.arange(idx[0], idx[-1] + 1)).all()
     assert tree[:p].sum(-1).eq(1).all() and tree[-1].all()  # leaves first, root last
-    assert nb.random_tree(p, torch.Generator().manual_seed(0), max_nodes=3).shape[0] == min(3, 2 * p - 1)
+    assert nla_batches.random_tree(p, torch.Generator().manual_seed(0), max_nodes=3).shape[0] == min(3, 2 * p - 1)
 
 
 def test_make_batch_shapes():
-    b = nb.make_batch(3, 4, 16, 8, seed=0)
+    b = nla_batches.make_batch(3, 4, 16, 8, seed=0)
     assert b["regions"].shape == (3, 4, 8) and b["nodes"].shape == (3, 16, 8) and b["node_sizes"].shape == (3, 16)
     assert b["regions"].requires_grad and not b["region_mask"].requires_grad
     torch.testing.assert_close(b["regions"].norm(dim=-1), torch.ones(3, 4))
 
 
 def test_peak_growth_sees_a_known_allocation():
-    if nb.rss_method() != "hwm-reset":
+    if measure.rss_method() != "hwm-reset":
         pytest.skip("this kernel does not let a process reset its RSS high-water mark")
-    with nb.peak_growth() as big:
+    with measure.peak_growth() as big:
         x = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
         del x
-    with nb.peak_growth() as small:
+    with measure.peak_growth() as small:
         y = torch.ones(2 * 2**20 // 4)
         del y
     assert big["method"] == "hwm-reset"
@@ -118,9 +120,9 @@ def test_peak_growth_sees_a_known_allocation():
 
 
 def test_load_warning_only_when_busy():
-    assert nb.load_warning({"load_1min": 0.5, "cpus": 2, "busy": False}, 2) is None
-    msg = nb.load_warning({"load_1min": 5.0, "cpus": 2, "busy": True}, 2)
+    assert measure.load_warning({"load_1min": 0.5, "cpus": 2, "busy": False}, 2) is None
+    msg = measure.load_warning({"load_1min": 5.0, "cpus": 2, "busy": True}, 2)
     assert "busy" in msg and "--threads 1" in msg
-    assert "--threads 1" not in nb.load_warning({"load_1min": 5.0, "cpus": 2, "busy": True}, 1)
-    load = nb.machine_load()
+    assert "--threads 1" not in measure.load_warning({"load_1min": 5.0, "cpus": 2, "busy": True}, 1)
+    load = measure.machine_load()
     assert load["cpus"] >= 1 and (load["busy"] is None or isinstance(load["busy"], bool))

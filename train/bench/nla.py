@@ -10,15 +10,8 @@
     ``nla_t1`` / ``nla_t2`` under autograd, with and without ``torch.utils.checkpoint``: forward + backward at
     the (a) batch and M = 10, as reference time over fused time.
 
-How memory is measured (CPU): PyTorch's CPU allocator keeps no statistics and ``tracemalloc`` does not see
-it, so the process's resident set is read from ``/proc/self/status``: free heap pages are handed back to the
-kernel (``malloc_trim``), the kernel's high-water mark is reset (``echo 5 > /proc/self/clear_refs``), the
-work runs, and the peak growth is ``VmHWM - VmRSS`` at the reset. That counts every page the work touched,
-PyTorch's temporaries included, and nothing allocated before. Where the reset is not allowed (non-Linux,
-some sandboxes) the growth of ``ru_maxrss`` in a fresh process is used instead and the output says so. On
-CUDA the allocator's own peak (``torch.cuda.max_memory_allocated``) is used.
-
-The helpers here (batches, the exact loss, timing, peak memory) are shared with ``train.eval.nla_report``.
+The batches and the two losses are ``train.eval.nla_batches``'s; timing, peak memory (how CPU memory is measured)
+and the machine's load are ``train.measure``'s, shared with ``train.eval.nla_report``.
 """
 from __future__ import annotations
 
@@ -29,178 +22,17 @@ import resource
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from adapters.losses.contrastive import clip_loss, triplet_rows
 from extract.common.cli import JobFailed, Parser, help_description, run_job
 from extract.common.config import positive_int
-from extract.common.memory import reset_peak, status_kib, trim_heap
-from adapters.losses.nla import (NLAConfig, PowerCLIPLoss, PowerCLIPLossConfig, pair_scale, pair_similarities,
-                          r2t_exact)
-
-GIB = 1 << 30
-MIB = 1 << 20
-
-
-# --------------------------------------------------------------------------------------------- batches
-def random_tree(n_leaves: int, gen: torch.Generator, max_nodes: int | None = None) -> torch.Tensor:
-    """A random binary constituency-style tree over ``n_leaves`` ordered leaves: node_leaves [K, P] (bool).
-
-    Built bottom-up by merging a random pair of adjacent spans until one remains, so every node is a
-    contiguous span and K = 2P - 1 (leaves first, the root last); ``max_nodes`` keeps the first K nodes.
-    """
-    spans = [(p, p + 1) for p in range(n_leaves)]
-    nodes = list(spans)
-    while len(spans) > 1:
-        k = int(torch.randint(len(spans) - 1, (1,), generator=gen))
-        merged = (spans[k][0], spans[k + 1][1])
-        spans[k:k + 2] = [merged]
-        nodes.append(merged)
-    nodes = nodes[:max_nodes] if max_nodes else nodes
-    out = torch.zeros(len(nodes), n_leaves, dtype=torch.bool)
-    for j, (a, b) in enumerate(nodes):
-        out[j, a:b] = True
-    return out
-
-
-def make_batch(b: int, m: int, k: int, d: int, *, seed: int = 0, device: str | torch.device = "cpu",
-               requires_grad: bool = True) -> dict[str, torch.Tensor]:
-    """A PowerCLIP loss batch of random unit vectors: global features [b, d], regions [b, M, d] (unit),
-    nodes [b, K, d] = sums of unit leaf embeddings over a random binary tree (K nodes from ceil((K+1)/2)
-    leaves), node sizes [b, K]; every region and node valid. Leaf tensors require grad when asked."""
-    g = torch.Generator().manual_seed(seed)
-    p = (k + 2) // 2
-    tree = random_tree(p, g, max_nodes=k)  # [K', P], K' = min(K, 2P - 1) = K
-    leaves = F.normalize(torch.randn(b, p, d, generator=g), dim=-1)
-    out = {"image_features": F.normalize(torch.randn(b, d, generator=g), dim=-1),
-           "text_features": F.normalize(torch.randn(b, d, generator=g), dim=-1),
-           "regions": F.normalize(torch.randn(b, m, d, generator=g), dim=-1),
-           "region_mask": torch.ones(b, m, dtype=torch.bool),
-           "nodes": torch.einsum("kp,bpd->bkd", tree.float(), leaves),
-           "node_mask": torch.ones(b, len(tree), dtype=torch.bool),
-           "node_sizes": tree.sum(-1).float().expand(b, -1).contiguous()}
-    out = {key: v.to(device) for key, v in out.items()}
-    if requires_grad:
-        for key in ("image_features", "text_features", "regions", "nodes"):
-            out[key].requires_grad_()
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ losses
-def exact_loss(batch: dict[str, torch.Tensor], cfg: PowerCLIPLossConfig, logit_scale: float = 100.0) -> torch.Tensor:
-    """The PowerCLIP objective of :class:`adapters.losses.nla.PowerCLIPLoss` (one rank) with the exact similarities
-    in place of the NLAs: T2R by its closed form ``mean_B sum_m relu(Q_{m,B})`` (= ``t2r_exact``, tested),
-    R2T by enumerating the 2^M subsets (``r2t_exact``; memory B^2 2^M K under autograd). The naive baseline
-    of PowerCLIP Fig. 9, made as cheap as exactness allows."""
-    b = batch
-    clip = clip_loss(b["image_features"], b["text_features"], logit_scale)
-    q = torch.einsum("imd,jkd->ijmk", b["regions"].float(), b["nodes"].float())  # [Bi, Bj, M, K]
-    rm, nm = b["region_mask"][:, None, :], b["node_mask"][None, :, :]
-    relu = (q.clamp_min(0) * rm[..., None]).sum(-2)  # [Bi, Bj, K]
-    nmf = nm.float()
-    t2r = (relu * nmf).sum(-1) / nmf.sum(-1).clamp_min(1)
-    r2t = r2t_exact(q, rm, nm)
-    s = cfg.w_t2r * t2r + cfg.w_r2t * r2t
-    if cfg.normalize:
-        s = s / pair_scale(b["region_mask"], b["node_mask"], b.get("node_sizes"))
-    pos = torch.arange(len(s), device=s.device)
-    return clip + cfg.lam * (triplet_rows(s, pos, cfg.margin, hardest=cfg.hardest)
-                             + triplet_rows(s.T, pos, cfg.margin, hardest=cfg.hardest))
-
-
-def nla_loss(batch: dict[str, torch.Tensor], cfg: PowerCLIPLossConfig, logit_scale: float = 100.0) -> torch.Tensor:
-    b = batch
-    return PowerCLIPLoss(cfg)(b["image_features"], b["text_features"], logit_scale, b["regions"], b["region_mask"],
-                              b["nodes"], b["node_mask"], b.get("node_sizes"))["loss"]
-
-
-LOSSES: dict[str, Callable] = {"nla": nla_loss, "exact": exact_loss}
-
-
-def loss_step(kind: str, batch: dict[str, torch.Tensor], cfg: PowerCLIPLossConfig) -> float:
-    """One forward + backward of the ``kind`` loss; returns the loss value. Gradients are cleared first."""
-    for v in batch.values():
-        if v.grad is not None:
-            v.grad = None
-    loss = LOSSES[kind](batch, cfg)
-    loss.backward()
-    return float(loss.detach())
-
-
-# ------------------------------------------------------------------------------------- timing / memory
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], device: str | torch.device = "cpu", *, repeats: int = 5,
-              warmup: int = 1) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    device = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def rss_method() -> str:
-    """How :func:`peak_growth` measures CPU memory in this process ('hwm-reset' or 'unavailable')."""
-    return "hwm-reset" if reset_peak() else "unavailable"
-
-
-@contextmanager
-def peak_growth(device: str | torch.device = "cpu"):
-    """``with peak_growth(dev) as peak: work()`` then ``peak["bytes"]``: the peak memory the work added on
-    top of what was allocated before it (CUDA: allocator peak; CPU: resident-set high-water mark, see the
-    module docstring). ``peak["bytes"]`` is None where it cannot be measured honestly in-process."""
-    device = torch.device(device)
-    out: dict[str, object] = {"bytes": None, "method": None}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        yield out
-        torch.cuda.synchronize(device)
-        out.update(bytes=torch.cuda.max_memory_allocated(device) - base, method="cuda-allocator")
-        return
-    trim_heap()
-    ok = reset_peak()
-    base = status_kib("VmRSS") if ok else None
-    yield out
-    if ok and base is not None:
-        out.update(bytes=max(0, (status_kib("VmHWM") or base) - base) * 1024, method="hwm-reset")
-    else:
-        out["method"] = "unavailable"
-
-
-def machine_load() -> dict:
-    """1-minute load average against the CPU count; timings taken while other processes compete for the
-    cores (OpenMP threads then wait on each other) can be off by an order of magnitude."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return {"load_1min": None, "cpus": os.cpu_count(), "busy": None}
-    cpus = os.cpu_count() or 1
-    return {"load_1min": load, "cpus": cpus, "busy": load > 0.75 * cpus}
-
-
-def load_warning(load: dict, threads: int) -> str | None:
-    if not load["busy"]:
-        return None
-    return (f"warning: the machine is busy (load {load['load_1min']:.1f} on {load['cpus']} CPUs): timings are "
-            f"unreliable{'; --threads 1 suffers least from the contention' if threads > 1 else ''}")
+from extract.common.memory import status_kib
+from adapters.losses.nla import NLAConfig, PowerCLIPLossConfig, pair_similarities
+from train.eval.nla_batches import loss_step, make_batch
+from train.measure import GIB, MIB, load_warning, machine_load, peak_growth, sync
 
 
 # ------------------------------------------------------------------------------------ the three figures
@@ -213,10 +45,10 @@ def paired_ratio(fn_num: Callable[[], object], fn_den: Callable[[], object], dev
     num, den = [], []
     for _ in range(max(1, rounds)):
         for fn, acc in ((fn_num, num), (fn_den, den)):
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             acc.append(time.perf_counter() - t)
     ratios = sorted(a / b for a, b in zip(num, den))
     return {"ratio": ratios[len(ratios) // 2], "seconds_num": min(num), "seconds_den": min(den)}

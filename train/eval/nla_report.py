@@ -45,8 +45,8 @@ from adapters.losses.nla import (MAX_EXACT_REGIONS, PowerCLIPLossConfig, leaf_em
 from extract.common.cli import Parser, help_description, run_job, say
 from extract.common.config import fraction, nonnegative_int, parse_with_config, positive_float, positive_int, save_config
 from extract.common.memory import frozen_heap
-from train.bench.nla import (MIB, load_warning, loss_step, machine_load, make_batch, peak_growth, random_tree,
-                                 rss_method, time_call)
+from train.eval.nla_batches import loss_step, make_batch, random_tree
+from train.measure import MIB, load_warning, machine_load, peak_growth, rss_method, time_call
 
 LOG2 = math.log(2.0)
 CACHE_KEYS = ("patch_tokens", "region_masks", "region_valid", "token_embed", "token_mask", "leaf_tokens",

@@ -1,4 +1,5 @@
-"""plugvlm adapters: light heads (ComAlign, SmartCLIP, PowerCLIP NLA) and their losses.
+"""plugvlm adapters: light heads (ComAlign, the grounded relation head, SmartCLIP, PowerCLIP NLA), the pre-training
+objectives, their losses, and the scorers evaluation and serving ask.
 
 Library code: never imports ``train`` or ``serve``.
 """

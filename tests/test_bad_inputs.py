@@ -229,7 +229,7 @@ def test_a_bad_config_value_fails_the_flags_own_check(corpus, tmp_path, capsys, 
 
         argv = ["--method", "comalign", "--data", "x", "--out", str(tmp_path), "--config", str(path)]
     else:
-        from train.pretrain.engine import parse_args
+        from train.pretrain.options import parse_args
 
         argv = ["--data", "x", "--config", str(path)]
     with pytest.raises(SystemExit) as e:

@@ -119,7 +119,8 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoOptions:
 def _pretrain_base(opts: DemoOptions, world: Path, out: Path) -> str:
     """CLIP pre-training of the tiny base on the toy world's train split; reused when ``out`` already holds one
     trained with these settings (its model.json says how it was trained)."""
-    from train.pretrain.engine import PretrainOptions, pretrain
+    from train.pretrain.options import PretrainOptions
+    from train.pretrain.engine import pretrain
 
     popts = PretrainOptions(method="clip", model=opts.base, data=str(world), epochs=opts.pretrain_epochs,
                             batch_size=opts.pretrain_batch_size, seed=opts.seed, out=str(out), workers=opts.workers,

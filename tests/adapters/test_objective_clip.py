@@ -10,7 +10,7 @@ from adapters.registry import PRETRAIN
 
 @pytest.fixture(scope="module")
 def model():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     return create_model("plugvlm-tiny", False, 0)[0]
 

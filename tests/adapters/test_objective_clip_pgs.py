@@ -77,7 +77,7 @@ def test_ratio_bounds_hold_for_every_image():
 
 
 def test_objective_trains_on_selected_patches():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     model, _, _, tok = create_model("plugvlm-tiny", False, 0)
     obj = PRETRAIN.get("clip-pgs")(PGSConfig(0.3, 0.5))

@@ -84,7 +84,7 @@ def test_loss_is_symmetric_infonce_on_both_directions():
 def test_filip_objective_masks_start_of_text_and_padding():
     from adapters.objectives.base import StepContext
     from adapters.registry import PRETRAIN
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     model, _, _, tok = create_model("plugvlm-tiny", False, 0)
     obj = PRETRAIN.get("filip")()

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def model():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     return create_model("plugvlm-tiny", False, 0)
 
@@ -126,7 +126,8 @@ def test_a_run_with_negatives_records_them(toy, tmp_path, capsys):
 def test_negatives_never_come_from_an_evaluation_split(toy, tmp_path, model):
     """The vocabulary is the training captions': a word only the validation data has never appears, and on a toy
     world no negative names a held-out combination."""
-    from train.pretrain.engine import PretrainOptions, fill_vocabulary, with_hard_negatives
+    from train.pretrain.options import PretrainOptions
+    from train.pretrain.engine import fill_vocabulary, with_hard_negatives
     from train.pretrain.data import SeededTransform, build_train_data
 
     _, _, eval_tf, tokenizer = model

@@ -17,7 +17,7 @@ CAPTIONS = ["a small red circle to the left of a blue square", "a green star", "
 
 @pytest.fixture(scope="module")
 def parts():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     model, _, _, tok = create_model("plugvlm-tiny", False, 0)
     return model, tok

@@ -12,7 +12,7 @@ from adapters.objectives.towers import (UnsupportedModelError, check_model, enco
 
 @pytest.fixture(scope="module")
 def model():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     return create_model("plugvlm-tiny", False, 0)[0].eval()
 
@@ -96,7 +96,7 @@ def test_token_mask_and_model_check(model, tok):
 
 def test_a_resnet_tower_serves_every_objective_that_does_not_choose_patches():
     from extract.models.backbone import load_backbone
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     rn = create_model("plugvlm-tiny-rn", False, 0)[0].eval()
     check_model(rn, chooses_patches=False)  # CLIP, FILIP, PowerCLIP (and each with hard negatives)
@@ -128,7 +128,7 @@ def test_step_randomness_is_per_sample_not_per_rank():
 
 
 def test_gradient_checkpointing_changes_memory_not_gradients():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     images, ids = torch.randn(2, 3, 64, 64), torch.randint(1, 400, (2, 77))
     ids[:, 10] = 49407
@@ -151,7 +151,7 @@ def test_trimmed_text_tower_equals_the_full_one():
     import open_clip
 
     from adapters.objectives.towers import encode_text
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     model = create_model("plugvlm-tiny", False, 0)[0].eval()
     ids = open_clip.get_tokenizer("plugvlm-tiny")(["a small red circle", "a blue square to the left of a green "

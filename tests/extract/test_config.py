@@ -51,7 +51,7 @@ def test_training_example_configs_parse():
     from pathlib import Path
 
     from train.adapter.engine import parse_args as adapter_args
-    from train.pretrain.engine import parse_args as pretrain_args
+    from train.pretrain.options import parse_args as pretrain_args
 
     examples = Path(__file__).resolve().parents[2] / "examples"
     a = adapter_args(["--config", str(examples / "adapter_comalign_vitb32.yaml")])

@@ -115,7 +115,7 @@ def test_masks_cache_opens_in_powerclip_s_and_covers_each_object(world, tmp_path
     from adapters.objectives.base import StepContext
     from adapters.objectives.powerclip import PowerCLIPObjective
     from extract.pipeline import build_cache
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     cache = build_cache(world, tmp_path / "masks", base=base, pretrained="none", components=["regions"],
                         regions="sam2", segmenter="toy", num_regions=6, workers=0)

@@ -263,7 +263,8 @@ def brief_filip(tmp_path_factory):
     """A tiny backbone pre-trained with FILIP for 40 steps (8 epochs of a 200-scene toy world, batch 32; ~13 CPU
     seconds): FILIP aligns patch tokens with words, so its maps localise after very little training (the README's
     measurement: 98-100% on the full demo-sized run, CLIP's 83% with surgery and 28% -- inverted -- raw)."""
-    from train.pretrain.engine import PretrainOptions, pretrain
+    from train.pretrain.options import PretrainOptions
+    from train.pretrain.engine import pretrain
 
     root = tmp_path_factory.mktemp("heatmap-filip")
     toyworld.generate(root / "train", n=200, seed=0, workers=1)

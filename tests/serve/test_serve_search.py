@@ -249,7 +249,8 @@ def served_model(setup, method: str) -> tuple[str, Path]:
 
     run = setup.root / f"{method}-1-epoch"
     if method == "filip":
-        from train.pretrain.engine import PretrainOptions, pretrain
+        from train.pretrain.options import PretrainOptions
+        from train.pretrain.engine import pretrain
 
         if not (run / "model.json").is_file():  # written after the weights
             pretrain(PretrainOptions(method="filip", model="tiny", data=str(setup.world), epochs=1, batch_size=32,

@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from train.pretrain.engine import (Trainer, build_objective, create_model, init_distributed, parse_args,  # noqa: E402
-                            resolve_architecture)
+from train.pretrain.trainer import create_model, resolve_architecture, Trainer  # noqa: E402
+from train.pretrain.options import build_objective, parse_args  # noqa: E402
+from train.pretrain.dist import init_distributed  # noqa: E402
 from train.pretrain.data import SeededTransform, build_train_data, to_device  # noqa: E402
 
 

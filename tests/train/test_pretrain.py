@@ -48,7 +48,7 @@ def _env() -> dict:
 def test_cosine_schedule_is_open_clip_trains():
     from open_clip_train.scheduler import cosine_lr as theirs
 
-    from train.pretrain.engine import cosine_lr
+    from train.pretrain.trainer import cosine_lr
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     adjust = theirs(opt, 1e-3, 7, 50)
@@ -57,7 +57,7 @@ def test_cosine_schedule_is_open_clip_trains():
 
 
 def test_weight_decay_groups_follow_open_clip():
-    from train.pretrain.engine import create_model, param_groups
+    from train.pretrain.trainer import create_model, param_groups
 
     model = create_model("plugvlm-tiny", False, 0)[0]
     groups, names = param_groups(model, 0.2)
@@ -69,7 +69,7 @@ def test_weight_decay_groups_follow_open_clip():
 
 
 def test_ranks_come_from_torchrun_or_slurm_variables(monkeypatch):
-    from train.pretrain.engine import init_distributed, world_info_from_env
+    from train.pretrain.dist import init_distributed, world_info_from_env
 
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(k, raising=False)
@@ -86,7 +86,9 @@ def test_ranks_come_from_torchrun_or_slurm_variables(monkeypatch):
 
 def test_accumulated_step_gives_the_big_batch_gradient(toy):
     """--accum-freq 2 with cached features = one micro-batch of twice the size (clip and powerclip)."""
-    from train.pretrain.engine import Dist, Trainer, build_objective, create_model, parse_args
+    from train.pretrain.dist import Dist
+    from train.pretrain.trainer import create_model, Trainer
+    from train.pretrain.options import build_objective, parse_args
     from train.pretrain.data import SeededTransform, build_train_data
 
     for method in ("clip", "powerclip"):
@@ -302,7 +304,7 @@ def test_a_resnet_tower_trains_with_clip_filip_powerclip_and_is_refused_by_patch
 @pytest.mark.parametrize("flag, value", [("--epochs", "-1"), ("--epochs", "0"), ("--lr", "-1e-3"), ("--batch-size", "0")])
 def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, flag, value):
     """--epochs -1 once exited 0 and saved an untrained model."""
-    from train.pretrain.engine import parse_args
+    from train.pretrain.options import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(_argv(toy, tmp_path / "run", flag, value))
@@ -312,7 +314,8 @@ def test_settings_that_would_train_nothing_are_refused(toy, tmp_path, capsys, fl
 
 def test_options_built_in_python_get_the_command_lines_checks(tmp_path, monkeypatch):
     """pretrain(PretrainOptions(epochs=0)) is refused as --epochs 0 is, before anything is written."""
-    from train.pretrain.engine import PretrainOptions, pretrain
+    from train.pretrain.options import PretrainOptions
+    from train.pretrain.engine import pretrain
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="epochs: expected an integer >= 1, got 0"):
@@ -331,7 +334,7 @@ def test_options_built_in_python_get_the_command_lines_checks(tmp_path, monkeypa
 
 
 def test_method_options_from_the_command_line_and_from_python_agree(toy):
-    from train.pretrain.engine import PretrainOptions, build_objective, parse_args, resolve_method_options
+    from train.pretrain.options import build_objective, parse_args, PretrainOptions, resolve_method_options
 
     cli = parse_args(["--method", "flip", "--mask-ratio", "0.75", "--num-masks", "4"])
     assert cli.method_options == {"mask_ratio": 0.75, "num_masks": 4}  # another method's flag, set: kept, unused
@@ -347,7 +350,8 @@ def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeyp
     here) is generated, the run lands in runs/pretrain-MODEL-METHOD with the toy-world epochs, the first lines say
     so, and the output reads well in a log; that folder is not overwritten by a run with other settings."""
     from extract.data import toyworld
-    from train.pretrain.engine import TOY_EPOCHS, main, parse_args
+    from train.pretrain.options import parse_args, TOY_EPOCHS
+    from train.pretrain.engine import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(toyworld, "DEFAULT_N", 40)

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _trainer(method: str, **options):
-    from train.pretrain.engine import Dist, PretrainOptions, Trainer, build_objective, create_model
+    from train.pretrain.dist import Dist
+    from train.pretrain.options import build_objective, PretrainOptions
+    from train.pretrain.trainer import create_model, Trainer
 
     model, _, _, tok = create_model("plugvlm-tiny", False, 0)
     objective = build_objective(method)

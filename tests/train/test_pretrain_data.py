@@ -24,7 +24,7 @@ def toy(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def parts():
-    from train.pretrain.engine import create_model
+    from train.pretrain.trainer import create_model
 
     _, train_tf, eval_tf, tok = create_model("plugvlm-tiny", False, 0)
     return train_tf, eval_tf, tok

@@ -115,7 +115,7 @@ class Pairs:
 
 def live_splits(args, world: Path | None) -> tuple[Pairs, np.ndarray, Pairs]:
     """(training pairs, training caption rows, held-out pairs) with the cached path's rules
-    (``train.adapter.engine.prepare_data``): a toy world's ``val`` split, else ``--val-data``, else a seeded
+    (``train.adapter.engine.load_data``): a toy world's ``val`` split, else ``--val-data``, else a seeded
     ``--val-fraction`` of the training images held out with all of their captions."""
     from extract.common.source_args import source_options
     from extract.data.toyworld import is_toyworld

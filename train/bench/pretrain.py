@@ -27,7 +27,7 @@ slows them alike -- on a shared CPU, single steps still vary by 2x, so use many 
 ``--compile`` compiles our steps' towers (``train.pretrain --compile``; the warm-up steps compile them, not
 timed); ``--fused-adamw`` chooses the optimizer kernel as ``train.pretrain`` does (auto: fused on CUDA).
 
-Everything runs through ``train.pretrain.engine.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
+Everything runs through ``train.pretrain.trainer.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
 the data already on the device: data loading is not what is compared. The default model is the papers' ViT-B/16
 (224 px, 196 patches, 12-layer text tower): the masking ratios are about how the image tower's cost scales
 with its token count, which the 64-patch, 2-layer tiny test model does not show (its step is dominated by the
@@ -130,8 +130,9 @@ class _Setup:
     def __init__(self, args: BenchmarkOptions, device: torch.device):
         import copy
 
-        from train.pretrain.engine import Dist, PretrainOptions, Trainer, build_objective, create_model, \
-            resolve_architecture
+        from train.pretrain.dist import Dist
+        from train.pretrain.options import build_objective, PretrainOptions
+        from train.pretrain.trainer import create_model, resolve_architecture, Trainer
 
         self.args, self.device = args, device
         self.arch = resolve_architecture(args.model)
@@ -176,7 +177,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _ours(setup: _Setup, name: str, batches: list[dict], steps: int, start: int) -> float:
-    from train.pretrain.engine import DDPForward
+    from train.pretrain.trainer import DDPForward
 
     trainer, obj = setup.trainer, setup.objectives[name]
     trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
@@ -197,7 +198,7 @@ def _theirs_runner(setup: _Setup, batches: list[dict]):
     from open_clip_train.scheduler import cosine_lr as oc_cosine_lr
     from open_clip_train.train import train_one_epoch
 
-    from train.pretrain.engine import param_groups
+    from train.pretrain.trainer import param_groups
 
     args, model = setup.args, setup.theirs_model
     b = len(batches[0]["image"])
@@ -226,7 +227,7 @@ def _theirs_runner(setup: _Setup, batches: list[dict]):
 def _flops(setup: _Setup, name: str, batch: dict) -> int:
     """Model FLOPs of one eager forward + backward of configuration ``name`` (open_clip's: clip's, the same math)."""
     from train.bench.mfu import count_flops
-    from train.pretrain.engine import DDPForward
+    from train.pretrain.trainer import DDPForward
 
     trainer, obj = setup.trainer, setup.objectives["clip" if name == "open_clip" else name]
     trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
@@ -240,7 +241,7 @@ def _profile(setup: _Setup, name: str, cpu_batches: list[dict], steps: int) -> d
     """Mean seconds per phase (:data:`PHASES`) over ``steps`` steps, the batch copied to the device in each."""
     from adapters.objectives.phases import PhaseTimer, phase
     from train.pretrain.data import to_device
-    from train.pretrain.engine import DDPForward
+    from train.pretrain.trainer import DDPForward
 
     trainer, obj = setup.trainer, setup.objectives[name]
     trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)

@@ -111,7 +111,7 @@ def parse_column(text: str) -> Column:
     """``"LABEL=METHOD --flag value ..."`` -> :class:`Column`; the flags are METHOD's own (``train.pretrain``'s
     groups), checked as the command line checks them."""
     from adapters.registry import PRETRAIN
-    from train.pretrain.engine import method_flags
+    from train.pretrain.options import method_flags
 
     label, sep, spec = text.partition("=")
     words = shlex.split(spec)

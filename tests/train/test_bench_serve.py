@@ -92,7 +92,7 @@ def test_json_has_every_section_with_sane_figures(bench):
 
 
 def test_paths_are_warmed_then_timed_in_interleaved_rounds_and_a_faster_wrapper_is_a_fault(monkeypatch):
-    from train.bench import serve as benchmark
+    from train.bench.serve import timing as benchmark
 
     calls = []
     clock = iter(np.arange(0.0, 1e6, 1.0))  # every reading one second later: each call "takes" one second
@@ -112,7 +112,9 @@ def test_its_index_directories_open_and_search_as_users_search_them(bench):
     ComAlign directory: the re-ranked hits are the head's own scores of the exact top K, best first."""
     from adapters.load import load_scorer
     from extract.models.backbone import load_backbone
-    from train.bench.serve import BenchmarkOptions, comalign_scorer, component_arrays, component_counts
+    from train.bench.serve.data import component_arrays, component_counts
+    from train.bench.serve.dirs import comalign_scorer
+    from train.bench.serve.options import BenchmarkOptions
     from serve.search import Searcher, cache_keys, encode_arrays
 
     plain = Searcher.open(bench.work / "index-backbone", scorer=load_scorer("tiny", "none"))
@@ -161,7 +163,7 @@ def test_bad_options_are_one_line_errors(capsys):
 def test_throughput_counts_a_query_from_every_caller_even_when_the_window_closes_first():
     """A thread that starts after the window has closed (a busy machine, the suite's 0.1 s window) still completes
     one query: a caller that never ran would read as 0 queries per second."""
-    from train.bench.serve import throughput
+    from train.bench.serve.timing import throughput
 
     seen = []
     figures = throughput(seen.append, count=3, callers=4, seconds=0.0)

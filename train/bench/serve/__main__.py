@@ -1,0 +1,3 @@
+from train.bench.serve.job import main
+
+raise SystemExit(main())

@@ -124,7 +124,8 @@ def query(opts: QueryOptions):
     an unreadable image) and the filters are checked before the model loads, so those fail in milliseconds."""
     from extract.data.images import BadCaption, BadImage, decode_image, validate_caption
     from serve.layout import read_manifest
-    from serve.search import MAX_QUERY_CHARS, QueryError, Searcher, parse_where
+    from serve.search import MAX_QUERY_CHARS, QueryError, Searcher
+    from serve.sides import parse_where
 
     check_options(opts, build_parser())
     if not opts.index:
@@ -170,12 +171,13 @@ RECALL_RERANKS = (10, 50, 100)
 
 
 def recall(opts: QueryOptions) -> tuple[object, str]:
-    """``--recall``: (searcher, the Markdown table of ``serve.search.recall_table``): served R@k, first stage and
+    """``--recall``: (searcher, the Markdown table of ``serve.recall.recall_table``): served R@k, first stage and
     re-ranked with each K of :data:`RECALL_RERANKS`, and the evaluation suite's retrieval figures computed from the
     index's feature cache (``adapters.eval.retrieval.run_retrieval_cached``: the same arrays, so with an exact index
     and K covering the collection the rows agree; a collection of several parts has no single cache and gets no
     evaluation row)."""
-    from serve.search import Searcher, recall_table
+    from serve.recall import recall_table
+    from serve.search import Searcher
     from adapters.eval.retrieval import run_retrieval_cached
 
     check_options(opts, build_parser())

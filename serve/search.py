@@ -46,27 +46,28 @@ serve.layout's ``IndexDirError`` / ``ModelMismatchError`` naming the file or bot
 ValueErrors, so ``python -m serve.query`` reports them as one line (exit status 2). Searching never writes to the
 index directory or the cache.
 
-:func:`served_recall` measures R@k of the served results on the collection itself (every caption searching
-the images, every image the captions), with the evaluation suite's protocol (``adapters.eval.retrieval``), for
-side-by-side tables with ``train.eval``.
+:func:`serve.recall.served_recall` measures R@k of the served results (``serve/recall.py``). The parts: results
+(``serve.hits``), the index directory's sides, filters and caches (``serve.sides``).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from adapters.eval.ranking import KS, rank_safe
-from adapters.scoring import Reps, cat_reps, num_items, take_reps
+from adapters.eval.ranking import rank_safe
+from adapters.scoring import Reps, num_items
 from serve import layout
 from serve.layout import IndexDirError, ModelMismatchError, model_fingerprint
+
+from serve.hits import Hit, Hits, QueryError
+from serve.sides import check_lineup, default_boxes, open_caches, open_side, Side, where_mask
+
 
 SIDES = {"image": "t2i", "text": "i2t"}  # the collection searched -> the direction of its queries
 # A search phrase, not a document: a 248-token context (Long-CLIP's, --context-length 248) holds about 1,000
@@ -78,73 +79,6 @@ RERANK_BATCH = 1024  # candidates encoded from the cache at once in stage 2
 # instead of over-fetching: an equality on an id keeps one row, which over-fetching would find only after
 # searching the whole collection.
 SUBSET_ROWS = 4096
-
-
-def _damaged(path: Path) -> str:
-    return (f"the file is damaged; python -m serve.index --verify {path.parent} checks every file of the index, then "
-            "copy it again or rebuild it")
-
-
-class QueryError(ValueError):
-    """A query that cannot be searched for (empty text, a bad image, k <= 0 ...); a ValueError, so entry points
-    report it as one line (exit status 2), like serve.layout's IndexDirError / ModelMismatchError."""
-
-
-# --------------------------------------------------------------------------------------------- results
-@dataclass
-class Hit:
-    """One result. ``row``: row of ``image.arrow`` (image hits) or ``text.arrow`` (caption hits), = the FAISS
-    id; ``id``: its ``image_id`` / ``caption_id``; ``path``: the image file (a caption hit: its image's);
-    ``text``: the caption (None for image hits); ``score``: first-stage inner product; ``rerank_score``: the
-    model's own score (None without re-ranking); ``rank_before`` / ``rank_after``: 1-based positions in the
-    filtered first-stage order and in the final order (equal without re-ranking; both count the ``offset``d
-    hits); ``metadata``: the row of the metadata table, as a dict."""
-
-    row: int
-    kind: str
-    id: str
-    path: str | None
-    text: str | None
-    score: float
-    rerank_score: float | None
-    rank_before: int
-    rank_after: int
-    metadata: dict = field(default_factory=dict)
-
-    @property
-    def final_score(self) -> float:
-        """The score the hit was ordered by: re-ranked if it was, else first-stage."""
-        return self.score if self.rerank_score is None else self.rerank_score
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class Hits(list):
-    """The hits of one search, best first (a list of :class:`Hit`), with ``notes`` (one line each: a clamped
-    k, an ignored rerank, a truncated query, a filter that left fewer hits, an approximate first stage searched
-    without re-ranking -- FILIP's) and what was asked: ``query`` (the
-    text, or the image's name), ``direction`` ("t2i": images for a text, "i2t": captions for an image), ``k``,
-    ``rerank``, ``offset`` (as used, after clamping), ``considered`` (candidates that passed the filter);
-    ``timings``: milliseconds per stage (``encode`` the query, ``first_stage`` with its filter, ``rerank``,
-    ``metadata``: the hits' rows), for the app's and /knn-service's per-stage figures. ``box_note``: set (also
-    among the notes) when the model reads ground-truth boxes and has none for the query image, which was then
-    searched by the first stage only (serve.service.box_note)."""
-
-    def __init__(self, hits: Sequence[Hit] = (), *, query: str = "", direction: str = "t2i", k: int = 0,
-                 rerank: int | None = None, offset: int = 0, considered: int = 0, notes: Sequence[str] = (),
-                 timings: Mapping[str, float] | None = None):
-        super().__init__(hits)
-        self.query, self.direction, self.k, self.rerank, self.offset = query, direction, k, rerank, offset
-        self.considered = considered
-        self.notes = list(notes)
-        self.timings = dict(timings or {})
-        self.box_note: str | None = None
-
-    def to_dict(self) -> dict:
-        return {"query": self.query, "direction": self.direction, "k": self.k, "rerank": self.rerank,
-                "offset": self.offset, "considered": self.considered, "notes": self.notes,
-                "box_note": self.box_note, "timings": self.timings, "hits": [h.to_dict() for h in self]}
 
 
 # --------------------------------------------------------------------------------------------- scorers and caches
@@ -180,199 +114,6 @@ def first_stage_vectors(scorer, reps: Reps, side: str) -> np.ndarray:
     with torch.no_grad():
         v = (scorer.first_stage_image(reps, "t2i") if side == "image" else scorer.first_stage_text(reps, "i2t"))
     return np.ascontiguousarray(v.detach().float().cpu().numpy(), dtype=np.float32)
-
-
-# --------------------------------------------------------------------------------------------- the index directory
-class _Side:
-    """One searchable collection of the index directory: its FAISS index and its metadata table."""
-
-    def __init__(self, name: str, index, table, path: Path, meta_path: Path, stage2=None, entry: dict | None = None):
-        self.name, self.index, self.table, self.path, self.meta_path = name, index, table, path, meta_path
-        self.n = int(index.ntotal)
-        self.stage2 = stage2  # serve.stage2.Stage2Store: stored re-ranking representations, or None
-        self.kind = (entry or {}).get("kind", "flat")
-        self.max_norm = (entry or {}).get("max_norm")  # None: an index built before it was recorded
-        refine = (entry or {}).get("refine")
-        # what produced a score: the index, or the index's shortlist re-scored from its vectors file
-        self.scored_by = str(path) if not refine else f"{path} (re-scored from {path.parent / refine['file']})"
-        self._columns: dict[str, np.ndarray] = {}
-
-    def check_found(self, ids: np.ndarray, scores: np.ndarray, query: np.ndarray) -> None:
-        """What FAISS returned for ``query`` is what an undamaged index can return: rows 0..n-1 (or -1: none), and
-        finite scores within the inner-product bound of the vectors' recorded largest norm (serve.faiss_index.
-        score_bound). Anything else comes from a damaged file: IndexDirError, never a ranked hit."""
-        from serve.faiss_index import score_bound
-
-        real = ids >= 0
-        bad = ids[real] >= self.n
-        if ids.min(initial=0) < -1 or bad.any():
-            row = int(ids[real][bad][0]) if bad.any() else int(ids.min())
-            raise IndexDirError(f"{self.scored_by} returned row {row} of an index of {self.n:,}: {_damaged(self.path)}")
-        found = scores[real]
-        limit = None if self.max_norm is None else score_bound(self.kind, self.max_norm,
-                                                                float(np.linalg.norm(query)))
-        wrong = ~np.isfinite(found) | (np.abs(found) > limit if limit is not None else False)
-        if wrong.any():
-            first = int(np.flatnonzero(wrong)[0])
-            raise IndexDirError(f"{self.scored_by} scored row {int(ids[real][first])} {float(found[first]):.6g}"
-                                + ("" if limit is None else f", outside the +/-{limit:.4g} its vectors allow")
-                                + f": {_damaged(self.path)}")
-
-    def column(self, name: str) -> np.ndarray:
-        if name not in self._columns:
-            self._columns[name] = layout.column_numpy(self.table.column(name))
-        return self._columns[name]
-
-    def parts(self) -> np.ndarray:
-        """[n] the part (added source) of every row; 0 throughout for a collection of one source."""
-        if "part" not in self.table.column_names:
-            return np.zeros(self.n, dtype=np.int64)
-        return self.column("part").astype(np.int64)
-
-    def rows(self, rows: Sequence[int]) -> list[dict]:
-        return self.table.take(layout.arrow_int64(rows)).to_pylist() if len(rows) else []
-
-
-def _open_side(index_dir: Path, manifest: dict, name: str) -> _Side:
-    """One side, read and checked by serve.layout (columns, rows numbered 0..n-1, counts against the manifest and
-    the index), plus what searching relies on beyond that: inner products, the model's first-stage width."""
-    from serve.faiss_index import import_faiss
-
-    faiss = import_faiss()
-    entry = layout.index_entry(manifest, name, index_dir)
-    index = layout.open_index(index_dir, name, manifest)
-    # One chunk per column: taking the hits' rows from a chunked 1M-row table cost 5.6 ms per query here, 0.04 ms
-    # after combining (more than the FAISS search itself). An Arrow file is written as one record batch, so this
-    # copies nothing and the columns stay memory-mapped; a version-1 parquet table is combined in memory.
-    table = layout.read_metadata(index_dir, name, manifest).combine_chunks()
-    index_path, meta_path = index_dir / entry["file"], index_dir / entry["metadata"]
-    problems = []
-    if index.metric_type != faiss.METRIC_INNER_PRODUCT:
-        problems.append(f"{index_path} is not an inner-product index")
-    dim = manifest["model"].get("first_stage_dim")
-    if dim is not None and index.d != int(dim):
-        problems.append(f"{index_path} holds {index.d}-d vectors, the manifest's model gives {dim}-d ones")
-    if index.ntotal != table.num_rows:
-        problems.append(f"{index_path} holds {index.ntotal} vectors, {meta_path} has {table.num_rows} rows")
-    if problems:
-        raise IndexDirError(f"index {index_dir} does not line up: " + "; ".join(problems) + "; rebuild it")
-    from serve.stage2 import Stage2Store
-
-    try:
-        stage2 = Stage2Store.open(index_dir, name, entry.get("stage2"), index.ntotal)
-    except ValueError as e:
-        raise IndexDirError(str(e)) from None
-    return _Side(name, index, table, index_path, meta_path, stage2, entry)
-
-
-def _check_lineup(index_dir: Path, sides: dict[str, _Side], caches: list | None) -> None:
-    """Metadata rows point where they should: captions at images of the index, cache rows inside their part's
-    cache and naming the same items (image / caption ids), so stage 2 re-scores the candidate it was given.
-    ``caches``: one per part (None: not checked)."""
-    import pyarrow as pa
-
-    def same(ids, rows: np.ndarray, column) -> bool:
-        """``ids[rows]`` equals ``column`` as strings, compared by Arrow (1M ids in tens of ms, where numpy's
-        object-to-str conversions took seconds)."""
-        ids = ids if isinstance(ids, (pa.Array, pa.ChunkedArray)) else layout.arrow_strings(ids)
-        taken = ids.take(layout.arrow_int64(rows))
-        chunked = [x if isinstance(x, pa.ChunkedArray) else pa.chunked_array([x]) for x in (taken, column)]
-        return chunked[0].cast(pa.large_string()).equals(chunked[1].cast(pa.large_string()))  # whatever the chunking
-
-    problems = []
-    image = sides["image"]
-    if "text" in sides:
-        text = sides["text"]
-        image_row = text.column("image_row").astype(np.int64)
-        if len(image_row) and (image_row.min() < 0 or image_row.max() >= image.n):
-            problems.append(f"{text.meta_path.name}: image_row outside 0..{image.n - 1}")
-        elif len(image_row) and not same(image.table.column("image_id"), image_row, text.table.column("image_id")):
-            problems.append(f"{text.meta_path.name}'s image_id disagrees with {image.meta_path.name}'s at image_row")
-    for name, side in sides.items():
-        if not caches:
-            break
-        rows, parts = side.column("cache_row").astype(np.int64), side.parts()
-        id_column = "image_id" if name == "image" else "caption_id"
-        if len(parts) and (parts.min() < 0 or parts.max() >= len(caches)):
-            problems.append(f"{side.meta_path.name}: part outside the manifest's {len(caches)} part(s)")
-            continue
-        for number, cache in enumerate(caches):
-            mine = parts == number
-            if not mine.any():
-                continue
-            n, ids = ((cache.num_images, cache.image_ids()) if name == "image" else
-                      (cache.num_captions, cache.caption_ids()))
-            local = rows[mine]
-            theirs = side.table.column(id_column)
-            if not mine.all():
-                theirs = theirs.filter(pa.array(mine))
-            if local.min() < 0 or local.max() >= n:
-                problems.append(f"{side.meta_path.name}: cache_row outside the {n} rows of {cache.path}")
-            elif not same(ids, local, theirs):
-                problems.append(f"{side.meta_path.name}'s {id_column} disagrees with the cache's at cache_row "
-                                f"({cache.path})")
-    if problems:
-        raise IndexDirError(f"index {index_dir} does not line up: " + "; ".join(problems) + "; rebuild it")
-
-
-# --------------------------------------------------------------------------------------------- filters
-def parse_where(expressions: Sequence[str]) -> dict[str, list[str]]:
-    """``["image_id=3", "image_id=5", "path=a.png"]`` -> ``{"image_id": ["3", "5"], "path": ["a.png"]}``: a column
-    repeated is a membership test (any of its values), different columns must all match. Values stay text and
-    are read as the column's type when matched."""
-    out: dict[str, list[str]] = {}
-    for e in expressions:
-        if "=" not in e or not e.split("=", 1)[0].strip():
-            raise QueryError(f"--where {e!r}: expected COLUMN=VALUE (e.g. image_id=00012)")
-        column, value = e.split("=", 1)
-        out.setdefault(column.strip(), []).append(value)
-    return out
-
-
-def _coerce(values, arrow_type, column: str) -> list:
-    import pyarrow as pa
-
-    out = []
-    for v in values:
-        try:
-            if pa.types.is_integer(arrow_type):
-                out.append(int(v))
-            elif pa.types.is_floating(arrow_type):
-                out.append(float(v))
-            elif pa.types.is_boolean(arrow_type):
-                out.append(v if isinstance(v, bool) else {"true": True, "false": False}[str(v).strip().lower()])
-            else:
-                out.append(v if isinstance(v, str) else str(v))
-        except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: int(inf), JSON's 1e400
-            raise QueryError(f"filter {column}={str(v)[:80]!r}: column {column} holds {arrow_type} values") from None
-    return out
-
-
-def _mask(side: _Side, where: Mapping[str, Any]) -> np.ndarray:
-    """[n] bool: rows whose metadata matches every column of ``where``."""
-    import pyarrow as pa
-
-    keep = np.ones(side.n, dtype=bool)
-    for column, wanted in where.items():
-        if column not in side.table.column_names:
-            raise QueryError(f"filter on {column!r}: {side.meta_path.name} has columns "
-                             f"{', '.join(side.table.column_names)}")
-        values = list(wanted) if isinstance(wanted, (list, tuple, set, frozenset)) else [wanted]
-        arrow_type = side.table.schema.field(column).type
-        if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-            wanted_set = set(_coerce(values, arrow_type.value_type, column))
-            hit = np.fromiter((bool(wanted_set.intersection(v)) if v is not None else False
-                               for v in side.table.column(column).to_pylist()), dtype=bool, count=side.n)
-        else:
-            wanted_list = _coerce(values, arrow_type, column)
-            col = side.column(column)
-            if col.dtype == object:
-                wanted_set = set(wanted_list)
-                hit = np.fromiter((v in wanted_set for v in col), dtype=bool, count=side.n)
-            else:
-                hit = np.isin(col, np.asarray(wanted_list))
-        keep &= hit
-    return keep
 
 
 # --------------------------------------------------------------------------------------------- the searcher
@@ -413,7 +154,7 @@ class Searcher:
     stage only approximates its score and says so (``scorer.first_stage_note``: FILIP's mean token vectors) adds
     that note to every search without ``rerank``. Safe to share between threads: searches only read."""
 
-    def __init__(self, index_dir: Path, manifest: dict, scorer, sides: dict[str, _Side], caches: list | None,
+    def __init__(self, index_dir: Path, manifest: dict, scorer, sides: dict[str, Side], caches: list | None,
                  image_query_problem: str | None = None):
         self.index_dir, self.manifest, self.scorer = index_dir, manifest, scorer
         self._sides = sides
@@ -447,11 +188,11 @@ class Searcher:
 
         index_dir = Path(index_dir)
         manifest = layout.read_manifest(index_dir)  # every file checked before the model loads: seconds, not minutes
-        sides = {name: _open_side(index_dir, manifest, name) for name in manifest["indexes"]}
+        sides = {name: open_side(index_dir, manifest, name) for name in manifest["indexes"]}
         # A bare backbone's first stage is its score: searching never reads the cache, so it is not opened (its
         # shards' ids are seconds of reading for a million images); an adapter's stage 2 is checked against it.
         bare = manifest["model"].get("kind") == "backbone" if scorer is None else not has_second_stage(scorer)
-        caches, cache_problem = (None, "a bare backbone's index") if bare else _open_caches(index_dir, manifest)
+        caches, cache_problem = (None, "a bare backbone's index") if bare else open_caches(index_dir, manifest)
         image_problem = None
         if scorer is None:
             spec = model or manifest["model"]["model"]
@@ -459,7 +200,7 @@ class Searcher:
             if annotations is None and detector is None and not model:  # the boxes the index was built with
                 annotations, detector = manifest["model"].get("annotations"), manifest["model"].get("detector")
             if annotations is None and detector is None:
-                annotations, image_problem = _default_boxes(spec, manifest, caches)
+                annotations, image_problem = default_boxes(spec, manifest, caches)
             scorer = load_scorer(spec, weights, device=device, annotations=annotations, detector=detector)
         layout.check_model(manifest, model_fingerprint(scorer), scorer.name, index_dir)
         if has_second_stage(scorer):
@@ -474,7 +215,7 @@ class Searcher:
                 if missing:
                     raise IndexDirError(f"the cache {cache.path} lacks arrays {missing} that {scorer.name} re-ranks "
                                         "with")
-        _check_lineup(index_dir, sides, caches)
+        check_lineup(index_dir, sides, caches)
         return cls(index_dir, manifest, scorer, sides, caches if has_second_stage(scorer) else None, image_problem)
 
     # -- queries -----------------------------------------------------------------------------------------
@@ -568,7 +309,7 @@ class Searcher:
             raise QueryError(f"index {self.index_dir} has no {side} side (it has {', '.join(self._sides)})")
         return self._sides[side]
 
-    def _search_vector(self, side: _Side, vector: torch.Tensor, k, rerank, where, offset, reps: Reps | None,
+    def _search_vector(self, side: Side, vector: torch.Tensor, k, rerank, where, offset, reps: Reps | None,
                        query: str, notes: Sequence[str]) -> Hits:
         """Both stages for a first-stage ``vector`` [1, F] in ``side``; ``reps`` (the query's representations)
         re-rank, None: first stage only."""
@@ -629,7 +370,7 @@ class Searcher:
                     notes=notes, timings=timings)
 
     # -- the two stages --------------------------------------------------------------------------------------
-    def _search(self, side: _Side, vector: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(self, side: Side, vector: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, scores) of the index's top ``n``, ordered by score (ties by row); FAISS on one thread."""
         import faiss
 
@@ -639,14 +380,14 @@ class Searcher:
         keep = ids[0] >= 0  # approximate indexes may return fewer than n
         return _ordered(ids[0][keep].astype(np.int64), scores[0][keep])
 
-    def _first_stage(self, side: _Side, vector: np.ndarray, want: int, where) -> tuple[np.ndarray, np.ndarray]:
+    def _first_stage(self, side: Side, vector: np.ndarray, want: int, where) -> tuple[np.ndarray, np.ndarray]:
         """The best ``want`` rows passing ``where`` (fewer when fewer pass), with their first-stage scores."""
         if where is None:
             return self._search(side, vector, min(want, side.n))
         if callable(where):
             fraction, mask = None, None
         elif isinstance(where, Mapping):
-            mask = _mask(side, where)
+            mask = where_mask(side, where)
             passing = int(mask.sum())
             if passing == 0:
                 return np.zeros(0, np.int64), np.zeros(0, np.float32)
@@ -676,7 +417,7 @@ class Searcher:
                 return rows[ok][:want], scores[ok][:want]
             fetch = min(side.n, fetch * 4)
 
-    def _score_subset(self, side: _Side, vector: np.ndarray, rows: np.ndarray):
+    def _score_subset(self, side: Side, vector: np.ndarray, rows: np.ndarray):
         """(rows, scores) of just ``rows``, ordered, from the index's stored vectors searched by FAISS's own flat
         kernel (the same inner products a flat index computes); None when the index cannot give its vectors
         back (an IVF index without a direct map)."""
@@ -694,7 +435,7 @@ class Searcher:
         keep = ids[0] >= 0
         return _ordered(rows[ids[0][keep]], scores[0][keep])
 
-    def _rerank(self, side: _Side, rows: np.ndarray, query_reps: Reps, direction: str) -> np.ndarray:
+    def _rerank(self, side: Side, rows: np.ndarray, query_reps: Reps, direction: str) -> np.ndarray:
         """The scorer's own scores of candidate ``rows`` against the query: from their representations stored in
         the index (serve.stage2) when it has them, else encoded from their cached arrays."""
         cache_rows, parts = side.column("cache_row").astype(np.int64)[rows], side.parts()[rows]
@@ -704,7 +445,7 @@ class Searcher:
                 if side.stage2 is not None:
                     candidates = side.stage2.take(rows[a:a + RERANK_BATCH], self.scorer.device)
                 else:
-                    arrays = _gather(self.scorer, self.caches, side.name, cache_rows[a:a + RERANK_BATCH],
+                    arrays = gather(self.scorer, self.caches, side.name, cache_rows[a:a + RERANK_BATCH],
                                      parts[a:a + RERANK_BATCH])
                     candidates = encode_arrays(self.scorer, arrays, side.name)
                 if side.name == "image":
@@ -714,7 +455,7 @@ class Searcher:
                 out.append(s.float().cpu())
         return torch.cat(out).numpy()
 
-    def _hits(self, side: _Side, rows, scores, rerank_scores, rank_before, offset: int) -> list[Hit]:
+    def _hits(self, side: Side, rows, scores, rerank_scores, rank_before, offset: int) -> list[Hit]:
         metadata = side.rows(rows)
         image_paths = None
         if side.name == "text" and len(rows):
@@ -730,7 +471,7 @@ class Searcher:
         return hits
 
 
-def _gather(scorer, caches: list, side: str, cache_rows: np.ndarray, parts: np.ndarray) -> dict[str, np.ndarray]:
+def gather(scorer, caches: list, side: str, cache_rows: np.ndarray, parts: np.ndarray) -> dict[str, np.ndarray]:
     """The cached arrays of items of ``side`` at ``cache_rows`` of their ``parts``' caches, in the order given (a
     collection of several parts reads each part's rows from its own cache; token-length padding is evened out as
     ``FeatureCache.gather`` does across shards)."""
@@ -780,172 +521,3 @@ def _query_image(image) -> tuple[Any, str, list[str]]:
     except BadImage as e:
         raise QueryError(f"query image {name}: {e}") from None
     return decoded.image, name, [f"query image {name}: {decoded.note}"] if decoded.note else []
-
-
-def _open_caches(index_dir: Path, manifest: dict) -> tuple[list | None, str | None]:
-    """(the feature caches of the manifest's parts, in part order, None) or (None, why one cannot be used): a moved,
-    damaged or replaced cache would re-rank with other arrays than were indexed."""
-    from extract.cache import FeatureCache
-
-    parts = manifest.get("parts") or [{"cache": manifest["cache"]}]
-    if isinstance(parts[0], dict) and parts[0].get("cache") != manifest["cache"]:
-        return None, (f"{index_dir / layout.MANIFEST} names two caches for its first part (cache and parts[0].cache "
-                      "differ): it was edited; rebuild the index")
-    caches = []
-    for part in parts:
-        entry = part.get("cache") if isinstance(part, dict) else None
-        if not isinstance(entry, dict) or "path" not in entry:
-            return None, f"{index_dir / layout.MANIFEST} names no cache for one of its parts"
-        path = Path(entry["path"])
-        if not path.is_absolute():
-            path = index_dir / path
-        try:
-            cache = FeatureCache.open(path)
-        except (OSError, ValueError) as e:
-            return None, f"the index's feature cache cannot be opened ({str(e).splitlines()[0]})"
-        if entry.get("fingerprint") and cache.fingerprint != entry["fingerprint"]:
-            return None, (f"the feature cache {cache.path} has fingerprint {cache.fingerprint[:16]}, the index was "
-                          f"built from {str(entry['fingerprint'])[:16]} (a rebuilt or replaced cache)")
-        caches.append(cache)
-    return caches, None
-
-
-def _default_boxes(model: str, manifest: dict, caches: list | None) -> tuple[Any, str | None]:
-    """(annotations for ``load_scorer``, a reason image queries cannot be served or None) for an adapter trained on
-    ground-truth boxes when the caller gave neither annotations nor a detector: the indexed toy world's boxes,
-    else the annotations file its cache was extracted with; else none ({}: texts still work)."""
-    from adapters.load import is_adapter_path, pretrained_checkpoint
-
-    if not is_adapter_path(model) or pretrained_checkpoint(model):  # a pre-trained model.safetensors needs no boxes
-        return None, None
-    from adapters.checkpoint import read_meta
-
-    path = Path(model)
-    settings = read_meta(path / "adapter.safetensors" if path.is_dir() else path)["extraction"]["settings"]
-    if "gt" not in ((settings.get("boxes") or {}).get("source"), (settings.get("regions") or {}).get("source")):
-        return None, None
-    spec = (manifest.get("data") or {}).get("spec")
-    if isinstance(spec, dict):
-        spec = spec.get("data") or spec.get("path")
-    candidates = [spec] if isinstance(spec, str) else []
-    for cache in caches or ():
-        if (cache.path / "config.json").is_file():
-            candidates.append(json.loads((cache.path / "config.json").read_text()).get("annotations"))
-    for c in candidates:
-        if c and ((Path(c) / "annotations.json").is_file() or (Path(c).is_file() and str(c).endswith(".json"))):
-            return c, None
-    return {}, ("this adapter was trained on ground-truth boxes and the index names none for new images: open the "
-                "searcher with annotations=FILE (COCO instances, Visual Genome objects.json or a toy-world folder) or "
-                "detector=WEIGHTS.pt (--annotations / --detector) to search with images")
-
-
-# --------------------------------------------------------------------------------------------- served recall
-def served_recall(searcher: Searcher, rerank: int | None = None, *, ks: Sequence[int] = KS, queries: str = "cache",
-                  batch_size: int = 256) -> dict:
-    """R@k (percent) of the served results on the indexed collection itself, both directions, with the
-    evaluation suite's protocol (``adapters.eval.retrieval``): each caption searches the images (its own image is the
-    answer), each image searches the captions (found at its best own caption); ties count against the model
-    and non-finite scores rank last, read from the scores the hits carry (re-ranked ones with ``rerank``). A
-    query asks for ``max(ks)`` hits, and for more while the last one ties its answer (duplicate captions tie
-    exactly): an item tied beyond the window counts against it, as in evaluation.
-
-    ``queries="cache"``: the queries' representations come from the feature cache (the arrays the collection
-    was indexed with), so with a flat index and ``rerank`` covering the collection the figures equal
-    ``train.eval --cache`` on that cache exactly; a bare backbone's first stage is its score, so there the
-    first stage alone equals it. ``queries="live"``: every caption's text and image file is encoded as a user's
-    query would be (``search_text`` / ``search_image``; fp32 where the cache holds fp16).
-
-    Returns ``{"text_to_image": {"R@1": ..., "n": queries, "rerank": K as used}, "image_to_text": {...},
-    "rerank": K as asked, "queries": ...}``; K as used is clamped to the side's collection (None: no second
-    stage). Images without captions are no query, as in ``adapters.eval.retrieval``."""
-    if queries not in ("cache", "live"):
-        raise ValueError(f"queries must be 'cache' or 'live', got {queries!r}")
-    if "text" not in searcher._sides:
-        raise ValueError(f"index {searcher.index_dir} has no captions: served recall needs both sides")
-    image, text = searcher._sides["image"], searcher._sides["text"]
-    caches = searcher.caches
-    if queries == "cache" and caches is None:  # a bare backbone keeps no cache open: open them now
-        caches, problem = _open_caches(searcher.index_dir, searcher.manifest)
-        if caches is None:
-            raise IndexDirError(problem)
-    caption_image = text.column("image_row").astype(np.int64)
-    own_captions: dict[int, set[int]] = {}
-    for t, i in enumerate(caption_image):
-        own_captions.setdefault(int(i), set()).add(t)
-    used = {"t2i": None, "i2t": None}
-    kmax = max(ks)
-
-    def rank_of(search, own: set[int], n: int, direction: str) -> float:
-        # The hits are a window of the ranking: while its last hit ties the query's own best one, items beyond it
-        # may tie too, and ties count against the model (duplicate captions tie exactly), so the window grows.
-        # With re-ranking the ranking ends at the K candidates.
-        limit = n if rerank is None or not searcher.has_second_stage else min(n, max(rerank, kmax))
-        k = min(kmax, limit)
-        while True:
-            hits = search(k)
-            used[direction] = hits.rerank
-            rank, open_end = _served_rank(hits, own)
-            if not open_end or rank > kmax or len(hits) < k or k >= limit:
-                return rank
-            k = min(limit, 2 * k)
-
-    def encoded(side: _Side):
-        rows, parts = side.column("cache_row").astype(np.int64), side.parts()
-        return cat_reps([encode_arrays(searcher.scorer, _gather(searcher.scorer, caches, side.name,
-                                                                rows[a:a + batch_size], parts[a:a + batch_size]),
-                                       side.name) for a in range(0, len(rows), batch_size)])
-
-    t2i = []
-    text_reps = encoded(text) if queries == "cache" else None
-    texts = text.column("text")
-    for t in range(text.n):
-        search = ((lambda k, t=t: searcher.search_reps(take_reps(text_reps, [t]), "t2i", k, rerank))
-                  if text_reps is not None else (lambda k, t=t: searcher.search_text(str(texts[t]), k, rerank)))
-        t2i.append(rank_of(search, {int(caption_image[t])}, image.n, "t2i"))
-    i2t = []
-    image_reps = encoded(image) if queries == "cache" else None
-    paths = image.column("path")
-    for i in range(image.n):
-        if i not in own_captions:
-            continue  # as retrieval_metrics: an image without captions is not a query
-        search = ((lambda k, i=i: searcher.search_reps(take_reps(image_reps, [i]), "i2t", k, rerank))
-                  if image_reps is not None else (lambda k, i=i: searcher.search_image(str(paths[i]), k, rerank)))
-        i2t.append(rank_of(search, own_captions[i], text.n, "i2t"))
-
-    def summary(ranks, direction):
-        r = np.asarray(ranks, dtype=np.float64)
-        return {f"R@{j}": float((r <= j).mean() * 100) for j in ks} | {"n": len(r), "rerank": used[direction]}
-
-    return {"text_to_image": summary(t2i, "t2i"), "image_to_text": summary(i2t, "i2t"), "rerank": rerank,
-            "queries": queries}
-
-
-def _served_rank(hits: Hits, own: set[int]) -> tuple[float, bool]:
-    """(1 + the hits not in ``own`` scoring >= the best own hit, inf when no own hit was returned; whether the last
-    hit scores >= that best own one, i.e. items after the window could still count)."""
-    if not hits:
-        return math.inf, False
-    safe, _ = rank_safe(torch.tensor([h.final_score for h in hits], dtype=torch.float64))
-    mine = torch.tensor([h.row in own for h in hits])
-    if not bool(mine.any()):
-        return math.inf, False
-    best = safe[mine].max()
-    return float(1 + int((safe[~mine] >= best).sum())), bool(safe[-1] >= best)
-
-
-def recall_table(searcher: Searcher, reranks: Sequence[int] = (10, 50, 100), *, evaluation: dict | None = None,
-                 ks: Sequence[int] = KS, queries: str = "cache") -> str:
-    """A Markdown table of :func:`served_recall`: the first stage, re-ranked with each K of ``reranks`` (only for
-    models with a second stage) and, given ``evaluation`` (the evaluation suite's retrieval result for the same
-    model and data: ``adapters.eval.retrieval.run_retrieval_cached``), its figures, side by side."""
-    rows = [("served, first stage", served_recall(searcher, None, ks=ks, queries=queries))]
-    if searcher.has_second_stage:
-        rows += [(f"served, re-ranked K={K}", served_recall(searcher, K, ks=ks, queries=queries)) for K in reranks]
-    if evaluation is not None:
-        rows.append(("train.eval", evaluation))
-    heads = [f"{tag} R@{j}" for tag in ("T2I", "I2T") for j in ks]
-    lines = ["| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for label, r in rows:
-        values = [r[d][f"R@{j}"] for d in ("text_to_image", "image_to_text") for j in ks]
-        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
-    return "\n".join(lines) + "\n"

@@ -451,9 +451,9 @@ def recall_text(recall: dict | None) -> str:
 
 
 def measure_recall(searcher: Searcher, candidates: int | None = DEFAULT_CANDIDATES) -> dict:
-    """served R@1/5/10 of the collection (serve.search.served_recall, queries from the cache): the first stage,
+    """served R@1/5/10 of the collection (serve.recall.served_recall, queries from the cache): the first stage,
     and re-ranked with ``candidates`` when the model has a second stage; with the seconds it took."""
-    from serve.search import served_recall
+    from serve.recall import served_recall
 
     started = time.perf_counter()
     rows = {"first stage": served_recall(searcher, None)}

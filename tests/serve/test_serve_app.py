@@ -159,7 +159,7 @@ def test_probe_examples_are_the_worlds_hard_negatives_of_served_images(served, s
 # --------------------------------------------------------------------------------------------- about
 def test_the_about_line_names_the_model_the_index_and_its_served_recall(served):
     from serve.service import recall_text
-    from serve.search import served_recall
+    from serve.recall import served_recall
 
     recall = served.recall  # measured once when the shared app opened: measure_recall(searcher), K=50
     assert list(recall["rows"]) == ["first stage", "re-ranked K=50"] and recall["ks"] == [1, 5, 10]

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from serve.search import QueryError, Searcher, cache_keys, encode_arrays, recall_table, served_recall
+from serve.recall import recall_table, served_recall
+from serve.search import QueryError, Searcher, cache_keys, encode_arrays
 
 from fixtures.serve import QUERY, serve_setup
 
@@ -182,7 +183,7 @@ def test_filters_on_images_and_list_columns(adapter):
 
 
 def test_parse_where():
-    from serve.search import parse_where
+    from serve.sides import parse_where
 
     assert parse_where(["image_id=3", "image_id=5", "text=a=b"]) == {"image_id": ["3", "5"], "text": ["a=b"]}
     for bad in ("image_id", "=3"):

@@ -374,7 +374,7 @@ class ShardBuilder:
             out["token_mask"] = tok.attention_mask[:, :length].numpy()
         stats = {"truncated": int(tok.truncated.sum()), "phrases_cut": 0}
         if self.c.text is not None:
-            from extract.components.text import pack
+            from extract.components.text_pack import pack
 
             a = self.args
             comps = self.c.text.extract(texts, tok)
@@ -396,7 +396,7 @@ class ShardBuilder:
         """The phrase trees of ``texts`` as cached (``leaf_tokens`` [B, P, l], ``node_leaves`` [B, K, P],
         ``n_leaves``, ``n_nodes``; l: the batch's longest caption), without the text tower: ``--unfreeze``
         computes them per batch (train/adapter/live.py)."""
-        from extract.components.text import pack
+        from extract.components.text_pack import pack
 
         if "tree" not in self.want or self.c.text is None:
             raise ValueError("tree_arrays needs the 'tree' component")

@@ -81,7 +81,8 @@ class _PhraseTrees:
         return {"max_leaves": self.max_leaves, "max_nodes": self.max_nodes, "rules": RULES_VERSION}
 
     def __call__(self, captions: list[str], tokenizer) -> dict[str, Tensor]:
-        from extract.components.text import TextComponentExtractor, pack
+        from extract.components.text import TextComponentExtractor
+        from extract.components.text_pack import pack
         from extract.models.tokens import tokenize_with_spans
 
         length = tokenizer.context_length

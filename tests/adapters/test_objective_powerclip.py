@@ -51,7 +51,8 @@ def test_cached_masks_are_sampled_among_the_valid_ones():
 
 
 def test_phrase_trees_are_extract_text_components(parts):
-    from extract.components.text import TextComponentExtractor, pack
+    from extract.components.text import TextComponentExtractor
+    from extract.components.text_pack import pack
     from extract.models.tokens import tokenize_with_spans
 
     _, tok = parts

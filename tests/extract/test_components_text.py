@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from extract.components.text import (Phrase, Relation, SpacyModelNotFoundError, TextComponentExtractor, load_spacy,
-                                     main, order_nodes, pack)
+                                     main)
+from extract.components.text_pack import order_nodes, pack
 from extract.models.tokens import tokenize_with_spans
 from extract.data.toyworld import COLOURS, PREDICATES, SHAPES, render
 

@@ -217,7 +217,8 @@ def read_throughput(args, work: Path) -> dict:
 def phrase_cost(args, work: Path) -> dict:
     import torch
 
-    from extract.components.text import TextComponentExtractor, pack
+    from extract.components.text import TextComponentExtractor
+    from extract.components.text_pack import pack
     from extract.data import toyworld
     from extract.data.sources import ToyWorldSource
     from extract.models.backbone import load_backbone

@@ -1,4 +1,5 @@
-"""Readers for compositional image-text benchmarks, each from its published file format, into one structure.
+"""Readers for compositional image-text benchmarks, each from its published file format, into one structure
+(the structure and the shared field readers: ``train.eval.bench_items``; What'sUp's reader: ``train.eval.whatsup``).
 
 Every reader returns a :class:`Benchmark` of :class:`Item` objects; the scorer (``train.eval``) turns an
 item into a score matrix ``s [len(images), len(texts)]`` and decides correctness from ``Benchmark.kind``:
@@ -55,14 +56,16 @@ Bad input contract
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
-import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterator
+
+from train.eval.bench_items import (Benchmark, BenchmarkFormatError, Item, Pending, abspath, finish, format_error,
+                                    id_field, load_json, number_field, object_field, published_files, read_text_file,
+                                    text_field)
+from train.eval.whatsup import WHATSUP_FILES, read_whatsup, whatsup_pair_and_set
 
 __all__ = [
     "ARO_ATTRIBUTION_KEYS",
@@ -98,152 +101,11 @@ WINOGROUND_KEYS = ("id", "image_0", "image_1", "caption_0", "caption_1", "collap
 SVO_COLUMNS = ("sentence", "pos_triplet", "neg_triplet", "subj_neg", "verb_neg", "obj_neg",
                "pos_url", "neg_url", "pos_image_id", "neg_image_id")
 SVO_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
-MISSING_IMAGE = "missing image"
-
-
-class BenchmarkFormatError(ValueError):
-    """A benchmark file that does not follow its published format; the message names file and line/entry."""
-
-
-@dataclass(frozen=True)
-class Item:
-    """One scored unit: which images and texts, and what is true (see ``Benchmark.kind``)."""
-
-    item_id: str
-    images: tuple[str, ...]          # absolute image paths
-    texts: tuple[str, ...]
-    subtype: str                     # e.g. "replace_att", "VG-Relation:on", "swap_obj", a Winoground tag
-    crop: tuple[float, float, float, float] | None = None  # (x, y, w, h) px, cropped before scoring (ARO)
-    tags: tuple[str, ...] = ()       # further rows the item counts in (toy world: "held-out swap-att", ...)
-
-
-@dataclass
-class Benchmark:
-    """A benchmark's loadable items plus one record per excluded item."""
-
-    name: str                        # a key of READERS
-    kind: str                        # "text" | "image" | "group" | "set" (module docstring)
-    items: list[Item]
-    skipped: list[dict] = field(default_factory=list)  # {"item_id", "reason", "location", "image"}
-    #: figures a benchmark's authors compute over several items (What'sUp's pair and set accuracies):
-    #: (the scored items, each one's correctness) -> {row: {metric: value}}; added to the report by train.eval
-    summarize: Callable[[list[Item], list[bool]], dict] | None = None
-
-
-# --------------------------------------------------------------------------------------------- parsing helpers
-def _fail(path: Path, where: str, message: str) -> BenchmarkFormatError:
-    return BenchmarkFormatError(f"{path}: {where}: {message}" if where else f"{path}: {message}")
-
-
-def _read_text(path: Path) -> str:
-    """The file's text (UTF-8, BOM dropped); undecodable bytes are a format error naming the line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"benchmark file not found: {path}")
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise _fail(path, f"line {line}", f"not UTF-8 text ({e.reason})") from None
-
-
-def _load_json(path: Path) -> Any:
-    """The parsed file (shared while unchanged: extract.common.json_memo; the readers never edit it); a file that
-    does not read or parse plainly is read again here, to say where and why."""
-    from extract.common.json_memo import read_json
-
-    try:
-        return read_json(path)
-    except (OSError, ValueError):  # missing, not UTF-8, a byte-order mark, invalid: the careful path says which
-        pass
-    try:
-        return json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise _fail(path, f"line {e.lineno}", f"invalid JSON ({e.msg}, column {e.colno})") from None
-
-
-def _text(path: Path, where: str, record: dict, key: str) -> str:
-    """A required, non-empty string value (an empty caption or id is malformed, not skippable)."""
-    if key not in record:
-        raise _fail(path, where, f"missing key {key!r}")
-    value = record[key]
-    if not isinstance(value, str):
-        raise _fail(path, where, f"{key!r} must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise _fail(path, where, f"{key!r} is empty")
-    return value
-
-
-def _number(path: Path, where: str, record: dict, key: str) -> float:
-    if key not in record:
-        raise _fail(path, where, f"missing key {key!r}")
-    value = record[key]
-    # bool is an int subclass in Python; a true/false box coordinate is a broken file, not 0/1.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _fail(path, where, f"{key!r} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _identifier(path: Path, where: str, record: dict, key: str) -> str:
-    """An id that may be a number or a string (ARO image ids, Winoground ids)."""
-    if key not in record:
-        raise _fail(path, where, f"missing key {key!r}")
-    value = record[key]
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, str) and not value.strip()):
-        raise _fail(path, where, f"{key!r} must be an integer or a non-empty string, got {value!r}")
-    return str(value)
-
-
-def _object(path: Path, where: str, value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise _fail(path, where, f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _abspath(path: str | os.PathLike) -> str:
-    # abspath, not resolve(): keep the user's symlinked dataset folders as they named them.
-    return os.path.abspath(os.path.expanduser(os.fspath(path)))
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A validated item whose images are not checked yet (validation of the whole file comes first)."""
-
-    item: Item
-    location: str
-
-
-def _finish(name: str, kind: str, pending: Iterable[_Pending], degenerate: Iterable[dict] = ()) -> Benchmark:
-    """Check image existence once per path and split the items into loaded and skipped."""
-    exists: dict[str, bool] = {}  # SugarCrepe / ARO reuse an image across many items: stat each once
-    items, skipped = [], list(degenerate)
-    for p in pending:
-        missing = next((im for im in p.item.images
-                        if not exists.setdefault(im, os.path.isfile(im))), None)
-        if missing is None:
-            items.append(p.item)
-        else:
-            skipped.append({"item_id": p.item.item_id, "reason": MISSING_IMAGE, "location": p.location,
-                            "image": missing})
-    return Benchmark(name=name, kind=kind, items=items, skipped=skipped)
 
 
 # --------------------------------------------------------------------------------------------- SugarCrepe
-def _published_files(path: Path, stems: Iterable[str], name: str) -> list[Path]:
-    """A benchmark's JSON files: those of ``stems`` present in folder ``path`` (in that order), or ``path`` itself."""
-    if path.is_dir():
-        files = [path / f"{stem}.json" for stem in stems if (path / f"{stem}.json").is_file()]
-        if not files:
-            raise FileNotFoundError(f"no {name} files in {path}: expected any of "
-                                    f"{', '.join(s + '.json' for s in stems)}")
-        return files
-    if not path.is_file():
-        raise FileNotFoundError(f"benchmark file not found: {path}")
-    return [path]
-
-
 def _sugarcrepe_files(path: Path) -> list[Path]:
-    return _published_files(path, SUGARCREPE_FILES, "SugarCrepe")
+    return published_files(path, SUGARCREPE_FILES, "SugarCrepe")
 
 
 def read_sugarcrepe(path_or_dir: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Benchmark:
@@ -257,53 +119,53 @@ def read_sugarcrepe(path_or_dir: str | os.PathLike, image_root: str | os.PathLik
     root = Path(path_or_dir).expanduser()
     pending = []
     for file in _sugarcrepe_files(root):
-        data = _load_json(file)
+        data = load_json(file)
         if not isinstance(data, dict):
-            raise _fail(file, "", f"expected a JSON object keyed by entry id, got {type(data).__name__}")
+            raise format_error(file, "", f"expected a JSON object keyed by entry id, got {type(data).__name__}")
         images = Path(image_root).expanduser() if image_root is not None else file.parent
         for key, raw in data.items():
             where = f"entry {key}"
-            entry = _object(file, where, raw)
-            filename = _text(file, where, entry, "filename")
-            texts = (_text(file, where, entry, "caption"), _text(file, where, entry, "negative_caption"))
-            item = Item(f"{file.stem}/{key}", (_abspath(images / filename),), texts, file.stem)
-            pending.append(_Pending(item, f"{file}: {where}"))
-    return _finish("sugarcrepe", "text", pending)
+            entry = object_field(file, where, raw)
+            filename = text_field(file, where, entry, "filename")
+            texts = (text_field(file, where, entry, "caption"), text_field(file, where, entry, "negative_caption"))
+            item = Item(f"{file.stem}/{key}", (abspath(images / filename),), texts, file.stem)
+            pending.append(Pending(item, f"{file}: {where}"))
+    return finish("sugarcrepe", "text", pending)
 
 
 # --------------------------------------------------------------------------------------------- ARO
 def _aro_image(file: Path, image_path: str, image_root: str | os.PathLike | None) -> str:
     if image_root is not None:
         # ARO's own layout is <root>/images/<image_path>; a flat folder of VG images is the common copy.
-        return _abspath(Path(image_root).expanduser() / os.path.basename(image_path))
+        return abspath(Path(image_root).expanduser() / os.path.basename(image_path))
     candidate = Path(image_path).expanduser()
     if candidate.is_absolute():
-        return _abspath(candidate)
+        return abspath(candidate)
     # Relative paths resolve against the JSON's folder (the project's rule for data files), else against
     # <folder>/images, which is where ARO's loader puts them.
     for base in (file.parent, file.parent / "images"):
         if (base / candidate).is_file():
-            return _abspath(base / candidate)
-    return _abspath(file.parent / candidate)
+            return abspath(base / candidate)
+    return abspath(file.parent / candidate)
 
 
 def _read_aro(path: str | os.PathLike, image_root, name: str, keys: tuple[str, ...],
               subtype_of: Callable[[Path, str, dict], str]) -> Benchmark:
     file = Path(path).expanduser()
-    data = _load_json(file)
+    data = load_json(file)
     if not isinstance(data, list):
-        raise _fail(file, "", f"expected a JSON list of test cases, got {type(data).__name__}")
+        raise format_error(file, "", f"expected a JSON list of test cases, got {type(data).__name__}")
     parsed = []
     for index, raw in enumerate(data):
         where = f"entry {index}"
-        entry = _object(file, where, raw)
+        entry = object_field(file, where, raw)
         missing = [k for k in keys if k not in entry]
         if missing:
-            raise _fail(file, where, f"missing key(s) {', '.join(map(repr, missing))}")
-        _identifier(file, where, entry, "image_id")
-        image_path = _text(file, where, entry, "image_path")
-        texts = (_text(file, where, entry, "true_caption"), _text(file, where, entry, "false_caption"))
-        crop = tuple(_number(file, where, entry, f"bbox_{k}") for k in "xywh")
+            raise format_error(file, where, f"missing key(s) {', '.join(map(repr, missing))}")
+        id_field(file, where, entry, "image_id")
+        image_path = text_field(file, where, entry, "image_path")
+        texts = (text_field(file, where, entry, "true_caption"), text_field(file, where, entry, "false_caption"))
+        crop = tuple(number_field(file, where, entry, f"bbox_{k}") for k in "xywh")
         parsed.append((index, where, image_path, texts, crop, subtype_of(file, where, entry)))
     pending, degenerate = [], []
     for index, where, image_path, texts, crop, subtype in parsed:
@@ -313,18 +175,18 @@ def _read_aro(path: str | os.PathLike, image_root, name: str, keys: tuple[str, .
                                "image": image_path})
             continue
         item = Item(str(index), (_aro_image(file, image_path, image_root),), texts, subtype, crop)
-        pending.append(_Pending(item, f"{file}: {where}"))
-    return _finish(name, "text", pending, degenerate)
+        pending.append(Pending(item, f"{file}: {where}"))
+    return finish(name, "text", pending, degenerate)
 
 
 def _relation_subtype(file: Path, where: str, entry: dict) -> str:
-    return _text(file, where, entry, "relation_name")
+    return text_field(file, where, entry, "relation_name")
 
 
 def _attribution_subtype(file: Path, where: str, entry: dict) -> str:
     attributes = entry["attributes"]
     if not isinstance(attributes, list) or not all(isinstance(a, str) for a in attributes):
-        raise _fail(file, where, f"'attributes' must be a list of strings, got {attributes!r}")
+        raise format_error(file, where, f"'attributes' must be a list of strings, got {attributes!r}")
     return "-".join(attributes) or "attribution"
 
 
@@ -359,25 +221,25 @@ def read_winoground(path: str | os.PathLike, image_root: str | os.PathLike | Non
     root = Path(image_root).expanduser() if image_root is not None else file.parent / "images"
     pending = []
     # split('\n'), not splitlines(): JSON strings may hold U+2028 and friends, which splitlines() breaks on.
-    for number, line in enumerate(_read_text(file).split("\n"), start=1):
+    for number, line in enumerate(read_text_file(file).split("\n"), start=1):
         if not line.strip():
             continue  # a trailing newline or blank separator is not an example
         where = f"line {number}"
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _fail(file, where, f"invalid JSON ({e.msg}, column {e.colno})") from None
-        entry = _object(file, where, entry)
+            raise format_error(file, where, f"invalid JSON ({e.msg}, column {e.colno})") from None
+        entry = object_field(file, where, entry)
         missing = [k for k in WINOGROUND_KEYS if k not in entry]
         if missing:
-            raise _fail(file, where, f"missing key(s) {', '.join(map(repr, missing))}")
-        item_id = _identifier(file, where, entry, "id")
-        names = (_text(file, where, entry, "image_0"), _text(file, where, entry, "image_1"))
-        texts = (_text(file, where, entry, "caption_0"), _text(file, where, entry, "caption_1"))
-        subtype = _text(file, where, entry, "collapsed_tag")
-        item = Item(item_id, tuple(_abspath(root / f"{n}.png") for n in names), texts, subtype)
-        pending.append(_Pending(item, f"{file}: {where}"))
-    return _finish("winoground", "group", pending)
+            raise format_error(file, where, f"missing key(s) {', '.join(map(repr, missing))}")
+        item_id = id_field(file, where, entry, "id")
+        names = (text_field(file, where, entry, "image_0"), text_field(file, where, entry, "image_1"))
+        texts = (text_field(file, where, entry, "caption_0"), text_field(file, where, entry, "caption_1"))
+        subtype = text_field(file, where, entry, "collapsed_tag")
+        item = Item(item_id, tuple(abspath(root / f"{n}.png") for n in names), texts, subtype)
+        pending.append(Pending(item, f"{file}: {where}"))
+    return finish("winoground", "group", pending)
 
 
 # --------------------------------------------------------------------------------------------- SVO-Probes
@@ -390,7 +252,7 @@ def _flag(file: Path, where: str, row: dict, column: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise _fail(file, where, f"column {column!r} must be True or False, got {row[column]!r}")
+    raise format_error(file, where, f"column {column!r} must be True or False, got {row[column]!r}")
 
 
 def _svo_image(root: Path, image_id: str) -> str:
@@ -398,8 +260,8 @@ def _svo_image(root: Path, image_id: str) -> str:
     for suffix in SVO_IMAGE_SUFFIXES:
         candidate = root / f"{image_id}{suffix}"
         if candidate.is_file():
-            return _abspath(candidate)
-    return _abspath(root / f"{image_id}{SVO_IMAGE_SUFFIXES[0]}")
+            return abspath(candidate)
+    return abspath(root / f"{image_id}{SVO_IMAGE_SUFFIXES[0]}")
 
 
 def read_svo_probes(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Benchmark:
@@ -413,18 +275,18 @@ def read_svo_probes(path: str | os.PathLike, image_root: str | os.PathLike | Non
     """
     file = Path(path).expanduser()
     root = Path(image_root).expanduser() if image_root is not None else file.parent / "images"
-    text = _read_text(file)
+    text = read_text_file(file)
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = next(reader, None)
     except csv.Error as e:
-        raise _fail(file, "line 1", f"invalid CSV ({e})") from None
+        raise format_error(file, "line 1", f"invalid CSV ({e})") from None
     if header is None:
-        raise _fail(file, "line 1", f"empty file; expected a header with {', '.join(SVO_COLUMNS)}")
+        raise format_error(file, "line 1", f"empty file; expected a header with {', '.join(SVO_COLUMNS)}")
     header = [h.strip() for h in header]
     missing = [c for c in SVO_COLUMNS if c not in header]
     if missing:
-        raise _fail(file, "line 1", f"missing column(s) {', '.join(missing)}")
+        raise format_error(file, "line 1", f"missing column(s) {', '.join(missing)}")
     rows = []
     index = 0
     while True:
@@ -433,254 +295,37 @@ def read_svo_probes(path: str | os.PathLike, image_root: str | os.PathLike | Non
         except StopIteration:
             break
         except csv.Error as e:
-            raise _fail(file, f"line {reader.line_num}", f"invalid CSV ({e})") from None
+            raise format_error(file, f"line {reader.line_num}", f"invalid CSV ({e})") from None
         where = f"line {reader.line_num}"  # physical line where the record ends (quoted newlines count)
         if not any(f.strip() for f in fields):
             continue
         if len(fields) != len(header):
-            raise _fail(file, where, f"{len(fields)} fields, the header has {len(header)}")
+            raise format_error(file, where, f"{len(fields)} fields, the header has {len(header)}")
         row = dict(zip(header, fields))
-        sentence = _text(file, where, row, "sentence")
-        ids = (_text(file, where, row, "pos_image_id").strip(), _text(file, where, row, "neg_image_id").strip())
+        sentence = text_field(file, where, row, "sentence")
+        ids = (text_field(file, where, row, "pos_image_id").strip(), text_field(file, where, row, "neg_image_id").strip())
         kinds = [k for k in ("subj", "verb", "obj") if _flag(file, where, row, f"{k}_neg")]
         if not kinds:
-            raise _fail(file, where, "none of subj_neg, verb_neg, obj_neg is True")
+            raise format_error(file, where, "none of subj_neg, verb_neg, obj_neg is True")
         rows.append((index, where, sentence, ids, "+".join(kinds)))
         index += 1
-    # An image found under no suffix keeps its .jpg name, so _finish records it as missing.
-    pending = [_Pending(Item(str(index), tuple(_svo_image(root, i) for i in ids), (sentence,), subtype),
+    # An image found under no suffix keeps its .jpg name, so finish records it as missing.
+    pending = [Pending(Item(str(index), tuple(_svo_image(root, i) for i in ids), (sentence,), subtype),
                         f"{file}: {where}")
                for index, where, sentence, ids, subtype in rows]
-    return _finish("svo-probes", "image", pending)
-
-
-# --------------------------------------------------------------------------------------------- What'sUp
-#: What'sUp's six files (stem -> subset name), in the order of the paper's tables; Controlled-A / -B hold four
-#: captions per image, the four QA files two (the authors' loader, ``dataset_zoo/aro_datasets.py``).
-WHATSUP_FILES = {
-    "controlled_images_dataset": "controlled-A",
-    "controlled_clevr_dataset": "controlled-B",
-    "coco_qa_one_obj": "coco-spatial one-object",
-    "coco_qa_two_obj": "coco-spatial two-object",
-    "vg_qa_one_obj": "gqa-spatial one-object",
-    "vg_qa_two_obj": "gqa-spatial two-object",
-}
-# The image folder of each subset in the published download (the loader's image_dir).
-_WHATSUP_IMAGE_DIRS = {
-    "controlled-A": "controlled_images",
-    "controlled-B": "controlled_clevr",
-    "coco-spatial one-object": "val2017",
-    "coco-spatial two-object": "val2017",
-    "gqa-spatial one-object": "vg_images",
-    "gqa-spatial two-object": "vg_images",
-}
-_WHATSUP_CONTROLLED_OPTIONS = 4
-_WHATSUP_QA_ROW = "[image_id, true caption, false caption]"
-# Controlled-A / -B: the two pairs of opposite prepositions (the second word of an image's file name) whose
-# both images must be right for a pair to count (the loader's evaluate_scores).
-_WHATSUP_PAIRS = {
-    "controlled-A": (("left", "right"), ("on", "under")),
-    "controlled-B": (("left", "right"), ("in-front", "behind")),
-}
-
-
-def _whatsup_files(path: Path) -> list[Path]:
-    files = _published_files(path, WHATSUP_FILES, "What'sUp")
-    if not path.is_dir() and path.stem not in WHATSUP_FILES:
-        # The name is what tells the layout (4 captions or 2) and the image folder, as in the authors' loader.
-        raise _fail(path, "", f"not one of What'sUp's files ({', '.join(s + '.json' for s in WHATSUP_FILES)}); "
-                              "its name says which subset and layout it holds")
-    return files
-
-
-def _whatsup_controlled_preposition(subset: str, name: str) -> str:
-    """The loader's preposition of a Controlled image, from its file name (first match wins, as there)."""
-    if "left_of" in name:
-        return "left_of"
-    if "right_of" in name:
-        return "right_of"
-    if subset == "controlled-A":
-        return "on" if "_on_" in name else "under"
-    return "in-front_of" if "_in-front_of_" in name else "behind"
-
-
-def _whatsup_qa_preposition(subset: str, caption: str) -> str:
-    """The loader's preposition of a COCO_QA / VG_QA row, from its true caption (substring tests, first match
-    wins, as there): one-object, the caption's last word; two-object, left / right / above / else below (COCO),
-    left / right / front / behind / else top (GQA)."""
-    if subset.endswith("one-object"):
-        return caption.split()[-1]
-    if "left of" in caption:
-        return "left"
-    if "right of" in caption:
-        return "right"
-    if subset.startswith("coco"):
-        return "above" if "above" in caption else "below"
-    if "front of" in caption:
-        return "front"
-    return "behind" if "behind" in caption else "top"
-
-
-def _whatsup_controlled_entry(file: Path, where: str, raw: Any) -> tuple[str, str, tuple[str, ...]]:
-    entry = _object(file, where, raw)
-    image_path = _text(file, where, entry, "image_path")
-    if "caption_options" not in entry:
-        raise _fail(file, where, "missing key 'caption_options'")
-    options = entry["caption_options"]
-    if not isinstance(options, list) or len(options) != _WHATSUP_CONTROLLED_OPTIONS:
-        got = f"{len(options)} values" if isinstance(options, list) else type(options).__name__
-        raise _fail(file, where, f"'caption_options' must be a list of {_WHATSUP_CONTROLLED_OPTIONS} strings "
-                                 f"(the true caption first), got {got}")
-    for k, option in enumerate(options):
-        if not isinstance(option, str):
-            raise _fail(file, where, f"'caption_options' option {k} must be a string, got {type(option).__name__}")
-        if not option.strip():
-            raise _fail(file, where, f"'caption_options' option {k} is empty")
-    name = image_path.split("/")[-1]  # the loader's own split: the names carry the prepositions and the groups
-    if not name.strip():
-        raise _fail(file, where, f"'image_path' names no file: {image_path!r}")
-    return image_path, name, tuple(options)
-
-
-def _whatsup_qa_row(file: Path, where: str, raw: Any, subset: str) -> tuple[str, tuple[str, str]]:
-    if not isinstance(raw, list) or len(raw) != 3:
-        got = f"{len(raw)} values" if isinstance(raw, list) else type(raw).__name__
-        raise _fail(file, where, f"expected a {_WHATSUP_QA_ROW} list, got {got}")
-    image_id, *captions = raw
-    if isinstance(image_id, bool) or not isinstance(image_id, (int, str)) or (
-            isinstance(image_id, str) and not image_id.strip()):
-        raise _fail(file, where, f"image_id (value 0) must be an integer or a non-empty string, got {image_id!r}")
-    for k, (role, caption) in enumerate(zip(("true", "false"), captions), start=1):
-        if not isinstance(caption, str):
-            raise _fail(file, where, f"the {role} caption (value {k}) must be a string, got {type(caption).__name__}")
-        if not caption.strip():
-            raise _fail(file, where, f"the {role} caption (value {k}) is empty")
-    # The loader's file names: COCO ids zero-padded to 12 digits (COCO's own names), Visual Genome ids as they are.
-    name = f"{str(image_id).zfill(12)}.jpg" if subset.startswith("coco") else f"{image_id}.jpg"
-    return name, (captions[0], captions[1])
-
-
-def _whatsup_image(file: Path, subset: str, name: str, written: str | None,
-                   image_root: str | os.PathLike | None) -> str:
-    """The first existing candidate; none existing, the one to report (``image_root / name``, else the
-    published layout ``<JSON folder>/<image folder>/name``)."""
-    folder = _WHATSUP_IMAGE_DIRS[subset]
-    published = file.parent / folder / name
-    candidates = []
-    if image_root is not None:
-        root = Path(image_root).expanduser()
-        candidates += [root / name, root / folder / name]
-    if written is not None:  # Controlled: the loader opens image_path as written, from its working directory
-        path = Path(written).expanduser()
-        candidates.append(path if path.is_absolute() else file.parent / path)
-    candidates.append(published)
-    for candidate in candidates:
-        if candidate.is_file():
-            return _abspath(candidate)
-    return _abspath(candidates[0] if image_root is not None else published)
-
-
-def read_whatsup(path_or_dir: str | os.PathLike, image_root: str | os.PathLike | None = None) -> Benchmark:
-    """What'sUp from one of its JSON files, or from a folder holding any of :data:`WHATSUP_FILES`.
-
-    One "text" item per entry, ``texts[0]`` the true caption (Controlled-A / -B: the four ``caption_options``
-    as written; COCO-/GQA-spatial: ``(true caption, false caption)``), so the accuracy is the paper's per-image
-    ("individual") accuracy; :func:`whatsup_pair_and_set` gives Controlled's pair and set accuracies.
-    ``subtype`` = the subset (a value of :data:`WHATSUP_FILES`), ``tags = ("<subset> <preposition>",)`` with the
-    authors' loader's preposition labels (Controlled-A ``left_of / right_of / on / under``, from the image's
-    file name; Controlled-B ``left_of / right_of / in-front_of / behind``; one-object QA: the true caption's last
-    word; two-object COCO ``left / right / above / below``, two-object GQA ``left / right / front / behind /
-    top``), ``item_id`` = ``"<file stem>/<entry index>"``.
-
-    Image: the first that exists of ``image_root / name`` and ``image_root / <image folder> / name`` (when
-    ``image_root`` is given), then, for Controlled, ``image_path`` as written (absolute, or relative to the JSON's
-    folder), then the published layout ``<JSON folder>/<image folder>/name``; where none exists the item is
-    skipped as a missing image naming ``image_root / name`` (or the published path). ``name`` is
-    ``basename(image_path)`` (Controlled), ``<image_id zero-padded to 12>.jpg`` (COCO-spatial) or
-    ``<image_id>.jpg`` (GQA-spatial); the image folders are ``controlled_images``, ``controlled_clevr``,
-    ``val2017`` and ``vg_images``. So the published download works without ``image_root``, and with the one
-    ``--image-root`` that ``train.eval`` shares among all benchmarks of a run. All files are validated before
-    any image is checked (module docstring).
-    """
-    root = Path(path_or_dir).expanduser()
-    parsed = []  # (file, subset, index, name, image_path as written or None, texts, preposition)
-    for file in _whatsup_files(root):
-        subset = WHATSUP_FILES[file.stem]
-        data = _load_json(file)
-        if not isinstance(data, list):
-            raise _fail(file, "", f"expected a JSON list of test cases, got {type(data).__name__}")
-        for index, raw in enumerate(data):
-            where = f"entry {index}"
-            if subset.startswith("controlled"):
-                written, name, texts = _whatsup_controlled_entry(file, where, raw)
-                preposition = _whatsup_controlled_preposition(subset, name)
-            else:
-                written = None
-                name, texts = _whatsup_qa_row(file, where, raw, subset)
-                preposition = _whatsup_qa_preposition(subset, texts[0])
-            parsed.append((file, subset, index, name, written, texts, preposition))
-    pending = []
-    for file, subset, index, name, written, texts, preposition in parsed:
-        image = _whatsup_image(file, subset, name, written, image_root)
-        item = Item(f"{file.stem}/{index}", (image,), texts, subset, tags=(f"{subset} {preposition}",))
-        pending.append(_Pending(item, f"{file}: entry {index}"))
-    return dataclasses.replace(_finish("whatsup", "text", pending), summarize=whatsup_pair_and_set)
-
-
-def whatsup_pair_and_set(items: Iterable[Item], correct: Iterable[bool]) -> dict[str, dict[str, float]]:
-    """Controlled-A / -B's pair and set accuracies, computed as the authors' ``Controlled_Images.evaluate_scores``
-    does, from :func:`read_whatsup`'s items and whether each was right (a parallel sequence of bools).
-
-    Each subset's images are grouped by (the first ``_``-separated word of the image's file name, the last word
-    without its extension): ``mug_left_of_table.jpeg`` -> ``("mug", "table")``, its slot the second word
-    (``left``; Controlled-A's slots ``left, right, on, under``, Controlled-B's ``left, right, in-front, behind``),
-    later items overwriting earlier ones of the same slot, as their dict does. A group scores one pair for
-    ``left`` and ``right`` both right and one for ``on`` and ``under`` (A) / ``in-front`` and ``behind`` (B) both
-    right, and one set when all four are right. Their denominators: ``pair = 100 * pairs / (n / 2)``, ``set = 100 *
-    sets / (n / 4)``, n the subset's items given (on the full subsets, 412 and 408 images, every group holds four;
-    items skipped as missing images lower n and can leave groups short). ``individual`` is the plain per-image
-    accuracy (what :func:`read_whatsup`'s rows show). Items of other subsets are ignored.
-
-    Returns ``{subset: {"individual", "pair", "set", "n"}}`` for each Controlled subset among the items. Raises
-    ValueError when the two lengths differ or a file name has fewer than three ``_``-separated words.
-    """
-    items, correct = list(items), list(correct)
-    if len(items) != len(correct):
-        raise ValueError(f"{len(items)} items but {len(correct)} correctness values")
-    groups: dict[str, dict[tuple[str, str], dict[str, bool]]] = {}
-    right: dict[str, list[bool]] = {}
-    for item, ok in zip(items, correct):
-        pairs = _WHATSUP_PAIRS.get(item.subtype)
-        if pairs is None:
-            continue
-        name = os.path.basename(item.images[0])
-        words = name.split("_")
-        if len(words) < 3:
-            raise ValueError(f"{item.item_id}: image file name {name!r} is not <object>_<preposition>_<object>.<ext>")
-        key = (words[0], os.path.splitext(words[-1])[0])  # their [:-5] drops the published names' ".jpeg"
-        slots = groups.setdefault(item.subtype, {}).setdefault(key, {s: False for pair in pairs for s in pair})
-        slots[words[1]] = bool(ok)
-        right.setdefault(item.subtype, []).append(bool(ok))
-    out = {}
-    for subset, by_key in groups.items():
-        n = len(right[subset])
-        pairs = sum(all(slots[s] for s in pair) for slots in by_key.values() for pair in _WHATSUP_PAIRS[subset])
-        sets = sum(sum(slots.values()) == 4 for slots in by_key.values())
-        out[subset] = {"individual": 100 * sum(right[subset]) / n, "pair": 100 * pairs / (n / 2),
-                       "set": 100 * sets / (n / 4), "n": n}
-    return out
+    return finish("svo-probes", "image", pending)
 
 
 # --------------------------------------------------------------------------------------------- toy world
 def _listed(file: Path, key: str, label: str) -> Iterator[tuple[str, dict]]:
     """(where, entry) for each entry of the list ``key`` of the JSON object in ``file`` ("<label> <index>")."""
-    data = _load_json(file)
+    data = load_json(file)
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
-        raise _fail(file, "", f"expected an object with an {key!r} list" if key[0] in "aeiou" else
+        raise format_error(file, "", f"expected an object with an {key!r} list" if key[0] in "aeiou" else
                     f"expected an object with a {key!r} list")
     for index, raw in enumerate(data[key]):
         where = f"{label} {index}"
-        yield where, _object(file, where, raw)
+        yield where, object_field(file, where, raw)
 
 
 def _names_any(caption: str, combinations: list[str]) -> bool:
@@ -707,40 +352,40 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
     world = Path(world_dir).expanduser()
     root = Path(image_root).expanduser() if image_root is not None else world
     coco_file = world / f"{split}_coco.json"
-    coco = _load_json(coco_file)
+    coco = load_json(coco_file)
     if not isinstance(coco, dict) or not isinstance(coco.get("images"), list):
-        raise _fail(coco_file, "", "expected a COCO captions object with an 'images' list")
+        raise format_error(coco_file, "", "expected a COCO captions object with an 'images' list")
     files = {}
     for index, raw in enumerate(coco["images"]):
         where = f"images entry {index}"
-        entry = _object(coco_file, where, raw)
-        files[_identifier(coco_file, where, entry, "id")] = _text(coco_file, where, entry, "file_name")
+        entry = object_field(coco_file, where, raw)
+        files[id_field(coco_file, where, entry, "id")] = text_field(coco_file, where, entry, "file_name")
     meta_file = world / "meta.json"
-    heldout = _load_json(meta_file).get("holdout", []) if meta_file.is_file() else []
+    heldout = load_json(meta_file).get("holdout", []) if meta_file.is_file() else []
     neg_file = world / "negatives.json"
     pending = []
     for where, entry in _listed(neg_file, "items", "entry"):
-        if _text(neg_file, where, entry, "split") != split:
+        if text_field(neg_file, where, entry, "split") != split:
             continue
-        image_id = _identifier(neg_file, where, entry, "image_id")
-        caption_id = _identifier(neg_file, where, entry, "caption_id")
-        positive = _text(neg_file, where, entry, "positive")
+        image_id = id_field(neg_file, where, entry, "image_id")
+        caption_id = id_field(neg_file, where, entry, "caption_id")
+        positive = text_field(neg_file, where, entry, "positive")
         if image_id not in files:
-            raise _fail(neg_file, where, f"image_id {image_id} is not in {coco_file.name}")
+            raise format_error(neg_file, where, f"image_id {image_id} is not in {coco_file.name}")
         negatives = entry.get("negatives")
         if not isinstance(negatives, list):
-            raise _fail(neg_file, where, "'negatives' must be a list")
-        image = _abspath(root / files[image_id])
+            raise format_error(neg_file, where, "'negatives' must be a list")
+        image = abspath(root / files[image_id])
         for k, raw_neg in enumerate(negatives):
             neg_where = f"{where}, negative {k}"
-            neg = _object(neg_file, neg_where, raw_neg)
-            neg_type, text = _text(neg_file, neg_where, neg, "type"), _text(neg_file, neg_where, neg, "text")
+            neg = object_field(neg_file, neg_where, raw_neg)
+            neg_type, text = text_field(neg_file, neg_where, neg, "type"), text_field(neg_file, neg_where, neg, "text")
             tags = (f"held-out {neg_type}", "held-out all") if _names_any(positive, heldout) else ()
             if neg_type == "swap-att" and _one_shape_pair(neg.get("struct")):
                 tags += (SAME_SHAPE_SWAP,)
-            pending.append(_Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type, tags=tags),
+            pending.append(Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type, tags=tags),
                                     f"{neg_file}: {neg_where}"))
-    return _finish("toyworld", "text", pending)
+    return finish("toyworld", "text", pending)
 
 
 def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = None,
@@ -760,18 +405,18 @@ def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = N
     for index, (where, entry) in enumerate(_listed(file, "sets", "set")):
         scenes = entry.get("scenes")
         if not isinstance(scenes, list) or len(scenes) < 2:
-            raise _fail(file, where, "'scenes' must be a list of at least two scenes")
+            raise format_error(file, where, "'scenes' must be a list of at least two scenes")
         images, texts = [], []
         for k, scene_raw in enumerate(scenes):
-            scene = _object(file, f"{where}, scene {k}", scene_raw)
-            images.append(_abspath(root / _text(file, f"{where}, scene {k}", scene, "file_name")))
-            texts.append(_text(file, f"{where}, scene {k}", scene, "caption"))
+            scene = object_field(file, f"{where}, scene {k}", scene_raw)
+            images.append(abspath(root / text_field(file, f"{where}, scene {k}", scene, "file_name")))
+            texts.append(text_field(file, f"{where}, scene {k}", scene, "caption"))
         if len(set(texts)) != len(texts):
-            raise _fail(file, where, "two scenes of a set share a caption")
+            raise format_error(file, where, "two scenes of a set share a caption")
         tags = ("held-out four-way",) if entry.get("heldout") else ()
-        pending.append(_Pending(Item(f"controlled/{entry.get('id', index)}", tuple(images), tuple(texts), "four-way",
+        pending.append(Pending(Item(f"controlled/{entry.get('id', index)}", tuple(images), tuple(texts), "four-way",
                                      tags=tags), f"{file}: {where}"))
-    return _finish(name, "set", pending)
+    return finish(name, "set", pending)
 
 
 #: the toy world's row of swap-att items between two objects of the same shape ("a red circle left of a blue

@@ -278,6 +278,20 @@ class AdapterScorer(CacheReadable):
         encode = self.head.encode_image if side == "image" else self.head.encode_text
         return encode(to_tensors({k: arrays[k] for k in keys}, self.device))
 
+    def text_tower(self):
+        return self.backbone
+
+    def check_cache(self, cache) -> None:
+        """The cache must hold what live extraction would give the head: extracted with the adapter's own settings
+        (its checkpoint's ``extraction.settings``; the data aside)."""
+        diff = self.cache_settings_diff(cache.settings)
+        if diff:
+            ours = self.meta.get("extraction", {}).get("path", "its training cache")
+            raise ValueError(f"--cache {cache.path} ({cache.settings.get('summary', '')}) was extracted with other "
+                             f"settings than {self.name} was trained on ({ours}); checkpoint's -> cache's:\n  "
+                             + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
+                             "(python -m extract with its --components and extraction flags), or drop --cache")
+
     def cache_settings_diff(self, settings: dict) -> list[str]:
         """Differences (``key: checkpoint's -> cache's``) between the extraction settings this head was trained
         with and a feature cache's ``settings``: empty when the cache holds exactly the arrays live extraction

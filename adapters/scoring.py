@@ -57,6 +57,8 @@ class CacheReadable:
     directional = False
     #: False where the first stage's inner product is the exact score (a bare backbone): nothing to re-rank
     second_stage = True
+    #: False where an image is a set of components, not one vector a linear probe could read (adapters)
+    has_global_embedding = True
 
     def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
         return self.score(image_reps, text_reps)
@@ -77,6 +79,28 @@ class CacheReadable:
         None: a scorer that reads no boxes has none to count."""
         return None
 
+    def text_input_keys(self, texts: Sequence[str]) -> list:
+        """One hashable per text, equal exactly when the model receives the same input (see :class:`Scorer`); here
+        each text is its own input."""
+        return list(texts)
+
+    def ensemble(self, text_reps: Reps, groups: torch.Tensor) -> Reps | None:
+        """One representation per group of texts (the prompt templates of one class), or None: this scorer does
+        not merge them, and zero-shot averages its scores over the templates instead."""
+        return None
+
+    def text_tower(self):
+        """The frozen backbone whose text tower a text-only floor is fitted on (``train.eval.text_only``), or None
+        for a scorer without one."""
+        return None
+
+    def check_cache(self, cache) -> None:
+        """Whether retrieval may read this scorer's representations from feature cache ``cache`` (``train.eval
+        --cache``): a ValueError naming the two sides when not. Here never: a scorer that knows no way to read
+        itself from a cache is evaluated live."""
+        raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {self.name} scores with its own "
+                         "method: evaluate it without --cache")
+
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The feature-cache arrays it reads per item of ``side`` ("image" / "text")."""
         raise ValueError(f"{self.name}: no known way to read its representations from a feature cache")
@@ -84,6 +108,16 @@ class CacheReadable:
     def encode_arrays(self, arrays: dict, side: str) -> Reps:
         """Representations of items of ``side`` from their cached arrays (one per :meth:`cache_keys`)."""
         raise ValueError(f"{self.name}: no known way to read its representations from a feature cache")
+
+
+def check_cache_backbone(scorer, cache) -> None:
+    """ValueError unless feature cache ``cache`` was built by ``scorer.backbone`` (its description, weights hashed)."""
+    from extract.cache import settings_diff
+
+    theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
+    if theirs != ours:
+        raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
+                         + "\n  ".join(settings_diff(theirs, ours)[:8]))
 
 
 def cat_reps(parts: Sequence[Reps]) -> Reps:
@@ -153,6 +187,13 @@ class BackboneScorer(CacheReadable):
 
     def first_stage_text(self, text_reps: Reps, direction: str = "t2i") -> torch.Tensor:
         return text_reps["embed"]
+
+    def text_tower(self):
+        return self.backbone
+
+    def check_cache(self, cache) -> None:
+        """The cache's global embeddings must come from this very backbone (architecture, preprocessing, weights)."""
+        check_cache_backbone(self, cache)
 
     def ensemble(self, text_reps: Reps, groups: torch.Tensor) -> Reps:
         """groups [T] int: group of each text (0..G-1) -> one normalised mean embedding per group [G, D]."""

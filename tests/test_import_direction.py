@@ -168,3 +168,26 @@ def test_train_parts_import_in_one_direction():
     assert train_violations("train.adapter.engine", "from train.pretrain.engine import train\n") == [
         "<source>:1 imports train.pretrain.engine"]
     assert train_violations("train.bench.adapter", "from train.adapter.step import AdapterRun\n") == []
+
+
+#: the evaluation path: what python -m train.eval runs between a scorer, a data source and a figure
+EVALUATION_PATH = ("train/eval/evaluate.py", "train/eval/zeroshot.py", "train/eval/report.py",
+                   "train/eval/clip_benchmark.py", "adapters/eval/retrieval.py")
+
+
+def type_tests(source: str, names: tuple[str, ...] = ("scorer", "source", "cache")) -> list[str]:
+    """Calls of isinstance / hasattr / getattr on a variable named in ``names``: asking what a scorer or a source is
+    instead of asking it (its protocol, adapters.scoring.CacheReadable and extract.data.records.DataSource, says)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "hasattr", "getattr")
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in names):
+            found.append(f"{node.lineno}: {node.func.id}({node.args[0].id}, ...)")
+    return found
+
+
+def test_the_evaluation_path_asks_the_scorer_not_its_type():
+    bad = [f"{path}:{x}" for path in EVALUATION_PATH for x in type_tests((ROOT / path).read_text())]
+    assert not bad, "\n".join(bad)
+    assert type_tests("if hasattr(source, 'records'):\n    pass\n") == ["1: hasattr(source, ...)"]
+    assert type_tests("ok = isinstance(items, list)\n") == []

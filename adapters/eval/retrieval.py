@@ -156,7 +156,7 @@ def feature_score_fn(image_emb: torch.Tensor, text_emb: torch.Tensor) -> Callabl
 def directed_scorer(scorer, direction: str):
     """score function (image_reps, text_reps) -> [I, T] for one direction ("t2i": texts rank images, "i2t":
     images rank texts); the plain ``score`` for scorers whose directions agree."""
-    if getattr(scorer, "directional", False):
+    if scorer.directional:
         return lambda i, t: scorer.score_directed(i, t, direction)
     return scorer.score
 
@@ -172,36 +172,12 @@ def run_retrieval_cached(scorer, cache, batch_size: int = 1024, scenes: dict | N
     extraction would give the head, and the head's directions are ranked as in :func:`retrieval_from_reps`.
     A scorer that reads itself from a cache without being an adapter (``cache_keys`` / ``encode_arrays``: FILIP's
     late interaction on the cached patch and token embeddings) needs the backbone check of a bare backbone and a
-    cache holding its arrays (``scorer.cache_components``). Other scorers are refused. The refusals name the two
-    sides. ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in ``train.eval.evaluate.run_retrieval``."""
-    from adapters.adapter_scorer import AdapterScorer
-    from adapters.scoring import BackboneScorer
-    from extract.cache import settings_diff
-
-    if isinstance(scorer, AdapterScorer):
-        diff = scorer.cache_settings_diff(cache.settings)
-        if diff:
-            ours = scorer.meta.get("extraction", {}).get("path", "its training cache")
-            raise ValueError(f"--cache {cache.path} ({cache.settings.get('summary', '')}) was extracted with other "
-                             f"settings than {scorer.name} was trained on ({ours}); checkpoint's -> cache's:\n  "
-                             + "\n  ".join(diff[:8]) + "\nExtract the retrieval data with the adapter's settings "
-                             "(python -m extract with its --components and extraction flags), or drop --cache")
+    cache holding its arrays (``scorer.cache_components``). Other scorers are refused. Each scorer says which of
+    these holds for it (``check_cache``; the refusals name the two sides). ``scenes`` (a toy world's, by image id) add multi-positive retrieval, as in ``train.eval.evaluate.run_retrieval``."""
+    scorer.check_cache(cache)  # a ValueError naming both sides where this scorer cannot be read from this cache
+    if scorer.second_stage:  # it reads its own representations there: an adapter's components, FILIP's patches / tokens
         return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
-    own_arrays = getattr(scorer, "second_stage", False)  # FILIP: reads its own arrays (adapters.scoring.CacheReadable)
-    if not (isinstance(scorer, BackboneScorer) or own_arrays):
-        raise ValueError(f"--cache is read by bare backbones, adapters and FILIP; {scorer.name} scores with its own "
-                         "method: evaluate it without --cache")
-    theirs, ours = cache.settings["backbone"], scorer.backbone.describe(hash_weights=True)
-    if theirs != ours:
-        raise ValueError(f"--cache {cache.path} was built by another backbone than {scorer.name}:\n  "
-                         + "\n  ".join(settings_diff(theirs, ours)[:8]))
-    if own_arrays:
-        missing = sorted({k for side in ("image", "text") for k in scorer.cache_keys(side)} - set(cache.keys))
-        if missing:
-            components = ",".join(getattr(scorer, "cache_components", ()))
-            raise ValueError(f"--cache {cache.path} lacks the arrays {missing} that {scorer.name} scores with: extract "
-                             f"the retrieval data with --components {components}, or drop --cache")
-        return _retrieval_of_own_reps(scorer, cache, batch_size, scenes, per_query)
+    # a bare backbone: its first stage is its exact score, the cached global embeddings
     image = torch.from_numpy(cache.gather("image_embed", np.arange(cache.num_images))).float()
     text = torch.from_numpy(cache.gather("text_embed", np.arange(cache.num_captions))).float()
     out = retrieval_from_reps(scorer, {"embed": image}, {"embed": text}, torch.from_numpy(cache.caption_image_index()),
@@ -260,7 +236,7 @@ def retrieval_from_reps(scorer, image_reps, text_reps, caption_image: torch.Tens
         return retrieval_queries(lambda rows: fn(image_reps, take_reps(text_reps, rows)), n_images, caption_image,
                                  truth=matrix, directions=directions)
 
-    if not getattr(scorer, "directional", False):
+    if not scorer.directional:
         q = queries(score or scorer.score, ("t2i", "i2t"))
     else:
         from adapters.eval.multipositive import MultiPositive

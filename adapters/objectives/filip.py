@@ -227,6 +227,19 @@ class FILIPScorer(CacheReadable):
     # rounding, so a collection is indexed and re-ranked without re-encoding it.
     cache_components = ("patches", "tokens")
 
+    def text_tower(self):
+        return self.backbone
+
+    def check_cache(self, cache) -> None:
+        """The cache must come from this backbone and hold the patch and token embeddings it scores with."""
+        from adapters.scoring import check_cache_backbone
+
+        check_cache_backbone(self, cache)
+        missing = sorted({k for side in ("image", "text") for k in self.cache_keys(side)} - set(cache.keys))
+        if missing:
+            raise ValueError(f"--cache {cache.path} lacks the arrays {missing} that {self.name} scores with: extract "
+                             f"the retrieval data with --components {','.join(self.cache_components)}, or drop --cache")
+
     def cache_keys(self, side: str) -> tuple[str, ...]:
         """The cache arrays :meth:`encode_arrays` reads per item of ``side`` ("image" / "text")."""
         if side not in ("image", "text"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from PIL import Image
 
@@ -77,6 +77,17 @@ def checked_caption(report: SkipReport, caption_id: str, raw: object, location: 
 # --------------------------------------------------------------------------- the interface
 
 
+@dataclass(frozen=True)
+class Entry:
+    """An image of a source as evaluation reads it: ``key`` names it while it is encoded (an indexed image's path, a
+    streamed one's id), ``load()`` gives its decoded pixels."""
+
+    key: str
+    image_id: str
+    captions: list
+    load: Callable[[], Image.Image]
+
+
 class DataSource(ABC):
     """Iterate good samples; everything refused is recorded in ``report``, nothing raises per item.
 
@@ -95,6 +106,18 @@ class DataSource(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Sample]:
         """Yield every good sample, in source order."""
+
+    #: the truth of the captions by image id where the source knows it (a toy world's scenes), else None
+    annotations: dict | None = None
+
+    def entries(self) -> tuple[Iterable[Entry], int | None]:
+        """Every image with its captions, its pixels decoded on demand: ``(entries, how many)``. A stream's entries
+        are read as they come (how many: None); the source decodes them and reports its own skips."""
+        def stream():
+            for sample in self:
+                yield Entry(sample.image_id, sample.image_id, sample.captions, lambda image=sample.image: image)
+
+        return stream(), None
 
     def _decode(self, src: str | bytes) -> DecodedImage:
         return decode_image(src, max_pixels=self.max_pixels, unusual=self.unusual)
@@ -131,6 +154,11 @@ class IndexedSource(DataSource):
 
     def __len__(self) -> int:
         return len(self.records())
+
+    def entries(self) -> tuple[list[Entry], int]:
+        """Every record, listed before any is decoded; ``load()`` decodes one (raising :class:`BadImage`)."""
+        records = self.records()
+        return [Entry(r.source, r.image_id, r.captions, lambda r=r: self.load(r).image) for r in records], len(records)
 
     def __iter__(self) -> Iterator[Sample]:
         for record in self.records():

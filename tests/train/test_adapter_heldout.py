@@ -10,7 +10,7 @@ import torch
 
 from adapters.checkpoint import load_adapter, read_meta
 from extract.cache import FeatureCache
-from train.eval import evaluate as ev
+from train.eval.report import headline
 from train.adapter.heldout import CachedBase, HeldOut, evaluate_heldout, heldout_split
 
 from fixtures.toy import toy_root, trained_comalign
@@ -39,10 +39,10 @@ def test_cached_evaluation_equals_the_live_final_table(run):
     extractor = LiveExtractor(load_backbone("tiny"), meta["extraction"]["args"], box_source="gt",
                               annotations=root / "world")
     assert attach_toyworld_negatives(held, root / "world", "test", extractor) > 0
-    cached = ev.headline(evaluate_heldout(head, held, "cpu"))
+    cached = headline(evaluate_heldout(head, held, "cpu"))
     table = json.loads((out / "eval" / "results.json").read_text())["results"]["tiny + comalign"]
     # the final table also reads the controlled test, which the held-out evaluation has no cache of
-    live = {k: v for k, v in ev.headline(table).items() if not k.startswith("toyworld-controlled ")}
+    live = {k: v for k, v in headline(table).items() if not k.startswith("toyworld-controlled ")}
     assert set(live) == set(cached)
     for k in cached:
         assert live[k] == pytest.approx(cached[k], abs=1e-9), k

@@ -46,7 +46,9 @@ def test_same_retrieval_numbers_as_clip_benchmark(tmp_path):
 
 
 def test_non_dot_product_scorers_are_refused():
-    class Other:
+    from adapters.scoring import CacheReadable
+
+    class Other(CacheReadable):  # a scorer with a second stage: more than a dot product
         name = "comalign-like"
 
     with pytest.raises(ValueError, match="python -m train.eval"):

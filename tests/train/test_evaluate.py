@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from adapters.scoring import CacheReadable
 from extract.data import toyworld
 from extract.models.backbone import load_backbone
 from extract.data.sources import ToyWorldSource
@@ -145,7 +146,8 @@ def test_retrieval_from_the_feature_cache_matches_live_encoding(world, report, t
 
 
 def test_zeroshot_without_labelled_images_is_skipped_not_a_crash():
-    from train.eval.evaluate import headline, run_zeroshot
+    from train.eval.evaluate import run_zeroshot
+    from train.eval.report import headline
     from train.eval.zeroshot import ClassificationSet
 
     empty = ClassificationSet("toyworld:test", [], [], [])
@@ -155,7 +157,7 @@ def test_zeroshot_without_labelled_images_is_skipped_not_a_crash():
 
 
 # ------------------------------------------------------------------------------------- non-finite scores
-class NanScorer:
+class NanScorer(CacheReadable):
     """A model whose every embedding is NaN (a diverged adapter): it must score 0, never 100."""
 
     name = "nan-model"
@@ -346,7 +348,8 @@ def test_multi_positive_retrieval_matches_the_reference(world, report):
 def test_side_by_side_deltas_and_per_query_figures(world, tmp_path):
     """Two identical models: every delta is exactly 0 with a zero-width interval, nothing is marked; and each
     table figure with per-query values is 100 x the mean of those values (what the bootstrap resamples)."""
-    from train.eval.evaluate import EvaluateOptions, evaluate, headline
+    from train.eval.evaluate import EvaluateOptions, evaluate
+    from train.eval.report import headline
 
     rep = evaluate(EvaluateOptions(model=["tiny", "tiny"], pretrained=["none", "none"], data=str(world),
                                    tasks="retrieval,zeroshot,compositional", out=str(tmp_path), bootstrap=200,

@@ -7,12 +7,12 @@ import pytest
 import torch
 from PIL import Image
 
-from adapters.scoring import BackboneScorer
+from adapters.scoring import BackboneScorer, CacheReadable
 from train.eval.zeroshot import (IMAGENET_TEMPLATES, class_representations, class_scores, read_classification,
                             read_label_file, topk_accuracy)
 
 
-class _Toy:
+class _Toy(CacheReadable):
     """A scorer whose text embedding is a fixed vector per word count, to check the maths by hand."""
 
     name = "toy"

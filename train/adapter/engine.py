@@ -98,7 +98,7 @@ def _describe_base(opts: AdapterOptions, backbone) -> dict:
 
 
 def _flat_metrics(result: dict) -> dict[str, float]:
-    from train.eval.evaluate import headline
+    from train.eval.report import headline
 
     return headline(result)
 

@@ -9,7 +9,7 @@ their arrays are computed once, before training, by the live pipeline with the c
 (:class:`adapters.adapter_scorer.LiveExtractor`), exactly as evaluation and serving will compute them.
 
 Results have ``train.eval``'s layout (``{"retrieval": ..., "compositional": {"toyworld": ...}}``, and the
-retrieval's ``multi_positive`` section when the toy world's truth is attached), so ``train.eval.evaluate.headline``
+retrieval's ``multi_positive`` section when the toy world's truth is attached), so ``train.eval.report.headline``
 flattens them the same way for logs and tables.
 """
 from __future__ import annotations

@@ -38,10 +38,8 @@ class ScorerAsCLIP(torch.nn.Module):
     """A dot-product scorer behind open_clip's ``encode_image`` / ``encode_text`` (normalised embeddings)."""
 
     def __init__(self, scorer):
-        from adapters.scoring import BackboneScorer
-
         super().__init__()
-        if not isinstance(scorer, BackboneScorer):
+        if scorer.second_stage:  # its score is more than the dot product of two global embeddings
             raise ValueError(f"{scorer.name} scores image-text pairs with its own method, which CLIP_benchmark "
                              "(dot products of global embeddings) cannot express; use python -m train.eval")
         self.scorer = scorer

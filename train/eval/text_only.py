@@ -105,6 +105,9 @@ class TextOnlyScorer(CacheReadable):
     def text_input_keys(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
         return token_keys(self.backbone, texts)
 
+    def text_tower(self):
+        return self.backbone
+
 
 _FITTED: dict[str, tuple] = {}  # fits of this process: the demo asks for one base's floor more than once
 

@@ -129,9 +129,8 @@ def class_representations(scorer, classes: Sequence[str], templates: Sequence[st
     texts = [t.format(c) for c in classes for t in templates]
     groups = torch.arange(len(classes)).repeat_interleave(len(templates))
     reps = cat_reps([scorer.encode_texts(texts[i:i + batch_size]) for i in range(0, len(texts), batch_size)])
-    if hasattr(scorer, "ensemble"):
-        return scorer.ensemble(reps, groups), None
-    return reps, groups
+    merged = scorer.ensemble(reps, groups)  # None: the scorer does not merge templates (scores are averaged)
+    return (merged, None) if merged is not None else (reps, groups)
 
 
 def class_scores(scorer, image_reps, class_reps, groups) -> torch.Tensor:

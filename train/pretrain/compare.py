@@ -629,7 +629,7 @@ def _evaluate(opts: CompareOptions, budget: str, world: Path, runs: dict, out: P
 def pair_rows(report: dict, pairs: Sequence[tuple[str, str]], resamples: int, seed: int) -> dict:
     """``{"A vs B": {metric: {"delta", "delta_ci", "significant"}}}``: column A's seed-averaged difference from column
     B with the paired bootstrap over the test images, from ``train.eval``'s per-image results (``report``)."""
-    from train.eval.evaluate import comparison
+    from train.eval.report import comparison
 
     columns = report["table"]["columns"]
     rows = {}
@@ -644,7 +644,7 @@ def summary_table(table: dict, metrics: Sequence[str] = SUMMARY_METRICS) -> str:
     """The headline figures, a row per column: mean ± sd over seeds, and after the reference the difference from
     it with its 95% paired bootstrap interval, ``*`` where the interval excludes 0 (``train.eval.evaluate.cell``
     at one decimal)."""
-    from train.eval.evaluate import cell
+    from train.eval.report import cell
 
     cols = [m for m in metrics if any(m in v for v in table["metrics"].values())]
     lines = ["| column | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]

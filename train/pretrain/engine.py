@@ -90,6 +90,7 @@ def evaluate_checkpoint(weights: Path, arch: str, opts: PretrainOptions, device,
     here when None). Returns the flat headline numbers."""
     from adapters.load import load_scorer
     from train.eval import evaluate as ev
+    from train.eval.report import headline
 
     tasks = eval_tasks(opts) if tasks is None else tasks
     scorer = load_scorer(arch, str(weights), device=device)
@@ -102,7 +103,7 @@ def evaluate_checkpoint(weights: Path, arch: str, opts: PretrainOptions, device,
         res["compositional"] = {bm.name: ev.run_compositional(scorer, bm, 128) for bm in tasks["compositional"]}
     if "linear_probe" in tasks:
         res["linear_probe"] = ev.run_linear_probe(scorer, *tasks["linear_probe"], 128, opts.seed)
-    return ev.headline(res)
+    return headline(res)
 
 
 def retrieval_score(metrics: dict[str, float]) -> float | None:

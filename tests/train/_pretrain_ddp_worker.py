@@ -53,6 +53,9 @@ def run(world: str, out: Path, global_batch: int, configs) -> None:
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / f"{tag}-world{dist.world_size}.safetensors"))
     if dist.world_size > 1:
+        # every rank leaves together: a rank that tore its gloo group down while the other still wrote its file
+        # aborted once in CI under load ("terminate called without an active exception", exit -6)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

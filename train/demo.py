@@ -67,8 +67,8 @@ PROG = "python -m train.demo"
 DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
-#: --full on a hard world: where the powerset term shows its paper's effect against its control (train/README, "On
-#: the hard world": I2T mAP, add-obj and, with object masks, swap-obj beyond the interval over 3 seeds), with the
+#: --full on a hard world: where the powerset term shows its paper's effect against its control (train/README, "The
+#: fine-tune on the hard world": I2T mAP, add-obj and, with object masks, swap-obj beyond the interval over 3 seeds), with the
 #: settings measured there: a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise
 HARD_FINE_TUNE_N = 2000
 HARD_FINE_TUNE_EPOCHS = 3
@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if paired:
             print(f"\nthe same on a hard world, where the regions are what the scene is made of ({opts.hard_base}, "
                   f"{HARD_FINE_TUNE_EPOCHS} epochs; test split, {seeds}; Controlled-B: four-way caption choice, chance "
-                  "25; the 3-seed table: train/README, PowerCLIP fine-tuned, on the hard world):")
+                  "25; the 3-seed table: train/README, \"The fine-tune on the hard world\"):")
             print(paired)
         if report.get("served"):
             served = report["served"]

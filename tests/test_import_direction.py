@@ -133,7 +133,7 @@ def test_no_two_modules_import_each_other():
 #: inside train/, each part may import those before it (the README's Layout lists them in this order); a module
 #: at train/'s top level other than the demo's is shared by all of them and imports none
 TRAIN_ORDER = ("train.bad_steps", "train.measure", "train.eval", "train.adapter", "train.pretrain", "train.bench",
-               "train.demo_hard", "train.demo")
+               "train.demo_hard", "train.demo_pretrain", "train.demo")
 TRAIN_PEERS = {"train.adapter": {"train.pretrain"}, "train.pretrain": {"train.adapter"}}  # neither imports the other
 
 

@@ -158,9 +158,10 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     a hard world from the hard base."""
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
-                 "comalign,smartclip,powerclip", "--hard-fine-tune-n", "40"]) == 0
+                 "comalign,smartclip,powerclip", "--hard-fine-tune-n", "40", "--hard-pretrain-n", "40",
+                 "--hard-pretrain-steps", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "[9/9]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
+    assert "[10/10]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
@@ -190,6 +191,17 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     paired = report["powerclip_fine_tune_hard"]["paired"]
     assert printed.count(paired) == 1 and "| Controlled-B caption |" in paired.splitlines()[0]
     assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
+    # CLIP-PGS against FLIP pre-trained on a hard world: both from scratch, both tuned unmasked, FLIP the reference
+    # and the tuned pair compared; the printed rows are the comparison's own, with the text-only floor
+    pgs = json.loads((out / "clip-pgs-vs-flip-hard" / "compare.json").read_text())
+    assert json.loads((out / "clip-pgs-vs-flip-hard" / "hardworld" / "meta.json").read_text())["hard"] is True
+    runs = pgs["budgets"]["steps"]["runs"]
+    assert list(runs) == ["flip", "clip-pgs", "flip +tune", "clip-pgs +tune"]
+    assert [r["steps"] for rs in runs.values() for r in rs] == [2, 2, 1, 1]
+    assert pgs["budgets"]["steps"]["table"]["reference"] == "flip"
+    assert "clip-pgs +tune vs flip +tune" in pgs["budgets"]["steps"]["table"]["pairs"]
+    rows = report["clip_pgs_vs_flip_hard"]["markdown_rows"]
+    assert printed.count(rows) == 1 and "| clip-pgs +tune vs flip +tune |" in rows and "| text only (" in rows
     from extract.cache import FeatureCache
 
     boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")

@@ -191,17 +191,19 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     paired = report["powerclip_fine_tune_hard"]["paired"]
     assert printed.count(paired) == 1 and "| Controlled-B caption |" in paired.splitlines()[0]
     assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
-    # CLIP-PGS against FLIP pre-trained on a hard world: both from scratch, both tuned unmasked, FLIP the reference
-    # and the tuned pair compared; the printed rows are the comparison's own, with the text-only floor
-    pgs = json.loads((out / "clip-pgs-vs-flip-hard" / "compare.json").read_text())
-    assert json.loads((out / "clip-pgs-vs-flip-hard" / "hardworld" / "meta.json").read_text())["hard"] is True
-    runs = pgs["budgets"]["steps"]["runs"]
-    assert list(runs) == ["flip", "clip-pgs", "flip +tune", "clip-pgs +tune"]
-    assert [r["steps"] for rs in runs.values() for r in rs] == [2, 2, 1, 1]
-    assert pgs["budgets"]["steps"]["table"]["reference"] == "flip"
-    assert "clip-pgs +tune vs flip +tune" in pgs["budgets"]["steps"]["table"]["pairs"]
-    rows = report["clip_pgs_vs_flip_hard"]["markdown_rows"]
-    assert printed.count(rows) == 1 and "| clip-pgs +tune vs flip +tune |" in rows and "| text only (" in rows
+    # pre-training on a hard world: every column from scratch and tuned unmasked, CLIP the reference, CLIP-PGS against
+    # FLIP untuned and tuned; the printed rows: the untuned columns, the text-only floor and those two
+    pre = json.loads((out / "pretrain-hard" / "compare.json").read_text())
+    assert json.loads((out / "pretrain-hard" / "hardworld" / "meta.json").read_text())["hard"] is True
+    runs = pre["budgets"]["steps"]["runs"]
+    assert list(runs) == ["clip", "flip", "clip-pgs", "powerclip-R", "clip +tune", "flip +tune", "clip-pgs +tune",
+                          "powerclip-R +tune"]
+    assert [r["steps"] for rs in runs.values() for r in rs] == [2] * 4 + [1] * 4
+    assert pre["budgets"]["steps"]["table"]["reference"] == "clip"
+    rows = report["pretrain_hard"]["markdown_rows"]
+    names = [line.split(" | ")[0].strip("| ") for line in rows.splitlines()[2:] if line.startswith("| ")]
+    assert printed.count(rows) == 1 and names[:2] == ["clip", "text only (tiny:" + runs["clip"][0]["weights"] + ")"]
+    assert names[2:] == ["flip", "clip-pgs", "powerclip-R", "clip-pgs vs flip", "clip-pgs +tune vs flip +tune"]
     from extract.cache import FeatureCache
 
     boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")

@@ -20,8 +20,8 @@ detected boxes, and ComAlign on random boxes, next to their ground-truth ones (t
 loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the same fine-tune without its powerset loss
 (:func:`powerclip_fine_tune`, paired intervals against that control) on the toy world and, where the powerset term
 has scenes to work on, on a hard world from the hard CLIP base (``--hard-base``, ``--hard-fine-tune-n`` scenes),
-pre-trains CLIP-PGS against FLIP and PowerCLIP-R against CLIP on a hard world (the tiny ViT from scratch,
-``--hard-pretrain-n`` scenes, FLIP's unmasked tuning after each: :mod:`train.demo_pretrain`), and it builds a long-caption toy world (4-8 objects, dense
+pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S against CLIP on a
+hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a long-caption toy world (4-8 objects, dense
 descriptions of 100-250 tokens: ``extract.data.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
 captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
 (``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
@@ -62,7 +62,7 @@ from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
 from train.demo_hard import HARD_N, hard_controlled
-from train.demo_pretrain import HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, hard_pretraining, tuning_steps
+from train.demo_pretrain import HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN, hard_pretraining, tuning_steps
 
 PROG = "python -m train.demo"
 #: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/models/bases); the first is the reference
@@ -114,8 +114,9 @@ class DemoOptions:
                              "term alone (the control of its powerset loss), PowerCLIP fine-tuning the backbone "
                              "against the same fine-tune without its powerset loss (on the toy world, and on a hard "
                              "world from --hard-base), SmartCLIP on a long-caption toy world (frozen, --unfreeze "
-                             "with 248 tokens, trained on short captions only), and CLIP-PGS against FLIP and "
-                             "PowerCLIP-R against CLIP pre-trained on a hard world (--hard-pretrain-n)")
+                             "with 248 tokens, trained on short captions only), and CLIP-PGS against FLIP, "
+                             "PowerCLIP-R and, with hard negatives, PowerCLIP-S against CLIP pre-trained on a hard "
+                             "world (--hard-pretrain-n)")
     hard_n: int = option(HARD_N, type=nonnegative_int,
                          help="scenes of the small hard world whose controlled tests (What'sUp's Controlled-A / -B "
                               "analogues: support, depth) score the bases, the text-only floor and the served adapter "
@@ -127,9 +128,9 @@ class DemoOptions:
                                    help="--full: scenes of the hard world (overlap, clutter, textured backgrounds) the "
                                         "PowerCLIP fine-tune and its control run on (0: skip)")
     hard_pretrain_n: int = option(HARD_PRETRAIN_N, type=nonnegative_int,
-                                  help="--full: scenes of the hard world CLIP, FLIP, CLIP-PGS and PowerCLIP-R are "
-                                       "pre-trained on, the tiny ViT from scratch, one run per --seeds "
-                                       "(train/demo_pretrain.py; 0: skip)")
+                                  help="--full: scenes of the hard world CLIP, FLIP, CLIP-PGS, PowerCLIP-R and, with "
+                                       "hard negatives, CLIP and PowerCLIP-S are pre-trained on, the tiny ViT from "
+                                       "scratch, one run per --seeds (train/demo_pretrain.py; 0: skip)")
     hard_pretrain_steps: int = option(HARD_PRETRAIN_STEPS, type=positive_int,
                                       help="--full: optimizer steps of each of those runs (batch --pretrain-batch-size; "
                                            "FLIP's unmasked tuning then runs 3/5 as many from each)")
@@ -541,9 +542,8 @@ def demo(opts: DemoOptions) -> dict:
     pretrain_hard = None
     if hard_pretrain:
         step(f"pre-training on a hard world ({opts.hard_pretrain_n} scenes): CLIP-PGS against FLIP, PowerCLIP-R "
-             f"against CLIP (the tiny ViT from scratch, {opts.hard_pretrain_steps} steps, then "
-             f"{tuning_steps(opts.hard_pretrain_steps)} unmasked; {opts.seeds} run{'s' if opts.seeds > 1 else ''} "
-             "each)")
+             f"against CLIP, and PowerCLIP-S against CLIP with hard negatives (the tiny ViT from scratch, "
+             f"{opts.hard_pretrain_steps} steps, {opts.seeds} run{'s' if opts.seeds > 1 else ''} each)")
         pretrain_hard = hard_pretraining(out / "pretrain-hard", n=opts.hard_pretrain_n,
                                          steps=opts.hard_pretrain_steps, seed=opts.seed, seeds=opts.seeds,
                                          batch_size=opts.pretrain_batch_size, workers=opts.workers,
@@ -559,7 +559,7 @@ def demo(opts: DemoOptions) -> dict:
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
               "powerclip_fine_tune": fine_tune, "powerclip_fine_tune_hard": hard_fine_tune, "hard_world": hard,
-              "pretrain_hard": {k: pretrain_hard[k] for k in ("world", "markdown_rows")} if pretrain_hard else None,
+              "pretrain_hard": {k: pretrain_hard[k] for k in ("world", "tables")} if pretrain_hard else None,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
               "seconds": time.perf_counter() - started}
@@ -607,11 +607,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(paired)
         pretrain_hard = report.get("pretrain_hard")
         if pretrain_hard:
+            tables = pretrain_hard["tables"]
             print(f"\npre-training on a hard world, where FLIP's uniform drop halves small objects: CLIP-PGS against "
-                  f"FLIP (the clip-pgs vs flip rows), PowerCLIP-R against CLIP (the tiny ViT, "
-                  f"{opts.hard_pretrain_steps} steps; test split, {seeds}; %; the 3-seed table: train/README, "
-                  "\"Pre-training on the hard world\"):")
-            print(pretrain_hard["markdown_rows"])
+                  f"FLIP (the clip-pgs vs flip rows; +tune: after {tuning_steps(opts.hard_pretrain_steps)} unmasked "
+                  f"steps), PowerCLIP-R against CLIP (the tiny ViT, {opts.hard_pretrain_steps} steps; test split, "
+                  f"{seeds}; %; the 3-seed tables: train/README, \"Pre-training on the hard world\"):")
+            print(tables[PLAIN.folder])
+            print("\nthe same world with NegCLIP's hard negatives for both: PowerCLIP-S against CLIP")
+            print(tables[NEGATIVES.folder])
         if report.get("served"):
             served = report["served"]
             print(f"\nthe best adapter, {served['base']} + {served['method']}, serving the test split "
@@ -633,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
             + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else "")
             + (", powerclip-fine-tune-hard/results.{json,md,png}" if report.get("powerclip_fine_tune_hard") else "")
-            + (", pretrain-hard/compare.{md,json}" if report.get("pretrain_hard") else "")
+            + (", pretrain-hard/{plain,hard-negatives}/compare.{md,json}" if report.get("pretrain_hard") else "")
             + (", hardworld-eval/results.{json,md,png}" if report.get("hard_world") else ""))
 
     return run_job(job, parse_args(argv))

@@ -191,19 +191,25 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     paired = report["powerclip_fine_tune_hard"]["paired"]
     assert printed.count(paired) == 1 and "| Controlled-B caption |" in paired.splitlines()[0]
     assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
-    # pre-training on a hard world: every column from scratch and tuned unmasked, CLIP the reference, CLIP-PGS against
-    # FLIP untuned and tuned; the printed rows: the untuned columns, the text-only floor and those two
-    pre = json.loads((out / "pretrain-hard" / "compare.json").read_text())
+    # pre-training on one hard world: every column from scratch, CLIP each table's reference; without hard negatives
+    # every final model tuned unmasked and CLIP-PGS against FLIP untuned and tuned, with them PowerCLIP-S; the
+    # printed rows: the untuned columns, the text-only floor and those pairs
     assert json.loads((out / "pretrain-hard" / "hardworld" / "meta.json").read_text())["hard"] is True
-    runs = pre["budgets"]["steps"]["runs"]
-    assert list(runs) == ["clip", "flip", "clip-pgs", "powerclip-R", "clip +tune", "flip +tune", "clip-pgs +tune",
-                          "powerclip-R +tune"]
-    assert [r["steps"] for rs in runs.values() for r in rs] == [2] * 4 + [1] * 4
-    assert pre["budgets"]["steps"]["table"]["reference"] == "clip"
-    rows = report["pretrain_hard"]["markdown_rows"]
-    names = [line.split(" | ")[0].strip("| ") for line in rows.splitlines()[2:] if line.startswith("| ")]
-    assert printed.count(rows) == 1 and names[:2] == ["clip", "text only (tiny:" + runs["clip"][0]["weights"] + ")"]
-    assert names[2:] == ["flip", "clip-pgs", "powerclip-R", "clip-pgs vs flip", "clip-pgs +tune vs flip +tune"]
+    expected = {"plain": (["clip", "flip", "clip-pgs", "powerclip-R"], ["clip-pgs vs flip",
+                                                                       "clip-pgs +tune vs flip +tune"]),
+                "hard-negatives": (["clip +hn all", "powerclip-S +hn all"], [])}
+    for folder, (columns, pairs) in expected.items():
+        pre = json.loads((out / "pretrain-hard" / folder / "compare.json").read_text())
+        assert pre["config"]["data"] == str(out / "pretrain-hard" / "hardworld")
+        runs = pre["budgets"]["steps"]["runs"]
+        tuned = [f"{c} +tune" for c in columns] if folder == "plain" else []
+        assert list(runs) == columns + tuned
+        assert [r["steps"] for rs in runs.values() for r in rs] == [2] * len(columns) + [1] * len(tuned)
+        assert pre["budgets"]["steps"]["table"]["reference"] == columns[0]
+        rows = report["pretrain_hard"]["tables"][folder]
+        names = [line.split(" | ")[0].strip("| ") for line in rows.splitlines()[2:] if line.startswith("| ")]
+        floor = f"text only (tiny:{runs[columns[0]][0]['weights']})"
+        assert printed.count(rows) == 1 and names == [columns[0], floor, *columns[1:], *pairs], names
     from extract.cache import FeatureCache
 
     boxes = {FeatureCache(p.parent).settings.get("boxes", {}).get("source")

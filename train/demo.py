@@ -21,9 +21,9 @@ loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the sam
 (:func:`powerclip_fine_tune`, paired intervals against that control) on the toy world and, where the powerset term
 has scenes to work on, on a hard world from the hard CLIP base (``--hard-base``, ``--hard-fine-tune-n`` scenes),
 pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S against CLIP on a
-hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a long-caption toy world (4-8 objects, dense
-descriptions of 100-250 tokens: ``extract.data.toyworld --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long
-captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
+hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
+long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
+--long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
 (``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
 
 It ends by serving the adapter that binds best over every base (the mean of swap-att, swap-obj and replace-rel on
@@ -44,8 +44,10 @@ pre-trained backbone, open_clip-loadable ``model.safetensors`` + ``model.json``,
 ``adapters/`` (one base) or ``adapters/<base>/`` (several: ``results.{json,md,png}``, one run folder per method;
 ``adapters/cache`` is shared), ``bases-compared/``, ``binding.md``, ``index/`` (the search index of the best
 adapter: ``python -m serve.query OUT/index "..."`` searches it), ``demo_report.json`` and the resolved
-``config.json``. Rerunning reuses the toy world, a pre-trained base and the feature caches when their settings are
-unchanged; the adapters are trained again.
+``config.json``; with ``--full`` also the long run's folders (``pretrain-hard/``: the hard world and one
+``train.pretrain.compare`` folder per comparison). Rerunning reuses the toy world, a pre-trained base, the feature
+caches and the finished hard-world pre-training runs when their settings are unchanged; the adapters are trained
+again.
 """
 from __future__ import annotations
 
@@ -132,8 +134,13 @@ class DemoOptions:
                                        "hard negatives, CLIP and PowerCLIP-S are pre-trained on, the tiny ViT from "
                                        "scratch, one run per --seeds (train/demo_pretrain.py; 0: skip)")
     hard_pretrain_steps: int = option(HARD_PRETRAIN_STEPS, type=positive_int,
-                                      help="--full: optimizer steps of each of those runs (batch --pretrain-batch-size; "
-                                           "FLIP's unmasked tuning then runs 3/5 as many from each)")
+                                      help="--full: optimizer steps of each of those runs (batch "
+                                           "--pretrain-batch-size; FLIP's unmasked tuning then runs 3/5 as many from "
+                                           "each)")
+    hard_pretrain_jobs: int = option(2, type=positive_int,
+                                     help="--full: those runs trained at once, each in its own process with its share "
+                                          "of the CPU threads (python -m train.pretrain.compare --jobs; 1: one after "
+                                          "another in this process)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -547,7 +554,7 @@ def demo(opts: DemoOptions) -> dict:
         pretrain_hard = hard_pretraining(out / "pretrain-hard", n=opts.hard_pretrain_n,
                                          steps=opts.hard_pretrain_steps, seed=opts.seed, seeds=opts.seeds,
                                          batch_size=opts.pretrain_batch_size, workers=opts.workers,
-                                         device=opts.device, say=say)
+                                         jobs=opts.hard_pretrain_jobs, device=opts.device, say=say)
     served = serve_best(opts, results, world, out, step)
     hard = None
     if opts.hard_n:

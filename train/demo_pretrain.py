@@ -13,9 +13,9 @@ world" found beyond the interval (3 seeds there):
   [+0.5, +3.3]*, small; without the negatives PowerCLIP-S showed nothing beyond the interval.
 
 Two ``train.pretrain.compare`` runs on one world, with the settings measured there: 500 steps of 64, one run per
-``--seeds``, two runs at a time; the first (:data:`PLAIN`) with FLIP's unmasked tuning from every final model (300
-steps: 3/5 of the steps) and the rows ``clip-pgs vs flip`` untuned and tuned, the second (:data:`NEGATIVES`) with
-``--hard-negatives all``. CLIP is each table's reference. The demo's world has its own seed (``--seed``), so its
+``--seeds``, two runs at a time (``--hard-pretrain-jobs``); the first (:data:`PLAIN`) with FLIP's unmasked tuning
+from every final model (300 steps: 3/5 of the steps) and the rows ``clip-pgs vs flip`` untuned and tuned, the
+second (:data:`NEGATIVES`) with ``--hard-negatives all``. CLIP is each table's reference. The demo's world has its own seed (``--seed``), so its
 figures are a fresh draw of the same comparisons, not the README's tables.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def printed_table(table: dict, versus) -> str:
 
 
 def run_comparison(c: Comparison, out: Path, world: Path, *, n: int, steps: int, seed: int, seeds: int,
-                   batch_size: int, workers: int, device: str | None, say=print) -> dict:
+                   batch_size: int, workers: int, jobs: int, device: str | None, say=print) -> dict:
     """``c`` on ``world`` into ``out``: runs an earlier demo finished with the same settings are kept (compare
     resumes after them), a comparison with other settings makes way. Returns compare()'s result."""
     from extract.common.run_dir import NEUTRAL, claim
@@ -78,7 +78,7 @@ def run_comparison(c: Comparison, out: Path, world: Path, *, n: int, steps: int,
     # n and seed name the world (its folder stays the same): a world made with others is a different comparison
     copts = CompareOptions(out=str(out), data=str(world), n=n, seed=seed, seeds=seeds, methods=list(c.methods),
                            hard_negatives=c.hard_negatives, steps=steps, batch_size=batch_size, workers=workers,
-                           jobs=2, unmasked_tuning_steps=tuning_steps(steps) if c.tuned else 0, vs=list(c.versus),
+                           jobs=jobs, unmasked_tuning_steps=tuning_steps(steps) if c.tuned else 0, vs=list(c.versus),
                            pretrain=PretrainOptions(device=device))
     try:
         claim(out, json.loads(json.dumps(dataclasses.asdict(copts), default=str)), neutral=NEUTRAL | AFTER_TRAINING)
@@ -89,8 +89,8 @@ def run_comparison(c: Comparison, out: Path, world: Path, *, n: int, steps: int,
 
 
 def hard_pretraining(out: Path, *, n: int = HARD_PRETRAIN_N, steps: int = HARD_PRETRAIN_STEPS, seed: int = 0,
-                     seeds: int = 1, batch_size: int = 64, workers: int = 1, device: str | None = None,
-                     say=print) -> dict:
+                     seeds: int = 1, batch_size: int = 64, workers: int = 1, jobs: int = 2,
+                     device: str | None = None, say=print) -> dict:
     """Generate the hard world under ``out / "hardworld"`` (the comparisons' held-out combinations kept out of its
     train split) and run :data:`COMPARISONS` on it, each into ``out / folder``; returns ``{"world", "tables":
     {folder: the demo's rows (printed_table)}, "results": {folder: compare()'s result}}``."""
@@ -104,6 +104,7 @@ def hard_pretraining(out: Path, *, n: int = HARD_PRETRAIN_N, steps: int = HARD_P
         say(f"  {', '.join(c.methods)}" + (" with NegCLIP's hard negatives" if c.hard_negatives != "none" else "")
             + (", each tuned unmasked after" if c.tuned else "") + f" -> {out / c.folder}")
         results[c.folder] = run_comparison(c, out / c.folder, world, n=n, steps=steps, seed=seed, seeds=seeds,
-                                           batch_size=batch_size, workers=workers, device=device, say=say)
+                                           batch_size=batch_size, workers=workers, jobs=jobs, device=device,
+                                           say=say)
         tables[c.folder] = printed_table(results[c.folder]["budgets"]["steps"]["table"], c.versus)
     return {"world": str(world), "tables": tables, "results": results}

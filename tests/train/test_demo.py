@@ -159,7 +159,7 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
                  "comalign,smartclip,powerclip", "--hard-fine-tune-n", "40", "--hard-pretrain-n", "40",
-                 "--hard-pretrain-steps", "2"]) == 0
+                 "--hard-pretrain-steps", "2", "--hard-pretrain-jobs", "1"]) == 0
     printed = capsys.readouterr().out
     assert "[10/10]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())

@@ -23,8 +23,9 @@ has scenes to work on, on a hard world from the hard CLIP base (``--hard-base``,
 pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S against CLIP on a
 hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
 long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
---long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut), SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context
-(``--unfreeze``, the paper's recipe) and SmartCLIP trained on the short-caption world only.
+--long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut),
+SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
+paper's recipe) and SmartCLIP trained on the short-caption world only.
 
 It ends by serving the adapter that binds best over every base (the mean of swap-att, swap-obj and replace-rel on
 the validation split, not the test split: :data:`SELECTION`): ``serve.index`` builds the search index of the test split
@@ -72,8 +73,8 @@ DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
 #: --full on a hard world: where the powerset term shows its paper's effect against its control (train/README, "The
-#: fine-tune on the hard world": I2T mAP, add-obj and, with object masks, swap-obj beyond the interval over 3 seeds), with the
-#: settings measured there: a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise
+#: fine-tune on the hard world": I2T mAP, add-obj and, with object masks, swap-obj beyond the interval over 3
+#: seeds), with the settings measured there: a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise
 HARD_FINE_TUNE_N = 2000
 HARD_FINE_TUNE_EPOCHS = 3
 HARD_FINE_TUNE_ROWS = (("I2T mAP", "retrieval I2T mAP"), ("add-obj", "toyworld add-obj"),

@@ -60,8 +60,16 @@ def sobel_patch_edges(images: Tensor, grid: tuple[int, int], patch: tuple[int, i
 
 
 def pixel_patches(images: Tensor, patch: tuple[int, int]) -> Tensor:
-    """Raw pixels of each patch [B, N, 3 * ph * pw] in the ViT's row-major patch order."""
-    return F.unfold(images.float(), kernel_size=patch, stride=patch).transpose(1, 2)
+    """Raw pixels of each patch [B, N, 3 * ph * pw] in the ViT's row-major patch order, each patch's values
+    channel-major as ``F.unfold`` orders them (a remainder of rows or columns is dropped, as there).
+
+    A reshape, not ``F.unfold``: the patches do not overlap, so one strided copy gathers them. On CUDA
+    ``F.unfold`` launches an im2col kernel per image: 12 ms of the selection's 17 at batch 256 on an H200,
+    against 0.9 ms for each cosine matrix (train/README, Speed)."""
+    (ph, pw), (b, c, h, w) = patch, images.shape
+    rows, cols = h // ph, w // pw
+    x = images[..., :rows * ph, :cols * pw].float().reshape(b, c, rows, ph, cols, pw)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, rows * cols, c * ph * pw)
 
 
 def sinkhorn(s: Tensor, eps: float, iters: int) -> Tensor:

@@ -41,6 +41,14 @@ def test_sobel_marks_the_outline():
     assert pixel_patches(_square_image(), PATCH).shape == (1, 64, 192)
 
 
+def test_pixel_patches_match_unfold():
+    # the reshape is the fast path; F.unfold (one im2col per image on CUDA) is the reference, remainders included
+    for shape, patch in (((2, 3, 32, 32), (4, 4)), ((1, 3, 35, 30), (8, 6))):
+        images = torch.randn(*shape).to(torch.bfloat16)
+        reference = torch.nn.functional.unfold(images.float(), kernel_size=patch, stride=patch).transpose(1, 2)
+        assert torch.equal(pixel_patches(images, patch), reference)
+
+
 def test_outlines_are_kept_and_background_is_masked_first():
     img = _square_image()
     feats = torch.randn(1, 64, 16)

@@ -165,7 +165,8 @@ ENTRY_POINTS = ["extract", "extract.data.check", "extract.data.toyworld", "extra
                 "train.pretrain.compare", "train.pretrain.diagnose", "train.bench.pretrain", "train.eval", "train.demo",
                 "train.eval.linear_probe", "train.eval.nla_report", "train.bench.nla", "train.bench.retrieval",
                 "extract.components.text", "train.eval.clip_benchmark", "serve.query", "serve.index",
-                "train.bench.serve", "extract.components.toy_detector", "train.eval.heatmaps", "serve", "train.bench.serve_load"]
+                "train.bench.serve", "extract.components.toy_detector", "train.eval.heatmaps", "serve", "train.bench.serve_load",
+                "train.bench.pgs"]
 # libraries a command imports only when it runs: loading them costs seconds, which --help must not
 HEAVY = {"open_clip", "spacy", "ultralytics", "sam2", "gradio", "faiss", "matplotlib", "accelerate", "transformers",
          "timm", "tensorboard", "webdataset", "sklearn", "cv2", "pandas", "torchvision"}

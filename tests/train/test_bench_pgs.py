@@ -1,0 +1,27 @@
+"""python -m train.bench.pgs at toy sizes: what it prints and returns (never its timings)."""
+from __future__ import annotations
+
+import json
+
+from train.bench import pgs
+
+TOY = ["--batch-size", "2,3", "--image-size", "32", "--patch", "8", "--dim", "16", "--repeats", "1"]
+
+
+def test_every_part_and_the_whole_are_reported(capsys, tmp_path):
+    assert pgs.main([*TOY, "--profile", "--json", str(tmp_path / "p.json")]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert set(saved["ms"]) == {"2", "3"}
+    for b in ("2", "3"):
+        ms = saved["ms"][b]
+        assert set(ms) == {"pixel patches", "pixel cosine", "feature cosine", "sinkhorn", "sobel edges", "selection"}
+        assert all(v > 0 for v in ms.values())
+        assert f"batch {b}: selection {ms['selection']:.2f} ms" in text
+    assert "Self CPU" in text  # the profiler's table
+
+
+def test_a_bad_batch_list_is_one_line_with_the_fix(capsys):
+    assert pgs.main(["--batch-size", "8,x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batch-size" in err[0] and "128,256" in err[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.components.overlap import FEATURES, ownership
+from extract.components.overlap import FEATURES, _hull, _hull_mask, ownership
 
 RED, BLUE = (230, 25, 25), (40, 90, 255)
 
@@ -44,3 +44,20 @@ def test_a_function_of_the_image_and_its_boxes_alone():
     one = ownership(raw, boxes, 2)
     ownership(_image([("square", [0, 0, 30, 30], BLUE)]), boxes[:1], 2)
     assert ownership(raw.copy(), boxes.copy(), 4)[:2, :2].tobytes() == one.tobytes()
+
+
+def test_the_hull_from_row_ends_equals_the_hull_of_every_pixel():
+    # the fast path takes each row's end pixels only; the reference, every pixel's four corners
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        mask = rng.random((20, 26)) < 0.02 + 0.03 * (trial % 10)
+        if trial % 7 == 0:
+            mask[:] = False
+        reference = mask.copy()
+        ys, xs = np.nonzero(mask)
+        if len(xs):
+            corners = np.concatenate([np.stack([xs + dx, ys + dy], 1) for dx in (0, 1) for dy in (0, 1)])
+            image = Image.new("L", (mask.shape[1], mask.shape[0]), 0)
+            ImageDraw.Draw(image).polygon([(x - 0.5, y - 0.5) for x, y in _hull(corners)], fill=255)
+            reference |= np.asarray(image) > 0
+        assert np.array_equal(_hull_mask(mask), reference), trial

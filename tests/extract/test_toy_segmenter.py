@@ -47,6 +47,28 @@ def test_connected_components_8_neighbours_in_raster_order():
     assert n == 2 and labels.tolist() == [[1, 1, 2, 2], [1, 1, 2, 2]]
 
 
+def test_connected_components_equal_scipys_labelling():
+    # the fast path (pointer jumping) against scipy's 8-connected labelling, per class, on random images whose long
+    # snaking runs need many passes of plain propagation
+    ndimage = pytest.importorskip("scipy.ndimage")
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        fg = rng.random((24, 31)) < (0.3 + 0.03 * trial)
+        classes = rng.integers(0, 1 + trial % 3, fg.shape)
+        labels, n = connected_components(fg, classes=classes)
+        reference, count = np.zeros(fg.shape, np.int64), 0
+        for c in np.unique(classes):
+            part, k = ndimage.label(fg & (classes == c), structure=np.ones((3, 3)))
+            reference[part > 0] = part[part > 0] + count
+            count += k
+        assert n == count
+        # the same partition, numbered in raster order of each component's first pixel
+        pairs = set(zip(labels[fg].tolist(), reference[fg].tolist()))
+        assert len(pairs) == n == len({a for a, _ in pairs}) == len({b for _, b in pairs})
+        firsts = [int(np.flatnonzero((labels == k).ravel())[0]) for k in range(1, n + 1)]
+        assert firsts == sorted(firsts)
+
+
 def test_one_mask_per_object_equal_to_its_pixels(world):
     scenes = json.loads((world / "annotations.json").read_text())["scenes"]
     seg = ToySegmenter()

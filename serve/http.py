@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import json
 import logging
 import math
@@ -478,8 +479,7 @@ def create_app(served: Served, blocks=None):
     if blocks is not False:
         from serve.app import call_problem
 
-        def check_call(path, body):
-            return call_problem(blocks, path, body)
+        check_call = functools.partial(call_problem, blocks)
     app.add_middleware(RequestGuard, max_body=max_body, check_call=check_call)
     return app
 

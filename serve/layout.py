@@ -48,9 +48,12 @@ import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from extract.models.weights import file_sha256
+
+if TYPE_CHECKING:  # imported where used: the annotations only
+    import pyarrow as pa
 
 FORMAT = "plugvlm-index"
 VERSION = 2  # 2: metadata as Arrow IPC files (``.arrow``); 1: parquet, still read

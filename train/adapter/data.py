@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 

@@ -14,7 +14,6 @@ flattens them the same way for logs and tables.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field

@@ -5,7 +5,7 @@ CLIP-PGS pays for its selection on every step (CLIP-PGS §3.2: seeds, feature an
 transport normalisation, Sobel edges); its claim is that this costs under 3% of FLIP's step (§4). The pre-training
 benchmark (``python -m train.bench.pretrain``) gives the step and the selection's share ("method" phase); this one
 splits the selection so a slow part can be found and fixed: each part is timed alone (medians, synchronised on a
-GPU), then ``pgs_select`` whole, on random images in bf16 as the step feeds them. ``--profile`` adds a
+GPU), then ``pgs_select`` whole, on random bf16 images and patch features. ``--profile`` adds a
 ``torch.profiler`` table of the whole selection, sorted by device time (CPU time on a CPU).
 """
 from __future__ import annotations

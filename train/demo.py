@@ -65,7 +65,8 @@ from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
 from train.demo_hard import HARD_N, hard_controlled
-from train.demo_pretrain import HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN, hard_pretraining, tuning_steps
+from train.demo_pretrain import (HARD_PRETRAIN_JOBS, HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN,
+                                  hard_pretraining, tuning_steps)
 
 PROG = "python -m train.demo"
 #: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/models/bases); the first is the reference
@@ -138,7 +139,7 @@ class DemoOptions:
                                       help="--full: optimizer steps of each of those runs (batch "
                                            "--pretrain-batch-size; FLIP's unmasked tuning then runs 3/5 as many from "
                                            "each)")
-    hard_pretrain_jobs: int = option(2, type=positive_int,
+    hard_pretrain_jobs: int = option(HARD_PRETRAIN_JOBS, type=positive_int,
                                      help="--full: those runs trained at once, each in its own process with its share "
                                           "of the CPU threads (python -m train.pretrain.compare --jobs; 1: one after "
                                           "another in this process)")

@@ -15,8 +15,8 @@ world" found beyond the interval (3 seeds there):
 Two ``train.pretrain.compare`` runs on one world, with the settings measured there: 500 steps of 64, one run per
 ``--seeds``, two runs at a time (``--hard-pretrain-jobs``); the first (:data:`PLAIN`) with FLIP's unmasked tuning
 from every final model (300 steps: 3/5 of the steps) and the rows ``clip-pgs vs flip`` untuned and tuned, the
-second (:data:`NEGATIVES`) with ``--hard-negatives all``. CLIP is each table's reference. The demo's world has its own seed (``--seed``), so its
-figures are a fresh draw of the same comparisons, not the README's tables.
+second (:data:`NEGATIVES`) with ``--hard-negatives all``. CLIP is each table's reference. The demo's world has its
+own seed (``--seed``), so its figures are a fresh draw of the same comparisons, not the README's tables.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 HARD_PRETRAIN_N = 10000  # train/README's hard world: 8,001 train images, 125 steps of 64 per epoch
 HARD_PRETRAIN_STEPS = 500
+HARD_PRETRAIN_JOBS = 2  # runs trained at once: the two cores here
 TUNING_FRACTION = 3 / 5  # FLIP's unmasked tuning: 300 steps after 500, as measured
 #: the figures the demo prints: the claims' columns and the binding rows that say whether a model binds
 ROWS = ("retrieval T2I R@1", "retrieval I2T R@1", "zero-shot top-1", "toyworld replace-att", "toyworld replace-obj",
@@ -89,7 +90,7 @@ def run_comparison(c: Comparison, out: Path, world: Path, *, n: int, steps: int,
 
 
 def hard_pretraining(out: Path, *, n: int = HARD_PRETRAIN_N, steps: int = HARD_PRETRAIN_STEPS, seed: int = 0,
-                     seeds: int = 1, batch_size: int = 64, workers: int = 1, jobs: int = 2,
+                     seeds: int = 1, batch_size: int = 64, workers: int = 1, jobs: int = HARD_PRETRAIN_JOBS,
                      device: str | None = None, say=print) -> dict:
     """Generate the hard world under ``out / "hardworld"`` (the comparisons' held-out combinations kept out of its
     train split) and run :data:`COMPARISONS` on it, each into ``out / folder``; returns ``{"world", "tables":

@@ -47,6 +47,19 @@ def time_call(fn: Callable[[], object], device: str | torch.device = "cpu", *, r
     return times[len(times) // 2]
 
 
+def batch_sizes(value) -> list[int]:
+    """The benchmarks' ``--batch-size``: a comma list (``"128,256"``), a list or one number -> [int >= 1, ...]."""
+    items = str(value).replace(" ", "").split(",") if isinstance(value, str) else \
+        (value if isinstance(value, (list, tuple)) else [value])
+    try:
+        sizes = [int(v) for v in items if v != ""]
+    except (TypeError, ValueError):
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-size: expected integers >= 1, comma separated (128,256); got {value!r}")
+    return sizes
+
+
 def rss_method() -> str:
     """How :func:`peak_growth` measures CPU memory in this process ('hwm-reset' or 'unavailable')."""
     return "hwm-reset" if reset_peak() else "unavailable"

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from train.bench import pgs
+from train.measure import batch_sizes
 
 TOY = ["--batch-size", "2,3", "--image-size", "32", "--patch", "8", "--dim", "16", "--repeats", "1"]
 
@@ -25,3 +28,10 @@ def test_a_bad_batch_list_is_one_line_with_the_fix(capsys):
     assert pgs.main(["--batch-size", "8,x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--batch-size" in err[0] and "128,256" in err[0]
+
+
+def test_batch_size_lists_shared_by_the_benchmarks():
+    assert batch_sizes("128, 256") == [128, 256] and batch_sizes([8]) == [8] and batch_sizes(4) == [4]
+    for bad in ("", "8,x", "0", [0], "-2"):
+        with pytest.raises(ValueError, match="128,256"):
+            batch_sizes(bad)

@@ -21,7 +21,7 @@ from adapters.objectives.clip_pgs import PGSConfig, cosine_matrix, pgs_select, p
     sobel_patch_edges
 from extract.common.cli import Parser, help_description, run_job
 from extract.common.config import positive_int
-from train.measure import load_warning, machine_load, sync, time_call
+from train.measure import batch_sizes, load_warning, machine_load, sync, time_call
 
 
 def build_parser() -> Parser:
@@ -36,16 +36,6 @@ def build_parser() -> Parser:
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures to this JSON file")
     return p
-
-
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-size: expected integers >= 1, comma separated (128,256), got {text!r}")
-    return sizes
 
 
 def measure(b: int, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
@@ -91,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sizes = _batch_sizes(args.batch_size)
+    sizes = batch_sizes(args.batch_size)
     if args.image_size < args.patch:
         raise ValueError(f"--image-size {args.image_size} is smaller than one --patch {args.patch}")
     load = machine_load()

@@ -48,6 +48,7 @@ import torch
 from extract.common.cli import Parser, check_options, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int
+from train.measure import batch_sizes
 
 CAPTIONS = ["a small red circle to the left of a large blue square", "a green star above a purple hexagon",
             "three objects: a small yellow triangle, a large red circle and a blue star; the triangle is left of the "
@@ -59,14 +60,6 @@ TARGETS = {"clip / open_clip throughput": (">=", 1.5), "clip MFU": (">=", 0.40),
            "flip 0.5 / clip step": ("<=", 0.62), "powerclip M=15 / M=5 step": ("<=", 1.5)}
 CONFIGS = ("open_clip", "clip", "flip", "clip-pgs", "powerclip", "powerclip-M5", "powerclip-M15")
 PHASES = ("data", "image tower", "text tower", "method", "loss", "backward", "optimizer", "other")
-
-
-def _batch_sizes(value) -> list[int]:
-    sizes = [int(v) for v in str(value).replace(" ", "").split(",") if v] if isinstance(value, str) else \
-        [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--batch-size: expected positive integers, e.g. 128,256; got {value!r}")
-    return sizes
 
 
 @dataclass
@@ -95,7 +88,7 @@ class BenchmarkOptions:
     json: str | None = option(None, help="also write the figures to this file")
 
     def __post_init__(self):
-        self.batch_size = _batch_sizes(self.batch_size)
+        self.batch_size = batch_sizes(self.batch_size)
 
 
 def build_parser() -> Parser:

@@ -73,9 +73,9 @@ PROG = "python -m train.demo"
 DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
-#: --full on a hard world: where the powerset term shows its paper's effect against its control (train/README, "The
-#: fine-tune on the hard world": I2T mAP, add-obj and, with object masks, swap-obj beyond the interval over 3
-#: seeds), with the settings measured there: a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise
+#: --full on a hard world: the fine-tune against its control with the settings measured in train/README ("The
+#: fine-tune on the hard world": a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise). Its I2T mAP
+#: and add-obj differences there are the control's fitted beta, not the powerset term ("The control's fitted beta")
 HARD_FINE_TUNE_N = 2000
 HARD_FINE_TUNE_EPOCHS = 3
 HARD_FINE_TUNE_ROWS = (("I2T mAP", "retrieval I2T mAP"), ("add-obj", "toyworld add-obj"),

@@ -31,8 +31,8 @@ S_I2T = b_E s^E_I2T + b_R s^R_I2T + b_G s^G + b_B <base_i, base_j> + b_F (s^E_T2
 frozen backbone's global embedding and the last term adds text->image fine-grained evidence to image->text
 scores (§III-D: a caption does not describe everything in its image). The weights are buffers, fitted on the
 validation split by :meth:`ComAlign.fit_inference` (the paper tunes them on held-out data, Appendix A, on a measure
-it does not name; ours, :func:`fit_objective`: mean R@1/5/10, and for image->text also the mAP of each image's own
-captions) and saved with the checkpoint.
+it does not name; ours, :func:`adapters.eval.fit.fit_objective`: mean R@1/5/10, and for image->text also the mAP of
+each image's own captions) and saved with the checkpoint.
 
 ``relation_geometry`` (ours, off by default): the paper's relation components are union-box crops embedded by the
 frozen backbone, which carry no left/right (a CLIP embedding of the union crop is the same for "A left of B" and
@@ -54,8 +54,7 @@ from torch import Tensor, nn
 
 from adapters.heads.base import AdapterHead, Reps
 from adapters.losses.contrastive import gather, local_rows
-from adapters.eval.multipositive import ranked_truth
-from adapters.eval.ranking import mean_recall
+from adapters.eval.fit import fit_objective
 from adapters.registry import ADAPTERS
 
 TERMS = ("entity", "relation", "global")
@@ -93,20 +92,6 @@ class ComAlignConfig:
         if min(self.entity_weight, self.relation_weight, self.global_weight) < 0 or \
                 self.entity_weight + self.relation_weight + self.global_weight <= 0:
             raise ValueError("comalign: loss weights must be >= 0 and not all 0")
-
-
-def fit_objective(scores: Tensor, caption_image: Tensor, direction: str) -> float:
-    """What the inference fit maximises for ``direction`` (percent): text -> image, the mean of R@1/5/10; image ->
-    text, the mean of that and the mAP of each image's own captions. Recall alone counts an image right when any one
-    of its captions comes first, so weights that lift one caption (the long one, naming every object) and push the
-    others down score best on it: fitted that way ComAlign cost I2T mAP 19 points on the toy world (76.4 -> 57.4,
-    3 seeds, train/README's binding table before this objective)."""
-    recall = mean_recall(scores, caption_image, direction)
-    if direction != "i2t":
-        return recall
-    own = caption_image.to(scores.device).long()[None, :] == torch.arange(len(scores), device=scores.device)[:, None]
-    _, ap, n_true = ranked_truth(scores, own)
-    return 0.5 * recall + 0.5 * float(ap[n_true > 0].mean() * 100)
 
 
 def sinusoidal_positions(length: int, dim: int, device=None, dtype=torch.float32) -> Tensor:

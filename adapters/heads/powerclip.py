@@ -58,9 +58,10 @@ the global cosine (g = normalised tower outputs of the global embeddings; the ba
 times the same S the triplet loss trains, on the loss's normalised scale (adapters.losses.nla.pair_scale): S grows
 with the number of valid regions M_i and with the leaf counts of the nodes, and dividing by them makes it a
 mean of (soft-relu'd) region-leaf cosines, on the scale of the global cosine. beta = 1 (equal weight on two
-unit-scale terms) until :meth:`fit_inference` picks it on a held-out split from ``beta_grid`` (0 included, so
-the fitted head is never worse there than its global term alone); the fitted value is a buffer, saved with
-the weights. Serving's first stage is the global term (``first_stage_image`` / ``first_stage_text``).
+unit-scale terms) until :meth:`fit_inference` picks it on a held-out split from ``beta_grid`` by recall and the
+mAP of each image's own captions (adapters.eval.fit; 0 included, so the fitted head is never worse there than its
+global term alone); at ``lam = 0`` (nothing trains S) it is 0. The fitted value is a buffer, saved with the
+weights. Serving's first stage is the global term (``first_stage_image`` / ``first_stage_text``).
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ from torch import Tensor, nn
 
 from adapters.heads.base import AdapterHead, Reps
 from adapters.heads.layers import ResidualLinear
-from adapters.eval.ranking import mean_recall
+from adapters.eval.fit import fit_objective
 from adapters.losses.nla import (NLAConfig, PowerCLIPLoss, PowerCLIPLossConfig, combined_similarity, leaf_embeddings,
                           node_embeddings, region_embeddings)
 from adapters.registry import ADAPTERS
@@ -391,12 +392,21 @@ class PowerCLIPHead(AdapterHead):
 
     @torch.no_grad()
     def fit_inference(self, image_reps: Reps, text_reps: Reps, caption_image: Tensor) -> dict[str, float]:
-        """Pick beta from ``beta_grid`` maximising the mean of text->image and image->text R@1/5/10 on a
-        held-out split (ties: the smaller beta). Uses the first ``fit_max_images`` images and their captions."""
+        """Pick beta from ``beta_grid`` maximising :func:`adapters.eval.fit.fit_objective` over both directions
+        (mean R@1/5/10, and the mAP of each image's own captions) on a held-out split (ties: the smaller beta).
+        Uses the first ``fit_max_images`` images and their captions.
+
+        At ``lam = 0`` beta is 0, not fitted: the head was trained by the CLIP term alone (the fine-tune's control),
+        so S is nothing the loss shaped, and a control that weighs it is scored unlike the method it controls (on
+        the hard world an untrained S weighed 0.1 cost 6-8 points of I2T mAP and add-obj; train/README, "The
+        control's fitted beta"). ``--beta B --no-fit-beta`` still weighs it when asked."""
         cfg = self.config
         grid = cfg.betas()
         if not cfg.fit_beta or not grid:
             return {}
+        if cfg.lam == 0:
+            self.beta.fill_(0.0)
+            return {"beta": 0.0}
         caption_image = torch.as_tensor(caption_image, dtype=torch.long)
         n_img = min(len(image_reps["global"]), cfg.fit_max_images)
         keep = (caption_image < n_img).nonzero().squeeze(1)
@@ -408,8 +418,8 @@ class PowerCLIPHead(AdapterHead):
         owner = caption_image[keep].to(dev)
         glob = self.global_scores(img, txt)
         nla = self.nla_scores(img, txt).to(glob.dtype)
-        results = {b: mean_recall(glob + b * nla, owner) for b in grid}
+        results = {b: fit_objective(glob + b * nla, owner, "both") for b in grid}
         best = max(results, key=lambda b: (results[b], -b))
         self.beta.fill_(best)
-        return {"beta": best, "val_recall_mean": results[best],
-                "val_recall_mean_global_only": mean_recall(glob, owner)}
+        return {"beta": best, "val_objective": results[best],
+                "val_objective_global_only": fit_objective(glob, owner, "both")}

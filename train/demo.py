@@ -18,10 +18,10 @@ the interval is that of the seed-averaged difference).
 on the toy world's train split (``extract.components.toy_detector``) and adds ComAlign and the grounded head on those
 detected boxes, and ComAlign on random boxes, next to their ground-truth ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
 loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the same fine-tune without its powerset loss
-(:func:`powerclip_fine_tune`, paired intervals against that control) on the toy world and, where the powerset term
-has scenes to work on, on a hard world from the hard CLIP base (``--hard-base``, ``--hard-fine-tune-n`` scenes),
-pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S against CLIP on a
-hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
+(:func:`powerclip_fine_tune`, paired intervals against that control) on the toy world (not on a hard world: there it
+shows no effect through the head, and its tokens localise every object before it; train/README, "The fine-tune on the
+hard world"), pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S
+against CLIP on a hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
 long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
 --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut),
 SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
@@ -73,17 +73,6 @@ PROG = "python -m train.demo"
 DEFAULT_BASES = ("toy-clip", "toy-negclip")
 
 
-#: --full on a hard world: the fine-tune against its control with the settings measured in train/README ("The
-#: fine-tune on the hard world": a 2,000-scene hard world, 3 epochs, the toy world's recipe otherwise). Its I2T mAP
-#: and add-obj differences there are the control's fitted beta, not the powerset term ("The control's fitted beta")
-HARD_FINE_TUNE_N = 2000
-HARD_FINE_TUNE_EPOCHS = 3
-HARD_FINE_TUNE_ROWS = (("I2T mAP", "retrieval I2T mAP"), ("add-obj", "toyworld add-obj"),
-                       ("swap-obj", "toyworld swap-obj"), ("swap-att", "toyworld swap-att"),
-                       ("replace-rel", "toyworld replace-rel"), ("T2I mAP", "retrieval T2I mAP"),
-                       ("Controlled-B caption", "toyworld-controlled-B four-way text"))
-
-
 @dataclass
 class DemoOptions:
     """What the demo does, as data: ``demo(DemoOptions(n=500, epochs=2))``."""
@@ -125,12 +114,6 @@ class DemoOptions:
                          help="scenes of the small hard world whose controlled tests (What'sUp's Controlled-A / -B "
                               "analogues: support, depth) score the bases, the text-only floor and the served adapter "
                               "at the end (train/demo_hard.py; 0: skip)")
-    hard_base: str = option("toy-clip-hard",
-                            help="--full: the base of the PowerCLIP fine-tune on a hard world (the hard CLIP base, "
-                                 "where train/README measured the comparison)")
-    hard_fine_tune_n: int = option(HARD_FINE_TUNE_N, type=nonnegative_int,
-                                   help="--full: scenes of the hard world (overlap, clutter, textured backgrounds) the "
-                                        "PowerCLIP fine-tune and its control run on (0: skip)")
     hard_pretrain_n: int = option(HARD_PRETRAIN_N, type=nonnegative_int,
                                   help="--full: scenes of the hard world CLIP, FLIP, CLIP-PGS, PowerCLIP-R and, with "
                                        "hard negatives, CLIP and PowerCLIP-S are pre-trained on, the tiny ViT from "
@@ -257,16 +240,15 @@ FINE_TUNE_ROWS = (("swap-att", "toyworld swap-att"), ("replace-obj", "toyworld r
 
 
 def powerclip_fine_tune(opts: DemoOptions, base: str, pretrained: str | None, world: Path, out: Path,
-                        cache_dir: Path, frozen_head: bool = True) -> dict:
+                        cache_dir: Path) -> dict:
     """The PowerCLIP fine-tune and its control on ``base`` (:data:`POWERCLIP_FINE_TUNE`, same seeds, steps and
-    learning rates; every column compared with the control, paired), next to the frozen head unless not
-    ``frozen_head``: compare()'s result."""
+    learning rates; every column compared with the control, paired), next to the frozen head: compare()'s result."""
     from train.adapter.compare import CompareOptions, Variant, columns, compare
 
     variants = [Variant("powerset loss", "powerclip", dict(POWERCLIP_FINE_TUNE)),
                 Variant("CLIP loss only", "powerclip", {**POWERCLIP_FINE_TUNE, "head_config": {"lam": 0.0}})]
     copts = CompareOptions(data=str(world), out=str(out), base=base, pretrained=pretrained,
-                           methods=["powerclip"] if frozen_head else [],
+                           methods=["powerclip"],
                            variants=variants, reference="CLIP loss only", epochs=opts.epochs,
                            batch_size=opts.batch_size, seed=opts.seed, seeds=opts.seeds, workers=opts.workers,
                            device=opts.device, cache_dir=str(cache_dir), overrides={"eval_every": 0})
@@ -453,9 +435,8 @@ def demo(opts: DemoOptions) -> dict:
     methods = opts.methods
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
-    hard_tune = opts.full and "powerclip" in methods and opts.hard_fine_tune_n > 0
     hard_pretrain = opts.full and opts.hard_pretrain_n > 0
-    step = Steps(4 + len(bases) + several + bool(opts.hard_n) + hard_tune + hard_pretrain
+    step = Steps(4 + len(bases) + several + bool(opts.hard_n) + hard_pretrain
                  + (1 + ("smartclip" in methods) + ("powerclip" in methods) if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
@@ -470,9 +451,6 @@ def demo(opts: DemoOptions) -> dict:
         say(f"  {b}: {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
             f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
         del backbone
-    if hard_tune:  # the hard world's fine-tune starts from its own base: its weights too are checked first
-        say(f"  {opts.hard_base} (--full's PowerCLIP fine-tune on a hard world): "
-            f"{load_backbone(opts.hard_base, None, device='cpu').describe()['model']}")
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
@@ -535,19 +513,6 @@ def demo(opts: DemoOptions) -> dict:
                                         out / "adapters" / "cache")
         if fine_tune.get("reports"):
             fine_tune["paired"] = paired_table(json.loads(Path(fine_tune["reports"][0]).read_text())["table"])
-    hard_fine_tune = None
-    if hard_tune:
-        step(f"PowerCLIP fine-tuning {opts.hard_base} on a hard world ({opts.hard_fine_tune_n} scenes: overlap, "
-             "clutter, textured backgrounds) against the same fine-tune without its powerset loss")
-        hard_world = toyworld.ensure(out / "hardworld-fine-tune", opts.hard_fine_tune_n, opts.seed,
-                                     say=lambda line: say("  " + line), replace=True, hard=True,
-                                     holdout=trained_holdout(opts.hard_base, None))
-        hard_fine_tune = powerclip_fine_tune(replace(opts, epochs=HARD_FINE_TUNE_EPOCHS), opts.hard_base, None,
-                                             hard_world, out / "powerclip-fine-tune-hard", out / "adapters" / "cache",
-                                             frozen_head=False)  # train/README's command: --methods none
-        if hard_fine_tune.get("reports"):
-            hard_fine_tune["paired"] = paired_table(json.loads(Path(hard_fine_tune["reports"][0]).read_text())["table"],
-                                                    HARD_FINE_TUNE_ROWS)
     pretrain_hard = None
     if hard_pretrain:
         step(f"pre-training on a hard world ({opts.hard_pretrain_n} scenes): CLIP-PGS against FLIP, PowerCLIP-R "
@@ -567,7 +532,7 @@ def demo(opts: DemoOptions) -> dict:
                                say=say)
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
-              "powerclip_fine_tune": fine_tune, "powerclip_fine_tune_hard": hard_fine_tune, "hard_world": hard,
+              "powerclip_fine_tune": fine_tune, "hard_world": hard,
               "pretrain_hard": {k: pretrain_hard[k] for k in ("world", "tables")} if pretrain_hard else None,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
@@ -608,12 +573,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\nPowerCLIP fine-tuning the backbone: the powerset loss against the same fine-tune without it "
                   f"(test split, {seeds}; %, difference from the CLIP-loss-only control [95% paired interval]):")
             print(paired)
-        paired = (report.get("powerclip_fine_tune_hard") or {}).get("paired")
-        if paired:
-            print(f"\nthe same on a hard world, where the regions are what the scene is made of ({opts.hard_base}, "
-                  f"{HARD_FINE_TUNE_EPOCHS} epochs; test split, {seeds}; Controlled-B: four-way caption choice, chance "
-                  "25; the 3-seed table: train/README, \"The fine-tune on the hard world\"):")
-            print(paired)
         pretrain_hard = report.get("pretrain_hard")
         if pretrain_hard:
             tables = pretrain_hard["tables"]
@@ -644,7 +603,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
             + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
             + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else "")
-            + (", powerclip-fine-tune-hard/results.{json,md,png}" if report.get("powerclip_fine_tune_hard") else "")
             + (", pretrain-hard/{plain,hard-negatives}/compare.{md,json}" if report.get("pretrain_hard") else "")
             + (", hardworld-eval/results.{json,md,png}" if report.get("hard_world") else ""))
 

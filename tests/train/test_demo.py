@@ -154,14 +154,14 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     """--full: a YOLO trained on the toy world gives ComAlign's detected-boxes column, random boxes its control, and a
     long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
     captions); both tables printed once. PowerCLIP: its frozen head's control (CLIP loss only), and the fine-tune of
-    the backbone against the same fine-tune without the powerset loss, with paired intervals, on the toy world and on
-    a hard world from the hard base."""
+    the backbone against the same fine-tune without the powerset loss, with paired intervals, on the toy world only
+    (on a hard world it shows no effect: train/README)."""
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
-                 "comalign,smartclip,powerclip", "--hard-fine-tune-n", "40", "--hard-pretrain-n", "40",
+                 "comalign,smartclip,powerclip", "--hard-pretrain-n", "40",
                  "--hard-pretrain-steps", "2", "--hard-pretrain-jobs", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "[10/10]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
+    assert "[9/9]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
@@ -182,15 +182,7 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     assert printed.count(paired) == 1 and paired.splitlines()[2].startswith(f"| {control} | ")
     cell = re.compile(r"^\d+\.\d \([+-]\d+\.\d \[[+-]\d+\.\d, [+-]\d+\.\d\]\*?\)$")  # figure (difference [interval])
     assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
-    # the hard world's fine-tune: the hard base, its own hard world, the same two columns and paired rows
-    hard = json.loads((out / "powerclip-fine-tune-hard" / "results.json").read_text())
-    hard_control = "toy-clip-hard fine-tuned + powerclip (CLIP loss only)"
-    assert hard["table"]["reference"] == hard_control and "toy-clip-hard fine-tuned + powerclip (powerset loss)" in \
-        hard["results"]
-    assert json.loads((out / "hardworld-fine-tune" / "meta.json").read_text())["hard"] is True
-    paired = report["powerclip_fine_tune_hard"]["paired"]
-    assert printed.count(paired) == 1 and "| Controlled-B caption |" in paired.splitlines()[0]
-    assert all(cell.match(c.strip(" |")) for line in paired.splitlines()[3:] for c in line.split(" | ")[1:]), paired
+    assert not (out / "powerclip-fine-tune-hard").exists() and "powerclip_fine_tune_hard" not in report
     # pre-training on one hard world: every column from scratch, CLIP each table's reference; without hard negatives
     # every final model tuned unmasked and CLIP-PGS against FLIP untuned and tuned, with them PowerCLIP-S; the
     # printed rows: the untuned columns, the text-only floor and those pairs

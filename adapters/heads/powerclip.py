@@ -421,5 +421,5 @@ class PowerCLIPHead(AdapterHead):
         results = {b: fit_objective(glob + b * nla, owner, "both") for b in grid}
         best = max(results, key=lambda b: (results[b], -b))
         self.beta.fill_(best)
-        return {"beta": best, "val_objective": results[best],
-                "val_objective_global_only": fit_objective(glob, owner, "both")}
+        global_only = results[0.0] if 0.0 in results else fit_objective(glob, owner, "both")  # glob + 0 * S == glob
+        return {"beta": best, "val_objective": results[best], "val_objective_global_only": global_only}

@@ -399,14 +399,15 @@ class PowerCLIPHead(AdapterHead):
         At ``lam = 0`` beta is 0, not fitted: the head was trained by the CLIP term alone (the fine-tune's control),
         so S is nothing the loss shaped, and a control that weighs it is scored unlike the method it controls (on
         the hard world an untrained S weighed 0.1 cost 6-8 points of I2T mAP and add-obj; train/README, "The
-        control's fitted beta"). ``--beta B --no-fit-beta`` still weighs it when asked."""
+        control's fitted beta"). ``--beta B --no-fit-beta`` still weighs it when asked. Returns what was fitted: at
+        ``lam = 0`` nothing (beta is set, and a log saying "fitted" would misreport the control)."""
         cfg = self.config
         grid = cfg.betas()
         if not cfg.fit_beta or not grid:
             return {}
         if cfg.lam == 0:
             self.beta.fill_(0.0)
-            return {"beta": 0.0}
+            return {}
         caption_image = torch.as_tensor(caption_image, dtype=torch.long)
         n_img = min(len(image_reps["global"]), cfg.fit_max_images)
         keep = (caption_image < n_img).nonzero().squeeze(1)

@@ -163,17 +163,27 @@ def test_controlled_b_in_front_and_behind_share_their_boxes_only_the_drawing_ord
 
 
 @pytest.mark.parametrize("test", ["A", "B"])
-def test_each_controlled_set_holds_the_same_related_clutter_in_all_four_images_clear_of_the_pair(world, test):
+def test_each_controlled_set_holds_clutter_related_the_other_way_from_the_named_pair_clear_of_it(world, test):
+    """Every image holds one stacked pair (on / overlapping) and one side-by-side pair: the clutter is side by side
+    where the named pair is stacked and stacked where it is side by side, so neither whether nor how often two
+    things touch or overlap tells the four images apart."""
     out, _, _, _ = world
+    stacked = {"A": ("on", "under"), "B": ("in front of", "behind")}[test]
     for entry in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"]:
-        clutter = [scene["objects"][:2] for scene in entry["scenes"]]
-        assert all(c == clutter[0] for c in clutter)
+        clutter = [[(o["colour"], o["shape"], o["size"]) for o in scene["objects"][:2]] for scene in entry["scenes"]]
+        assert all(sorted(c) == sorted(clutter[0]) for c in clutter)
         named = {(o["colour"], o["shape"]) for o in entry["objects"]}
-        assert not named & {(o["colour"], o["shape"]) for o in clutter[0]}
+        assert not named & {c[:2] for c in clutter[0]}
         for scene in entry["scenes"]:
-            # the clutter related as the test's own pairs can be (so "do two things overlap / touch?" picks no
-            # image), and no relation at all between it and the named pair
-            assert [0, {"A": "on", "B": "behind"}[test], 1] in scene["relations"]  # B's drawn front last
+            named_stacked = scene["predicate"] in stacked
+            # B's clutter drawn front last: the first drawn is behind the second
+            expected = "left of" if named_stacked else {"A": "on", "B": "behind"}[test]
+            assert [0, expected, 1] in scene["relations"], (scene["file_name"], scene["relations"])
+            pairs = {(0, 1): named_stacked is False, (2, 3): named_stacked}
+            for (a, b), is_stacked in pairs.items():
+                between = {r[1] for r in scene["relations"] if {r[0], r[2]} == {a, b}}
+                assert bool(between & set(stacked)) == is_stacked, (scene["file_name"], a, b, between)
+            # no relation at all between the clutter and the named pair
             assert not [r for r in scene["lenient"] if (r[0] < 2) != (r[2] < 2) and r[1] not in hw.PREDICATES[:4]]
 
 

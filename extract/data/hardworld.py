@@ -112,13 +112,13 @@ CROP_SCALE = 3  # the zero-shot crop: the object's tight box centred on a black 
 # their surroundings)
 CONTROLLED_A = ("on", "under", "left of", "right of")
 CONTROLLED_B = ("in front of", "behind", "left of", "right of")
-# each controlled set's clutter: two distractors, in every image related the other way from the named pair: one on /
-# overlapping the other (CLUTTER_STACKED) where the named pair is side by side, side by side (CLUTTER_APART) where it
-# touches or overlaps. Every image then holds exactly one touching / overlapping pair and one side-by-side pair, so
-# only which pair is which tells the four apart. Measured (extract/README, the hard world): with no clutter a frozen
-# base fine-tuned on this world read 36.5 on Controlled-B's caption choice (chance 25) from "do two things overlap?";
-# with one overlapping clutter pair in all four images, 36.55 over 1,000 sets, 58% of it choosing depth against side
-# by side right, from how many pairs overlap (two in the in-front / behind images, one in the others).
+# each controlled set's clutter: two distractors related the other way from the named pair in every image: one on /
+# overlapping the other (CLUTTER_STACKED) where the named pair is side by side, side by side (CLUTTER_APART) where the
+# named pair touches or overlaps. Every image then holds one stacked pair and one side-by-side pair, and only which
+# pair is which tells the four apart. Measured on toy-negclip-hard's Controlled-B (extract/README, the hard world):
+# with one overlapping clutter pair in all four images, how many pairs overlap (two in the in-front / behind images,
+# one in the others) told them apart: over 1,000 sets caption / image choice 36.55 / 29.3 (chance 25); with the
+# clutter related the other way, 34.8 / 25.9.
 CLUTTER_STACKED = {"A": "on", "B": "in front of"}
 CLUTTER_APART = "left of"
 CONTROLLED_FILES = {"A": "controlled_a.json", "B": "controlled_b.json"}

@@ -105,8 +105,9 @@ class DemoOptions:
                         help="the long run: also ComAlign and the grounded relation head on detected boxes (a YOLO "
                              "trained on the toy world), ComAlign on random boxes, the PowerCLIP head with its CLIP "
                              "term alone (the control of its powerset loss), PowerCLIP fine-tuning the backbone "
-                             "against the same fine-tune without its powerset loss (on the toy world), SmartCLIP on a long-caption toy world (frozen, --unfreeze "
-                             "with 248 tokens, trained on short captions only), and CLIP-PGS against FLIP, "
+                             "against the same fine-tune without its powerset loss (on the toy world), SmartCLIP "
+                             "on a long-caption toy world (frozen, --unfreeze with 248 tokens, trained on short "
+                             "captions only), and CLIP-PGS against FLIP, "
                              "PowerCLIP-R and, with hard negatives, PowerCLIP-S against CLIP pre-trained on a hard "
                              "world (--hard-pretrain-n)")
     hard_n: int = option(HARD_N, type=nonnegative_int,

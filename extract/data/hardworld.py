@@ -53,13 +53,14 @@ Controlled tests (What'sUp's Controlled-A and -B analogues, :func:`generate_cont
     named pair) related the other way from the named pair in each image: one on the other in A, one overlapping the
     other in B (:data:`CLUTTER_STACKED`) where the named pair is side by side, side by side where it touches or
     overlaps. Every image holds one touching / overlapping pair and one side-by-side pair, so whether, or how often,
-    two things touch or overlap tells no image from another. Each image satisfies
-    its caption and, under the lenient rules, none of the other three (tested). Schema as the version-2 ``controlled.json``; the same tests are also written in
-    What'sUp's published layout under ``whatsup/`` (:func:`write_whatsup`: ``controlled_images_dataset.json`` +
-    ``controlled_images/``, ``controlled_clevr_dataset.json`` + ``controlled_clevr/``, JPEG, file names
-    ``<object>_<preposition>_<object>.jpeg`` as the authors', and ``objects.json``, the boxes in Visual Genome's
-    layout keyed by file name), so ``python -m train.eval --benchmark whatsup=DIR/whatsup --annotations
-    DIR/whatsup/objects.json`` scores the toy copy with the reader of the real benchmark.
+    two things touch or overlap tells no image from another. Each image satisfies its caption and, under the lenient
+    rules, none of the other three (tested). Schema as the version-2 ``controlled.json``; the same tests are also
+    written in What'sUp's published layout under ``whatsup/`` (:func:`write_whatsup`:
+    ``controlled_images_dataset.json`` + ``controlled_images/``, ``controlled_clevr_dataset.json`` +
+    ``controlled_clevr/``, JPEG, file names ``<object>_<preposition>_<object>.jpeg`` as the authors', and
+    ``objects.json``, the boxes in Visual Genome's layout keyed by file name), so ``python -m train.eval
+    --benchmark whatsup=DIR/whatsup --annotations DIR/whatsup/objects.json`` scores the toy copy with the reader of
+    the real benchmark.
 
 Zero-shot set: every val / test object's crop (:func:`zero_shot_crop`: its box on a black square CROP_SCALE times its
 side, as the grounded head's entity crops; partly hidden objects included) in ``objects/<image_id>-<k>.png``,

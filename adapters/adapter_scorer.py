@@ -6,14 +6,18 @@ The head was trained on cached arrays (``python -m extract``). To score new imag
 backbone (weights checked by SHA-256), crops of the same boxes embedded the same way, the same spaCy rules,
 the same fp16 rounding. The head then sees what it saw in training.
 
-Boxes: a head trained on ground-truth boxes (the toy world, ``--annotations FILE``) needs boxes for the images
-it scores: pass ``annotations`` (anything :func:`extract.data.boxes.read_boxes` reads: COCO instances, a Visual
-Genome ``objects.json``, a toy-world folder, or a dict keyed by image id), or ``detector`` (YOLO weights) to
-detect them instead. Images are identified by the ids the caller gives, ints or strings (``str(id)``; evaluation
-passes file paths: a path whose file name an entry names maps to that entry's image id, which also seeds random
-regions exactly as in the cache). An image the file holds no entry for is an error naming both
-(:class:`extract.data.boxes.MissingBoxes`), unless the caller asks for ``missing_boxes="empty"`` after counting
-such images itself (:meth:`AdapterScorer.box_coverage`).
+Boxes: a head trained on detected boxes detects with the very detector it was trained with, which its run folder
+carries (``RUN/detector.pt``, checked by SHA-256), so a copied run folder scores anywhere. A head trained on
+ground-truth boxes (the toy world, ``--annotations FILE``) needs boxes for the images it scores: pass
+``annotations`` (anything :func:`extract.data.boxes.read_boxes` reads: COCO instances, a Visual Genome
+``objects.json``, a toy-world folder, or a dict keyed by image id), or ``detector`` (YOLO weights) to detect them
+instead. A box source the caller chooses is used whatever the head was trained on, and said: ``detector``, or
+``annotations`` with ``use_annotations=True`` (what ``--annotations`` means; annotations passed without it, as
+``--data`` of a toy world passes its own, serve only heads trained on ground-truth boxes). Images are identified
+by the ids the caller gives, ints or strings (``str(id)``; evaluation passes file paths: a path whose file name an
+entry names maps to that entry's image id, which also seeds random regions exactly as in the cache). An image the
+file holds no entry for is an error naming both (:class:`extract.data.boxes.MissingBoxes`), unless the caller asks
+for ``missing_boxes="empty"`` after counting such images itself (:meth:`AdapterScorer.box_coverage`).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ class LiveExtractor:
 
     def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
                  detector: str | None = None, weights_sha256: str | None = None,
-                 max_missing_boxes: float | None = None):
+                 max_missing_boxes: float | None = None, use_annotations: bool = False):
         from extract.data.boxes import read_boxes
         from extract.pipeline import ShardBuilder, ExtractionComponents
 
@@ -57,10 +61,17 @@ class LiveExtractor:
             args.crop_scale = 1.0
         if isinstance(args.components, str):
             args.components = [c for c in args.components.split(",") if c]
+        if use_annotations and detector is not None:
+            raise ValueError("two box sources were given, annotations (--annotations) and a detector (--detector): "
+                             "give one")
+        if use_annotations and annotations is None:
+            raise ValueError("use_annotations=True needs annotations (the box file to score with)")
         #: the ground-truth boxes (extract.data.boxes.BoxAnnotations), None without any
         self.boxes = read_boxes(annotations, max_missing=max_missing_boxes)
         if detector is not None:
             box_source, args.detector = "yolo", detector
+        elif use_annotations and box_source is not None:  # the caller's box file replaces the trained source
+            box_source = "gt"
         needs_gt = box_source == "gt" or ("regions" in args.components and args.regions == "gt")
         if needs_gt and self.boxes is None:
             raise ValueError("this adapter was trained on ground-truth boxes: give the boxes of the images to score "
@@ -162,7 +173,27 @@ def _settings_diff(trained: dict, live: dict) -> list[str]:
     from extract.cache import settings_diff
 
     keys = ("components", "limits", "text", "boxes", "regions")
-    return settings_diff({k: trained.get(k) for k in keys}, {k: live.get(k) for k in keys})
+    return settings_diff(_portable({k: trained.get(k) for k in keys}), _portable({k: live.get(k) for k in keys}))
+
+
+def _portable(settings: dict) -> dict:
+    """``settings`` without where the detector file lies: its SHA-256 says which detector it is, and a run scores
+    with the copy in its own folder (:func:`adapters.checkpoint.run_detector`), wherever it was trained from."""
+    weights = ((settings.get("boxes") or {}).get("detector") or {}).get("weights")
+    if not isinstance(weights, dict) or "file" not in weights:
+        return settings
+    detector = {**settings["boxes"]["detector"], "weights": {k: v for k, v in weights.items() if k != "file"}}
+    return {**settings, "boxes": {**settings["boxes"], "detector": detector}}
+
+
+def _describe_boxes(source: str | None, trained: str | None, detector: str | None, annotations) -> dict | None:
+    """Where the boxes of the images a head scores come from: ``source`` (gt / yolo / random), the ``trained`` one,
+    and ``from`` (the detector file or the box file; a box file given as data is named by its type)."""
+    if source is None:
+        return None
+    where = {"yolo": detector, "gt": annotations if isinstance(annotations, (str, os.PathLike)) else
+             type(annotations).__name__, "random": "seeded random boxes"}.get(source)
+    return {"source": source, "trained": trained, "from": str(where)}
 
 
 class AdapterScorer(CacheReadable):
@@ -172,12 +203,16 @@ class AdapterScorer(CacheReadable):
     #: representations are the head's (components, masks), not one embedding a linear probe could read
     has_global_embedding = False
 
-    def __init__(self, head: AdapterHead, backbone, extractor: LiveExtractor, name: str, meta: dict | None = None):
+    def __init__(self, head: AdapterHead, backbone, extractor: LiveExtractor, name: str, meta: dict | None = None,
+                 boxes_used: dict | None = None):
         self.head = head.eval()
         self.backbone = backbone
         self.extractor = extractor
         self.name = name
         self.meta = meta or {}
+        #: where the boxes of scored images come from (``{"source", "trained", "from"}``), None for a head without
+        #: entity boxes; evaluation records it with the figures
+        self.boxes_used = boxes_used
         self.preprocess = backbone.preprocess
         self.device = backbone.device
         self.directional = bool(head.directional)
@@ -185,12 +220,18 @@ class AdapterScorer(CacheReadable):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, device: str | torch.device = "cpu", precision: str | None = None,
                         pretrained: str | None = None, annotations=None, detector: str | None = None,
-                        max_missing_boxes: float | None = None) -> "AdapterScorer":
+                        max_missing_boxes: float | None = None, use_annotations: bool = False) -> "AdapterScorer":
         """Rebuild from the checkpoint alone. ``pretrained`` overrides where the base weights are (a moved file;
-        its SHA-256 must still match); ``annotations`` / ``detector``: boxes for ground-truth-trained heads;
-        ``max_missing_boxes``: the share of a collection's images the annotations may leave out (:meth:`box_coverage`).
+        its SHA-256 must still match). Boxes: a head trained on detected boxes detects with the detector copied
+        into its run folder (``RUN/detector.pt``, checked by SHA-256: :func:`adapters.checkpoint.run_detector`); one
+        trained on ground-truth boxes reads ``annotations``. A box source the caller chooses replaces the trained
+        one, said in the log and in :attr:`boxes_used`: ``detector`` (YOLO weights), or ``annotations`` with
+        ``use_annotations=True`` (an explicit ``--annotations``; both at once are refused). ``max_missing_boxes``:
+        the share of a collection's images the annotations may leave out (:meth:`box_coverage`).
         A checkpoint of an ``--unfreeze`` fine-tune names its backbone weights (``RUN/backbone.safetensors``,
         read from the adapter's folder; ``pretrained`` then points at a moved copy) and its text context."""
+        from adapters.checkpoint import run_detector
+        from extract.common.cli import say
         from extract.models.backbone import load_backbone
 
         path = Path(path)
@@ -216,14 +257,34 @@ class AdapterScorer(CacheReadable):
         if theirs and theirs != ours:
             raise CheckpointError(f"{path} was trained on {base['base']} weights with SHA-256 {theirs[:16]}..., but "
                                   f"{what} has {ours[:16]}...: pass the original weights (--pretrained PATH)")
-        box_source = (extraction["settings"].get("boxes") or {}).get("source")
-        extractor = LiveExtractor(backbone, extraction["args"], box_source=box_source, annotations=annotations,
-                                  detector=detector, weights_sha256=ours, max_missing_boxes=max_missing_boxes)
-        diff = _settings_diff(extraction["settings"], extractor.settings())
-        if diff and detector is None:
-            print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))
+        trained = (extraction["settings"].get("boxes") or {}).get("source")
+        args = dict(extraction["args"])
+        if trained == "yolo" and detector is None and not use_annotations:
+            own = run_detector(path, meta)  # None: the detector is named where it lay (older runs)
+            if own is not None:
+                args["detector"] = own
+                # what the index of a collection extracts with (serve.index reads the description's args)
+                meta = {**meta, "extraction": {**extraction, "args": args}}
+        extractor = LiveExtractor(backbone, args, box_source=trained, annotations=annotations, detector=detector,
+                                  weights_sha256=ours, max_missing_boxes=max_missing_boxes,
+                                  use_annotations=use_annotations)
         label = f"{base['base']} fine-tuned" if tuned else base["base"]
-        return cls(head, backbone, extractor, name=f"{label} + {meta['method']}", meta=meta)
+        name = f"{label} + {meta['method']}"
+        used = extractor.components.box_source
+        boxes_used = _describe_boxes(used, trained, extractor.args.detector, annotations)
+        diff = _settings_diff(extraction["settings"], extractor.settings())
+        if detector is not None or use_annotations:  # the caller's box source, said once
+            if boxes_used is None:
+                if detector is not None or not extractor.reads_boxes:  # ground-truth regions read the annotations
+                    say(f"note: {name} reads no entity boxes: the given {'detector' if detector else 'annotations'} "
+                        "change nothing in its scores")
+            elif used != trained or diff:
+                other = " of another detector" if used == trained == "yolo" else ""
+                say(f"{name}: scoring with {used} boxes from {boxes_used['from']}, as given (it was trained on "
+                    f"{trained} boxes{other})")
+        elif diff:
+            print(f"warning: live extraction for {path} differs from the training cache's:\n  " + "\n  ".join(diff[:8]))
+        return cls(head, backbone, extractor, name=name, meta=meta, boxes_used=boxes_used)
 
     # -- encoding ----------------------------------------------------------------------------------------
     def _image_reps(self, arrays: dict[str, np.ndarray]) -> Reps:
@@ -302,7 +363,7 @@ class AdapterScorer(CacheReadable):
 
         ignored = ("data", "summary", "shard_size")
         trained = {k: v for k, v in self.meta["extraction"]["settings"].items() if k not in ignored}
-        return settings_diff(trained, {k: v for k, v in settings.items() if k not in ignored})
+        return settings_diff(_portable(trained), _portable({k: v for k, v in settings.items() if k not in ignored}))
 
     # -- scoring -----------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -14,6 +14,9 @@ Two kinds of file, one format (safetensors tensors + a JSON description in the s
   the optimizer's param groups, the scheduler and gradient-scaler states and the position in the data
   order, so ``--resume`` continues exactly where the run stopped. Other trained modules (the backbone of an
   ``--unfreeze`` fine-tune) are stored under their own prefix (``backbone.<name>``).
+- **detector** (a run trained on detected boxes, ``--boxes yolo``): ``RUN/detector.pt``, a copy of the detector
+  weights that found its training boxes, written by :func:`save_detector`; the adapter's description names it under
+  ``"detector"`` (file, SHA-256, where it was copied from) and :func:`run_detector` gives it back, checked.
 - **fine-tuned backbone** (``--unfreeze``): ``RUN/backbone.safetensors``, the open_clip model's plain state
   dict (``open_clip.load_checkpoint`` reads it), written by :func:`save_backbone_weights`; the adapter's
   description names it under ``"backbone"`` (file, SHA-256, text context length).
@@ -164,6 +167,64 @@ def save_backbone_weights(path: str | os.PathLike, model: torch.nn.Module) -> di
 
     path = save_atomic(model.state_dict(), path, {"format": "pt"})
     return {"file": path.name, "weights_sha256": file_sha256(path)}
+
+
+# --------------------------------------------------------------------------------------------- the detector
+def save_detector(run_dir: str | os.PathLike, extraction: dict) -> dict:
+    """Copy the detector that found a run's training boxes into its folder (``RUN/detector.pt``, or ``.yaml`` for a
+    local model config), so that a copied run folder scores anywhere, as the fine-tuned backbone does. Returns
+    ``{"detector": {"file", "sha256", "trained_from"}}`` for the adapter's description, or {} when the boxes came
+    from no detector file (ground truth, random boxes, a model config ultralytics ships). ``extraction``: the
+    adapter's ``extraction`` description (the training cache's settings name the detector and its digest)."""
+    import shutil
+
+    from extract.models.weights import file_sha256
+
+    boxes = (extraction.get("settings") or {}).get("boxes") or {}
+    weights = (boxes.get("detector") or {}).get("weights") or {}
+    source = weights.get("file") or weights.get("config")
+    if boxes.get("source") != "yolo" or not source or not Path(source).is_file():
+        return {}
+    source = Path(source)
+    out = Path(run_dir) / f"detector{source.suffix.lower()}"
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.copyfile(source, tmp)
+    digest = file_sha256(tmp)
+    if weights.get("sha256") and digest != weights["sha256"]:
+        tmp.unlink()
+        raise CheckpointError(f"the detector {source} changed after the training cache was extracted with it (SHA-256 "
+                              f"{weights['sha256'][:16]}... then, {digest[:16]}... now): put the original back, or "
+                              "train again (the cache is rebuilt for the new detector)")
+    os.replace(tmp, out)
+    return {"detector": {"file": out.name, "sha256": digest, "trained_from": str(source)}}
+
+
+def run_detector(path: str | os.PathLike, meta: dict) -> str | None:
+    """The run folder's copy of the detector the adapter at ``path`` was trained with (:func:`save_detector`),
+    checked against the digest its description records (a missing or altered copy is refused, saying what to do);
+    None for a checkpoint that carries none (a shipped model config, or written before detectors travelled with their
+    runs: it names the detector where it lay, and a ``.pt`` no longer there is refused, saying what to pass)."""
+    from extract.models.weights import file_sha256
+
+    entry = meta.get("detector")
+    if not entry:
+        named = ((meta.get("extraction") or {}).get("args") or {}).get("detector")
+        if named and str(named).lower().endswith(".pt") and not Path(named).is_file():  # not ultralytics' to fetch
+            raise FileNotFoundError(f"{path} names its detector where it lay when it was trained, {named}, which is "
+                                    "not there (runs written before detectors travelled in their run folder): pass "
+                                    "--detector PATH (detector=PATH) with those weights, or train it again")
+        return None
+    copy = Path(path).parent / entry["file"]
+    if not copy.is_file():
+        raise FileNotFoundError(f"{path} was trained on boxes from the detector {entry.get('trained_from')}, which "
+                                f"travels in its run folder as {entry['file']}, missing there: copy the run folder "
+                                "whole, or pass --detector PATH (detector=PATH) to score with those weights")
+    digest = file_sha256(copy)
+    if digest != entry["sha256"]:
+        raise CheckpointError(f"{copy} has SHA-256 {digest[:16]}..., but {path} was trained with a detector of SHA-256 "
+                              f"{entry['sha256'][:16]}...: restore the run folder's {entry['file']}, or pass "
+                              "--detector PATH (detector=PATH) to score with other weights on purpose")
+    return str(copy)
 
 
 # --------------------------------------------------------------------------------------------- training state

@@ -36,20 +36,24 @@ def pretrained_checkpoint(model: str) -> tuple[str, str] | None:
 
 def load_scorer(model: str, pretrained: str | None = None, *, device: str | torch.device = "cpu",
                 precision: str = "fp32", annotations=None, detector: str | None = None,
-                max_missing_boxes: float | None = None) -> Scorer:
+                max_missing_boxes: float | None = None, use_annotations: bool = False) -> Scorer:
     """The scorer for ``--model``: a backbone alias / open_clip name, with ``pretrained`` a tag, a checkpoint
     path or 'none'; a pre-trained checkpoint of ours (``RUN/model.safetensors`` or the run folder: it names its
     architecture); or an adapter checkpoint (``RUN/adapter.safetensors`` or the run folder), rebuilt from the
-    file alone through the method registry (``pretrained`` then relocates its base weights). ``annotations`` /
-    ``detector``: boxes for adapters trained on ground-truth boxes (see :mod:`adapters.adapter_scorer`; a file or
-    folder :func:`extract.data.boxes.read_boxes` reads, or a dict keyed by image id, int or str), and
-    ``max_missing_boxes`` the share of a collection's images they may leave out; ignored by bare backbones."""
+    file alone through the method registry (``pretrained`` then relocates its base weights). Boxes (see
+    :mod:`adapters.adapter_scorer`): an adapter trained on detected boxes detects with the detector its run folder
+    carries; ``annotations`` (a file or folder :func:`extract.data.boxes.read_boxes` reads, or a dict keyed by image
+    id, int or str) give the boxes of adapters trained on ground-truth boxes, and of any adapter with
+    ``use_annotations=True`` (the user's ``--annotations``: it replaces the trained box source); ``detector`` (YOLO
+    weights) replaces it too; ``max_missing_boxes`` the share of a collection's images annotations may leave out.
+    Bare backbones read no boxes."""
     ours = pretrained_checkpoint(model) if pretrained is None else None
     if ours is not None:
         model, pretrained = ours
     elif is_adapter_path(model):
         return AdapterScorer.from_checkpoint(model, device=device, pretrained=pretrained, annotations=annotations,
-                                             detector=detector, max_missing_boxes=max_missing_boxes)
+                                             detector=detector, max_missing_boxes=max_missing_boxes,
+                                             use_annotations=use_annotations)
     from extract.models.backbone import load_backbone
 
     backbone = load_backbone(model, pretrained, device=device, precision=precision)

@@ -59,6 +59,9 @@ class CacheReadable:
     second_stage = True
     #: False where an image is a set of components, not one vector a linear probe could read (adapters)
     has_global_embedding = True
+    #: where the boxes of the images it scores come from (``{"source", "trained", "from"}``: an adapter's), None for a
+    #: scorer that reads none
+    boxes_used: dict | None = None
 
     def score_directed(self, image_reps: Reps, text_reps: Reps, direction: str) -> torch.Tensor:
         return self.score(image_reps, text_reps)

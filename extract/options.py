@@ -32,7 +32,9 @@ class ExtractOptions(SourceOptions):
     components: Any = option(",".join(COMPONENTS), group="components",
                              help=f"comma list from {', '.join(COMPONENTS)} (global embeddings are always cached)")
     boxes: str = option("auto", choices=["auto", "gt", "yolo", "random"], group="components",
-                        help="entity boxes: ground truth (toy world or --annotations), YOLO (--detector), or random "
+                        help="entity boxes: ground truth (toy world or --annotations), YOLO (--detector; on a toy "
+                             "world without one, the world's toy detector, trained on its train split once and reused "
+                             "by fingerprint from runs/toy-detector), or random "
                              "(--max-entities boxes per image, seeded by --region-seed: a control); auto = gt when "
                              "annotations exist")
     annotations: str | None = option(None, group="components", help="ground-truth boxes (for --boxes gt / --regions "
@@ -40,7 +42,9 @@ class ExtractOptions(SourceOptions):
                                      "by image id or file name (extract/data/boxes.py)")
     max_missing_boxes: float = option(DEFAULT_MAX_MISSING, type=fraction, metavar="SHARE", group="components",
                                       help=MAX_MISSING_HELP)
-    detector: str | None = option(None, group="components", help="YOLO weights (.pt) or model .yaml (random init)")
+    detector: str | None = option(None, group="components",
+                                  help="YOLO weights (.pt) or model .yaml (random init); default on a toy world: its "
+                                       "toy detector (python -m extract.components.toy_detector)")
     conf: float = option(0.25, type=fraction, group="components", help="detector confidence threshold")
     regions: str = option("random", choices=["random", "gt", "sam2"], group="components",
                           help="region masks: random boxes on the patch grid (PowerCLIP-R), ground-truth boxes, or "

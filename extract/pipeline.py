@@ -46,7 +46,7 @@ from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
-PIPELINE_VERSION = 3  # 2: ventity_image_size; 3: ventity_overlap
+PIPELINE_VERSION = 4  # 2: ventity_image_size; 3: ventity_overlap; 4: its symmetry features
 #: distinct entity / relation / role phrases whose embeddings a shard builder keeps (a phrase is embedded on its own,
 #: so it has one embedding whatever caption it came from)
 PHRASE_MEMO = 100_000
@@ -136,6 +136,14 @@ def _stat(path: str) -> list:
         return [None, None]
 
 
+def needs_world_detector(args, source: DataSource | None) -> bool:
+    """True when ``--boxes yolo`` came without ``--detector`` on a toy world: the extraction then detects with that
+    world's toy detector (:func:`extract.components.toy_detector.world_detector`: trained once, reused by
+    fingerprint). Elsewhere a missing ``--detector`` is an error that says what to pass."""
+    return (args.boxes == "yolo" and not args.detector and isinstance(source, ToyWorldSource)
+            and bool({"entities", "relations"} & set(args.components)))
+
+
 class ExtractionComponents:
     """The component extractors this run needs, built (and validated) before any image is read."""
 
@@ -155,7 +163,8 @@ class ExtractionComponents:
         if boxes is None and args.annotations:
             from extract.data.boxes import read_boxes
 
-            self.annotations_file = args.annotations
+            folder = Path(args.annotations)  # a toy-world folder: its box file is what read_boxes reads
+            self.annotations_file = folder / "annotations.json" if folder.is_dir() else folder
             boxes = read_boxes(args.annotations, max_missing=max_missing)
         elif boxes is None and isinstance(source, ToyWorldSource):
             # the world's own box file enters the fingerprint like --annotations: the records' hash reads images
@@ -175,9 +184,15 @@ class ExtractionComponents:
                                  "WEIGHTS for YOLO boxes, or drop entities,relations from --components")
         self.detector = None
         if self.box_source == "yolo":
+            if needs_world_detector(args, source):  # a toy world detects with its own toy detector
+                from extract.components.toy_detector import world_detector
+
+                args.detector = world_detector(source.root, device=str(device))  # config.json records the file
             if not args.detector:
-                raise ValueError("entity/relation components need boxes: pass --detector WEIGHTS.pt (YOLO) or "
-                                 "drop entities,relations from --components")
+                raise ValueError("entity/relation components need boxes: pass --detector WEIGHTS.pt (YOLO boxes; only "
+                                 "a toy world trains its own detector when none is given) or --annotations FILE "
+                                 "(ground-truth boxes, with --boxes auto or gt), or drop entities,relations from "
+                                 "--components")
             from extract.components.detectors import load_detector
 
             self.detector = load_detector(args.detector, conf=args.conf, max_det=args.max_entities,
@@ -526,7 +541,12 @@ def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
     options = open_options(args)
     source = open_source(args.data, **options)
     # detector / segmenter / spaCy checked before the backbone loads: a missing file fails in seconds
-    comps = ExtractionComponents(args, source, ranks.device)
+    if ranks.count > 1 and needs_world_detector(args, source):  # rank 0 trains the toy detector, the others reuse it
+        comps = ExtractionComponents(args, source, ranks.device) if ranks.index == 0 else None
+        ranks.barrier()
+        comps = comps or ExtractionComponents(args, source, ranks.device)
+    else:
+        comps = ExtractionComponents(args, source, ranks.device)
     if comps.reads_boxes and isinstance(source, IndexedSource):
         # every image's entry looked up before any is extracted: the count in the log, past --max-missing-boxes
         # (or with no image matched) an error now, not after hours (a stream is counted as it comes: _finish)

@@ -14,7 +14,8 @@ search_text / search_image, re-ranking, filters, paging), ``query`` (``python -m
 ``service`` (``Served``: what the page and the API both call, with its ``Limits`` and ``Gate``), ``heatmap``
 (per-phrase maps under any scorer), ``app`` (the Gradio page over ``Served``), ``heatmap_render`` (how the page draws
 the heatmaps), ``http`` (FastAPI with the page mounted and clip-retrieval's ``/knn-service``), ``request_guard``
-(what a request may make the server touch), ``__main__`` (``python -m serve``). Its speed and load runs are
+(what a request may make the server touch), ``redact`` (what an answer may say about the server's files: names,
+never paths), ``__main__`` (``python -m serve``). Its speed and load runs are
 ``python -m train.bench.serve`` and ``python -m train.bench.serve_load``.
 
 The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``serve.search``:
@@ -23,8 +24,9 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
   ``version`` 2 (1: the same with parquet metadata, still read), ``model`` (what was given: ``model``, ``pretrained``; ``kind`` backbone | pretrain | adapter;
   ``name``; ``fingerprint``: SHA-256 identifying the model's weights -- a query with another model is refused,
   naming both (``serve.layout.model_fingerprint``); ``first_stage_dim``; ``annotations`` / ``detector``: the
-  boxes given for an adapter trained on ground-truth boxes), ``data`` (``spec`` resolved, ``split``, ``source``,
-  ``fingerprint``: the feature cache's data fingerprint), ``cache`` (``path``, ``fingerprint``: the feature cache
+  box source given to ``serve.index``, which replaces the one the adapter was trained with; ``boxes``: which boxes
+  were indexed, ``source`` / ``trained`` / ``from``, None for a model that reads none), ``data`` (``spec``
+  resolved, ``split``, ``source``, ``fingerprint``: the feature cache's data fingerprint), ``cache`` (``path``, ``fingerprint``: the feature cache
   holding every item's component arrays, which stage 2 reads), ``collection`` (``images``, ``captions``),
   ``indexes``: ``{"image": {...}, "text": {...}}`` (``text`` only when the source has captions), each with
   ``file``, ``metadata``, ``key`` (the FAISS factory string), ``kind`` (flat | hnsw | ivf-flat | ivf-pq),

@@ -58,11 +58,14 @@ class ServeOptions:
     port: int = option(7860, type=port_number, help="port to listen on (0: a free one)")
     device: str = option("cpu", help="torch device for encoding queries, re-ranking and heatmaps")
     annotations: str | None = option(None, group="model",
-                                     help="boxes for image queries of adapters trained on ground-truth boxes: COCO "
-                                          "instances, Visual Genome objects.json or a toy-world folder, naming the "
-                                          "images by file name or id (default: the indexed toy world's)")
+                                     help="boxes of image queries for adapters that read boxes: COCO instances, "
+                                          "Visual Genome objects.json or a toy-world folder, naming the images by "
+                                          "file name or id; given, they replace the detector of an adapter trained on "
+                                          "detected boxes (default: the index's, else for adapters trained on "
+                                          "ground-truth boxes the indexed toy world's)")
     detector: str | None = option(None, group="model",
-                                  help="YOLO weights: detect boxes of query images for such adapters instead")
+                                  help="YOLO weights: detect boxes of query images instead (default: the index's "
+                                       "box source)")
     concurrency: int = option(2, type=positive_int, group="limits",
                               help="model computations at once (page and API together)")
     queue: int = option(32, type=nonnegative_int, group="limits",
@@ -74,8 +77,9 @@ class ServeOptions:
     max_results: int = option(1000, type=positive_int, group="limits",
                               help="hits and re-ranked candidates one request may ask for")
     show_paths: bool = option(False, action="store_true", group="limits",
-                              help="HTTP answers also hold each image's file path on this machine (image_path; "
-                                   "for a trusted local setup: by default a client gets the image's URL and id)")
+                              help="HTTP answers also hold each image's file path on this machine (image_path) "
+                                   "and no answer is filtered for the server's paths (for a trusted local setup: by "
+                                   "default a client gets the image's URL and id, and files by name only)")
     recall: str = option("auto", choices=["auto", "on", "off"], group="limits",
                          help="measure the served R@k once at start-up for the about line; auto: for collections "
                               "of at most 5,000 images + captions")

@@ -23,9 +23,12 @@ folder only, refused above ``Limits.max_upload_bytes`` and decoded by :func:`ext
 decoded). At most ``Limits.concurrency`` model computations run at once and ``Limits.queue`` more wait
 (:class:`Gate`, shared with the HTTP API); beyond that a request is told the server is busy. Every refused input is
 one readable message (a ``gr.Error`` in the page, an ``AppError`` for gradio_client) and the app keeps serving.
+No output or error line names a path of the server: every handler's answer goes through ``Served.public``
+(serve.redact).
 """
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -84,7 +87,9 @@ def notes_text(hits, extra: Sequence[str] = ()) -> str:
 
 
 def explanation_text(heat: Heatmaps) -> str:
-    """The phrases' peaks and, for ComAlign, its text->image score rebuilt from the winning components (eq. 10)."""
+    """The phrases' peaks and, for ComAlign, its text->image score rebuilt from the winning components (eq. 10); for
+    the grounded relation head, each relation's subject and object boxes, P(it holds) and, in words, the overlap
+    evidence of that pair of boxes (serve.heatmap.OverlapEvidence: where they overlap, whose pixels fill it)."""
     lines = [f"heatmap: **{heat.method}** · " + ", ".join(
         f"{html.escape(m.label)} (peak {m.peak:.3f})" for m in heat.maps)]
     e = heat.explanation
@@ -93,6 +98,9 @@ def explanation_text(heat: Heatmaps) -> str:
         for c in e.components:
             box = "none" if c.box is None else "(" + ", ".join(f"{v:.0f}" for v in c.box) + ")"
             lines.append(f"| {html.escape(c.text)} | {c.kind} | {box} | {c.score:.4f} |")
+        if e.overlaps:
+            lines.append("")
+            lines += [f"- overlap, *{html.escape(ev.relation)}*: {html.escape(ev.sentence())}" for ev in e.overlaps]
         terms = " + ".join(f"{e.weights[k]:.3f} × {k} {e.terms[k]:.4f}" for k in e.weights)
         lines += ["", f"score = {terms} = **{e.score:.4f}** (the re-ranked text→image score)"]
     if heat.note:
@@ -208,13 +216,16 @@ def _shown(value) -> str:
 
 
 # --------------------------------------------------------------------------------------------- the page
-def page_error(e: BaseException) -> str:
-    """The one readable line a refused request shows (HTML-escaped: Gradio renders error messages as HTML)."""
-    return html.escape(str(e).splitlines()[0] if str(e) else type(e).__name__)
+def page_error(e: BaseException, public=None) -> str:
+    """The one readable line a refused request shows, through ``public`` (Served.public: no server path) and
+    HTML-escaped (Gradio renders error messages as HTML)."""
+    line = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return html.escape(public(line) if public is not None else line)
 
 
-def _guard(fn):
-    """Wrap a page handler: refused input and a busy server become a gr.Error with their message; anything else is
+def _guard(fn, public=None):
+    """Wrap a page handler: its outputs go through ``public`` (Served.public: no server path in any answer of the
+    page or its API); refused input and a busy server become a gr.Error with their message; anything else is
     logged with its traceback on the console and shown as one line, and the app keeps serving."""
     import functools
 
@@ -223,15 +234,16 @@ def _guard(fn):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except gr.Error:
             raise
         except (ValueError, OSError, Busy) as e:
-            raise gr.Error(page_error(e), duration=15, print_exception=False) from None
+            raise gr.Error(page_error(e, public), duration=15, print_exception=False) from None
         except Exception as e:  # a bug: the traceback goes to the server's console, the page gets one line
             traceback.print_exc()
             raise gr.Error(f"internal error ({html.escape(type(e).__name__)}); the server logged it and keeps "
                            "serving", duration=15, print_exception=False) from None
+        return out if public is None else public(out)
 
     return wrapped
 
@@ -248,6 +260,7 @@ def build_blocks(served: Served):
     """The gr.Blocks page over ``served`` (module docstring), its queue set from ``served.limits``."""
     import gradio as gr
 
+    guard = functools.partial(_guard, public=served.public)  # every answer of the page: no server path
     methods = list(served.heatmap_methods)
     example = served.examples[0] if served.examples else None
     id_choices = served.image_ids(2000)  # a dropdown of a million ids helps nobody; any id can be typed
@@ -272,13 +285,13 @@ def build_blocks(served: Served):
     def annotated(heat: Heatmaps | None):
         return None if heat is None else (heat.image, heat.annotations)
 
-    @_guard
+    @guard
     def text_to_image(query, k, rerank, candidates):
         hits = served.text_to_image(query, k, candidates if rerank else None)
         state = {"query": hits.query, "ids": [h.id for h in hits]}
         return gallery_items(served, hits), hits_table(hits), notes_text(hits), state, hits.query
 
-    @_guard
+    @guard
     def heatmap(image_id, caption, method):
         heat = served.heatmaps(served.collection_image(image_id), caption, method)
         return annotated(heat), explanation_text(heat)
@@ -287,14 +300,14 @@ def build_blocks(served: Served):
         ids = (state or {}).get("ids") or []
         return ids[evt.index] if isinstance(evt.index, int) and evt.index < len(ids) else None
 
-    @_guard
+    @guard
     def image_to_text(upload, image_id, k, rerank, candidates):
         image = served.query_image(upload, image_id)
         hits = served.image_to_text(image, k, candidates if rerank else None)
         caption = hits[0].text if hits else ""
         return fit(image.image, THUMBNAIL), hits_table(hits), notes_text(hits), caption
 
-    @_guard
+    @guard
     def caption_heatmap(upload, image_id, caption, method):
         heat = served.heatmaps(served.query_image(upload, image_id), caption, method)
         return annotated(heat), explanation_text(heat)
@@ -307,7 +320,7 @@ def build_blocks(served: Served):
         except (IndexError, KeyError, TypeError, ValueError):
             return gr.skip()
 
-    @_guard
+    @guard
     def caption_probe(upload, image_id, caption_a, caption_b, method):
         result = served.probe(served.query_image(upload, image_id), caption_a, caption_b, method)
         notes = "\n".join(f"- {html.escape(n)}" for n in result.notes)
@@ -329,7 +342,7 @@ def build_blocks(served: Served):
     # are removed an hour after they were made, so the disk does not fill over a long run
     with gr.Blocks(title="plugvlm retrieval", analytics_enabled=False, delete_cache=(600, 3600)) as blocks:
         gr.Markdown("## plugvlm: compositional retrieval")
-        about = gr.Markdown(served.about(), elem_id="about")
+        about = gr.Markdown(served.public(served.about()), elem_id="about")
         with gr.Tab("Text → image", id="t2i"):
             with gr.Row():
                 query = gr.Textbox(label="query", placeholder="a red circle to the left of a blue square", scale=4,
@@ -408,7 +421,7 @@ def build_blocks(served: Served):
         # still in flight when the next one joins can lose that one's answer in Gradio's event stream, and the page
         # then waits forever: the about line's load event did it to a search clicked 0.3-0.9 s after the page
         # opened, 2 of 60 page loads (measured here; none of 60 with the load unqueued)
-        blocks.load(served.about, None, [about], api_name="about", queue=False)
+        blocks.load(guard(served.about), None, [about], api_name="about", queue=False)
         # the page's own wiring
         gallery.select(pick, [state], [hit_id], api_visibility="private", queue=False).then(
             heatmap, [hit_id, hit_caption, method], [heat, explanation], api_visibility="private", **heavy)

@@ -34,7 +34,10 @@ largest un-normalised score, since a min-max map always has a hot spot, even for
 Grounded relation scorers (a head with ``explain_score``, :mod:`adapters.heads.grounded`): :meth:`Heatmapper.explain`
 gives the score's parts (base, entity and relation terms with their weights) and, for every relation of the query,
 where its subject and its object were grounded (the box the soft grounding weighs most, and that weight), which
-:meth:`Heatmapper.maps` puts on the subject's and the object's phrase, next to P(the relation holds).
+:meth:`Heatmapper.maps` puts on the subject's and the object's phrase, next to P(the relation holds); and what the
+pixels say about that pair of boxes (:class:`OverlapEvidence`: where they overlap and which of the two owns the
+overlap's pixels, the evidence the head reads for "in front of" / "behind"), whose region the maps of both phrases
+carry.
 
 ComAlign scorers (anything whose head scores entity / relation component sets with fine-grained matching, see
 :mod:`adapters.heads.comalign`): :meth:`Heatmapper.explain` recomputes the text->image score of eq. 10 from
@@ -97,6 +100,9 @@ class PhraseMap:
     peak: float = 0.0
     whole_caption: bool = False
     low: float = 0.0  # the smallest un-normalised score: heat 0 is ``low``, heat 1 is ``peak``
+    #: grounded heads: (region, label) of each overlap of a relation this phrase is the subject or object of
+    #: (:class:`OverlapEvidence`): where its box and the other's overlap, and whose pixels fill it
+    overlaps: list = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -123,18 +129,90 @@ class ComponentMatch:
 
 
 @dataclass
+class OverlapEvidence:
+    """What the pixels say about the two boxes one relation of a query was grounded in (grounded heads:
+    ``adapters.heads.grounded.Grounded.overlap_evidence``, named by the query's parse).
+
+    relation / subject / object: the triplet and its two phrases as parsed ("red circle in front of blue square",
+    "red circle", "blue square"); subject_box / object_box: their boxes (x0, y0, x1, y1 px); region: the boxes'
+    intersection, None where they do not overlap; same_box: both phrases grounded in one box; read: the overlap
+    features hold evidence for the pair (the boxes share enough pixels); owner: "subject" / "object" (whose pixels
+    fill the overlap: the one in front), None where the rules split or say nothing; votes / agree / differences:
+    each rule's vote, how many side with the owner, each rule's signed difference (positive: the subject);
+    holds / holds_without: the head's P(predicate holds) of this pair read with the evidence and without it.
+    """
+
+    relation: str
+    subject: str
+    object: str
+    subject_box: tuple
+    object_box: tuple
+    region: tuple | None
+    same_box: bool = False
+    read: bool = False
+    owner: str | None = None
+    votes: dict = field(default_factory=dict)
+    agree: int = 0
+    differences: dict = field(default_factory=dict)
+    holds: float | None = None
+    holds_without: float | None = None
+
+    @property
+    def owner_phrase(self) -> str | None:
+        """The phrase whose pixels fill the overlap (the one in front), or None."""
+        return {"subject": self.subject, "object": self.object}.get(self.owner)
+
+    @property
+    def label(self) -> str:
+        """The region's legend entry on the picture."""
+        whose = f"the {self.owner_phrase}'s pixels" if self.owner_phrase else "whose pixels, unread"
+        return f"overlap of {self.subject} and {self.object}: {whose}"
+
+    def sentence(self) -> str:
+        """The evidence in words: where the two boxes overlap and whose pixels fill the overlap, or that they do not
+        overlap; and whether the head's P(holds) for the pair moves with it."""
+        s, o = f"the {self.subject}", f"the {self.object}"
+        if self.same_box:
+            return f"{s} and {o} were grounded in one box {_px(self.subject_box)}: no pair to read an overlap of"
+        if self.region is None:
+            return f"{s}'s box {_px(self.subject_box)} and {o}'s box {_px(self.object_box)} do not overlap"
+        text = f"{s}'s box and {o}'s box overlap at {_px(self.region)}; "
+        if not self.read:
+            text += "too few pixels to tell whose they are"
+        elif self.owner_phrase is None:
+            text += "its pixels do not say whose they are (the rules split: " + ", ".join(
+                f"{k} {v:+d}" for k, v in self.votes.items()) + ")"
+        else:
+            text += (f"its pixels belong to the {self.owner_phrase} (in front: {self.agree} of {len(self.votes)} "
+                     "rules)")
+        if self.holds is not None and self.holds_without is not None:
+            if abs(self.holds - self.holds_without) < 5e-4:
+                text += f"; P(holds) of these two boxes {self.holds:.3f} with or without it"
+            else:
+                text += (f"; the head reads it: P(holds) of these two boxes {self.holds:.3f} with it, "
+                         f"{self.holds_without:.3f} without")
+        return text
+
+
+def _px(box) -> str:
+    return "(" + ", ".join(f"{v:.0f}" for v in box) + ")"
+
+
+@dataclass
 class ScoreExplanation:
     """ComAlign's text->image score (eq. 10) of one image and one query, rebuilt from its parts.
 
     components: every valid text entity / relation component with its winner; terms: ``entity`` / ``relation``
     (the mean of the components' scores of that kind: s^E_T2I, s^R_T2I; 0 without components), ``global``,
     ``base``; weights: the fusion weights of eq. 10 (``adapters.heads.comalign.T2I_WEIGHTS``); score:
-    ``sum(weights[k] * terms[k])``, which is the head's own ``score_directed(..., "t2i")``.
+    ``sum(weights[k] * terms[k])``, which is the head's own ``score_directed(..., "t2i")``. A grounded head's
+    explanation has its own terms and weights, and ``overlaps``: each relation's :class:`OverlapEvidence`.
     """
 
     components: list[ComponentMatch]
     terms: dict[str, float]
     weights: dict[str, float]
+    overlaps: list[OverlapEvidence] = field(default_factory=list)
     score: float = field(init=False)
 
     def __post_init__(self):
@@ -438,6 +516,12 @@ class Heatmapper:
         # the box each phrase won: its entity component's, or, in a relation, where its subject / object was grounded
         won = {m.text.lower(): m for kind in ("entity", "subject", "object") for m in
                (explanation.components if explanation else ()) if m.kind == kind and m.box is not None}
+        # where a relation's two boxes overlap, on the maps of both its phrases
+        regions: dict[str, list] = {}
+        for ev in (explanation.overlaps if explanation else ()):
+            if ev.region is not None:
+                for name in dict.fromkeys((ev.subject.lower(), ev.object.lower())):
+                    regions.setdefault(name, []).append((ev.region, ev.label))
         rows, cols = self.backbone.grid
         out = {}
         for method in methods:
@@ -452,6 +536,8 @@ class Heatmapper:
                 m = won.get(p.entity.lower()) if not whole else None
                 if m is not None and m.box is not None:
                     pm.box, pm.box_kind, pm.box_score = m.box, m.kind, m.score
+                if not whole:
+                    pm.overlaps = list(regions.get(p.entity.lower(), ()))
                 maps.append(pm)
             out[method] = maps
         return out, explanation
@@ -586,7 +672,7 @@ class Heatmapper:
     def _explain_grounded(scorer, comp, arrays, image_reps, text_reps) -> ScoreExplanation:
         """:meth:`explain` for a head with ``explain_score`` (adapters/heads/grounded.py): its parts, named by the
         query's parse (entity phrases; each relation's subject, object and the relation itself)."""
-        parts = scorer.head.explain_score(image_reps, text_reps)
+        parts = scorer.head.explain_score(image_reps, text_reps, arrays)
         args = scorer.extractor.args
         relations = comp.relations[:args.max_relations]
         names = {"entity": [p.text for p in comp.entities[:args.max_entities]],
@@ -596,15 +682,20 @@ class Heatmapper:
         matches = [ComponentMatch(kind, slot, names[kind][slot], score, j,
                                   None if j is None else tuple(float(c) for c in boxes[j]))
                    for kind, slot, score, j in parts["components"]]
-        return ScoreExplanation(matches, parts["terms"], parts["weights"])
+        overlaps = [OverlapEvidence(
+            names["relation"][e["slot"]], names["subject"][e["slot"]], names["object"][e["slot"]], e["subject_box"],
+            e["object_box"], e["region"], e["same_box"], e["read"], e["owner"], e["votes"], e["agree"],
+            e["differences"], e["holds"], e["holds_without"]) for e in parts.get("overlaps", ())]
+        return ScoreExplanation(matches, parts["terms"], parts["weights"], overlaps)
 
     # -- display ------------------------------------------------------------------------------------
     def overlay(self, image, maps: list[PhraseMap]) -> tuple[Image.Image, list[tuple[np.ndarray, str]]]:
         """(the RGB image, [(mask [H, W] float in [0, 1], label)]): what gr.AnnotatedImage takes. One heatmap per
         phrase, labelled with the phrase; a ComAlign box is one more mask, its outline, labelled with the phrase,
-        the box's kind and its score. Labels are made unique (gr.AnnotatedImage keys its legend by label)."""
+        the box's kind and its score; so is a relation's overlap region (once, though both its phrases carry it).
+        Labels are made unique (gr.AnnotatedImage keys its legend by label)."""
         pil, _ = self._load(image, None)
-        out, used = [], {}
+        out, used, drawn = [], {}, set()
 
         def unique(label: str) -> str:
             used[label] = used.get(label, 0) + 1
@@ -618,4 +709,8 @@ class Heatmapper:
             if m.box is not None:
                 out.append((box_outline(m.box, pil.size), unique(f"{m.phrase}: {m.box_kind} box, score "
                                                                  f"{m.box_score:.3f}")))
+            for region, label in m.overlaps:
+                if (tuple(region), label) not in drawn:
+                    drawn.add((tuple(region), label))
+                    out.append((box_outline(region, pil.size, width=1), unique(label)))
         return pil, out

@@ -11,7 +11,10 @@ the image still has a hot spot, and its peak says how weak it is). Panels sit si
 
 :func:`render` returns the picture and the annotations ``gr.AnnotatedImage`` takes: per phrase the outline of its
 panel, per box its outline in the panel (the page's legend highlights either on hover), so the component draws
-outlines only and never washes over the picture.
+outlines only and never washes over the picture. A grounded head's relation adds where its two boxes overlap
+(``PhraseMap.overlaps``): that region outlined and hatched with thin diagonal lines (told apart from a box at a
+glance, the picture still showing between the lines) in the panels of both phrases, one legend entry saying whose
+pixels fill it.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ GAP, TITLE, BAR = 10, 22, 30
 TOP = 30               # above the first row: where the page's component draws its own label
 PER_ROW = 3
 OUTLINE = 2            # px of the outline masks
+HATCH = 4              # px between the diagonal lines that fill an overlap region
 
 
 def colormap(values: np.ndarray) -> np.ndarray:
@@ -89,6 +93,17 @@ def _outline(mask: np.ndarray, x0: int, y0: int, x1: int, y1: int, width: int = 
     mask[y0 + width:y1 - width, x0 + width:x1 - width] = 0.0
 
 
+def _hatch(mask: np.ndarray, x0: int, y0: int, x1: int, y1: int, every: int = HATCH) -> None:
+    """Outline the box [x0, x1) x [y0, y1) in ``mask`` and fill it with diagonal lines ``every`` px apart."""
+    _outline(mask, x0, y0, x1, y1, width=1)
+    h, w = mask.shape
+    x0, y0, x1, y1 = max(0, x0), max(0, y0), min(w, x1), min(h, y1)
+    if x1 <= x0 or y1 <= y0:
+        return
+    ys, xs = np.mgrid[y0:y1, x0:x1]
+    mask[y0:y1, x0:x1] = np.maximum(mask[y0:y1, x0:x1], ((xs + ys) % every == 0).astype(np.float32))
+
+
 def render(image, maps: Sequence, *, panel: int = PANEL) -> tuple:
     """(the PIL picture of every phrase's panel, [(outline mask [H, W] float, label)]) for ``image`` (RGB PIL at
     the maps' size) and its ``maps`` (serve.heatmap.PhraseMap): module docstring. Labels are unique."""
@@ -107,6 +122,7 @@ def render(image, maps: Sequence, *, panel: int = PANEL) -> tuple:
     font, small = _font(13), _font(11)
     base = np.asarray(fit(image.convert("RGB"), panel))
     annotations, used = [], {}
+    regions: dict[str, np.ndarray] = {}  # an overlap's label -> its hatching in every panel that shows it
 
     def unique(label: str) -> str:
         used[label] = used.get(label, 0) + 1
@@ -135,6 +151,11 @@ def render(image, maps: Sequence, *, panel: int = PANEL) -> tuple:
             _outline(box, left + int(np.floor(x0 * sx)), top + TITLE + int(np.floor(y0 * sy)),
                      left + int(np.ceil(x1 * sx)), top + TITLE + int(np.ceil(y1 * sy)))
             annotations.append((box, unique(f"{m.phrase}: {m.box_kind} box, score {m.box_score:.3f}")))
+        for (x0, y0, x1, y1), label in getattr(m, "overlaps", ()):
+            mask = regions.setdefault(label, np.zeros((height, width), np.float32))
+            _hatch(mask, left + int(np.floor(x0 * sx)), top + TITLE + int(np.floor(y0 * sy)),
+                   left + int(np.ceil(x1 * sx)), top + TITLE + int(np.ceil(y1 * sy)))
+    annotations += [(mask, unique(label)) for label, mask in regions.items()]
     return canvas, annotations
 
 

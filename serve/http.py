@@ -15,7 +15,8 @@ Routes (clip-retrieval's first, same request and response shapes):
     "caption", "url", "image_id", ...}`` -- metadata only on the first ``num_images`` results, as clip_back.
     ``url`` is ``/images/<row>`` on this server (the collection's file), ``caption`` an image's first caption or
     the caption hit's text. No answer holds a file path of the server unless it was started with ``--show-paths``
-    (``image_path``, as clip_back: for a trusted local setup). An ``embedding_input`` with no direction (all zeros,
+    (``image_path``, as clip_back: for a trusted local setup): every JSON answer, errors and the notes header
+    included, goes through ``Served.public`` (serve.redact). An ``embedding_input`` with no direction (all zeros,
     or a float32 norm that underflows to 0), a NaN, an infinity or a number beyond float32's range is a 400 that
     says so (``serve.search.query_vector``), checked before any cast, so it leaves nothing in the server's log.
 
@@ -392,11 +393,13 @@ def create_app(served: Served, blocks=None):
     from fastapi.responses import FileResponse, JSONResponse
 
     class AsciiJSON(JSONResponse):
-        """JSON escaped to ASCII: a message may quote what a client sent, lone surrogates ("\\ud800") included,
-        which UTF-8 cannot encode."""
+        """Every JSON answer: the server's paths replaced by their names (Served.public: serve.redact), escaped to
+        ASCII (a message may quote what a client sent, lone surrogates ("\\ud800") included, which UTF-8 cannot
+        encode)."""
 
         def render(self, content) -> bytes:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+            return json.dumps(served.public(content), ensure_ascii=True, allow_nan=False,
+                              separators=(",", ":")).encode()
 
     name = served.searcher.index_dir.name or "index"
     names = [name]
@@ -427,7 +430,7 @@ def create_app(served: Served, blocks=None):
     def knn(body, base_url):
         results, timings, notes = knn_service(served, parse_knn(body, served, names), base_url)
         headers = {"Server-Timing": ", ".join(f"{k};dur={v}" for k, v in timings.items()),
-                   "X-Plugvlm-Notes": json.dumps(notes, ensure_ascii=True)}
+                   "X-Plugvlm-Notes": json.dumps(served.public(notes), ensure_ascii=True)}
         return AsciiJSON(results, headers=headers)
 
     @app.post("/knn-service")
@@ -440,7 +443,7 @@ def create_app(served: Served, blocks=None):
 
     @app.get("/indices-list")
     def indices_list():
-        return names
+        return AsciiJSON(names)
 
     @app.get("/images/{row}")
     def image_file(row: str):
@@ -455,10 +458,10 @@ def create_app(served: Served, blocks=None):
     @app.get("/health")
     def health():
         gate = served.gate
-        return {"status": "ok", "pid": os.getpid(), "rss_bytes": rss_bytes(), "uptime_s": round(time.time() -
-                served.started, 1), "requests": counts["requests"], "in_flight": gate._inside,
-                "busy_refusals": gate.refused, "served": {k: v for k, v in served.describe().items()
-                                                          if k != "recall" and (k != "index" or served.limits.show_paths)}}
+        return AsciiJSON({"status": "ok", "pid": os.getpid(), "rss_bytes": rss_bytes(), "uptime_s": round(
+            time.time() - served.started, 1), "requests": counts["requests"], "in_flight": gate._inside,
+            "busy_refusals": gate.refused, "served": {k: v for k, v in served.describe().items()
+                                                      if k != "recall" and (k != "index" or served.limits.show_paths)}})
 
     if blocks is not False:
         import gradio as gr

@@ -174,16 +174,18 @@ def load_model(opts: IndexOptions):
     from adapters.load import load_scorer
 
     device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # the user's --annotations replace a detector the adapter was trained with; a toy world's own boxes do not
     annotations = opts.annotations or (opts.data if is_toyworld(opts.data) else None)
     scorer = load_scorer(opts.model, opts.pretrained, device=device, annotations=annotations, detector=opts.detector,
-                         max_missing_boxes=opts.max_missing_boxes)
+                         max_missing_boxes=opts.max_missing_boxes, use_annotations=bool(opts.annotations))
     if not (hasattr(scorer, "first_stage_image") and hasattr(scorer, "first_stage_text")):
         raise ValueError(f"{scorer.name} ({type(scorer).__name__}) gives no first-stage vectors (first_stage_image / "
                          "first_stage_text), so it cannot be searched with an index")
     _check_indexable(scorer)
     entry = {"model": opts.model, "pretrained": opts.pretrained, "kind": _model_kind(opts, scorer),
              "name": scorer.name, "fingerprint": model_fingerprint(scorer), "first_stage_dim": None,
-             "annotations": opts.annotations, "detector": opts.detector}
+             "annotations": opts.annotations, "detector": opts.detector,
+             "boxes": getattr(scorer, "boxes_used", None)}  # which boxes were indexed (None: the model reads none)
     return scorer, entry
 
 
@@ -203,10 +205,11 @@ def extraction_options(opts: IndexOptions, scorer, data: str, split: str | None)
         names = {f.name for f in dataclasses.fields(ExtractOptions)}
         args = {k: v for k, v in meta["extraction"]["args"].items() if k in names}
         args.update(run)
-        if opts.annotations:  # the boxes of this collection, for a head trained on ground-truth boxes
+        if opts.annotations:  # the user's boxes of this collection
             args["annotations"] = opts.annotations
-        if opts.detector:
-            args.update(boxes="yolo", detector=opts.detector)
+        used = (getattr(scorer, "boxes_used", None) or {}).get("source")  # the boxes the scorer reads queries with
+        if used and (opts.annotations or opts.detector):  # --detector, or --annotations in a trained detector's place
+            args.update(boxes=used, detector=opts.detector)  # (None with --annotations: both at once are refused)
         return ExtractOptions(**args)
     ours = pretrained_checkpoint(opts.model) if opts.pretrained is None else None
     base, pretrained = ours or (opts.model, opts.pretrained)

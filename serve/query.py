@@ -67,11 +67,14 @@ class QueryOptions:
                                     "refused, naming both)")
     pretrained: str | None = option(None, group="model", help="weights for --model: tag, checkpoint path or 'none'")
     annotations: str | None = option(None, group="model",
-                                     help="boxes for image queries of adapters trained on ground-truth boxes: COCO "
-                                          "instances, Visual Genome objects.json or a toy-world folder, naming the "
-                                          "images by file name or id (default: the indexed toy world's)")
+                                     help="boxes of image queries for adapters that read boxes: COCO instances, "
+                                          "Visual Genome objects.json or a toy-world folder, naming the images by "
+                                          "file name or id; given, they replace the detector of an adapter trained on "
+                                          "detected boxes (default: the index's, else for adapters trained on "
+                                          "ground-truth boxes the indexed toy world's)")
     detector: str | None = option(None, group="model",
-                                  help="YOLO weights: detect boxes of query images for such adapters instead")
+                                  help="YOLO weights: detect boxes of query images instead (default: the index's "
+                                       "box source)")
     device: str = option("cpu", group="model", help="torch device for encoding the query and re-ranking")
     debug: bool = option(False, action="store_true", help="show the traceback of an error (also PLUGVLM_DEBUG=1)")
 

@@ -175,9 +175,10 @@ class Searcher:
     def open(cls, index_dir: str | os.PathLike, model: str | None = None, *, pretrained: str | None = None,
              device: str = "cpu", annotations=None, detector: str | None = None, scorer=None) -> "Searcher":
         """Open ``index_dir`` for searching with ``model`` (None: the manifest's; ``pretrained`` as in
-        ``adapters.load.load_scorer``). ``annotations`` / ``detector``: boxes for image queries of adapters
-        trained on ground-truth boxes (default: those the index was built with, else the indexed toy world's, or
-        the annotations file the cache was extracted with; without any, text queries work and image queries are
+        ``adapters.load.load_scorer``). ``annotations`` / ``detector``: the boxes of image queries, for any adapter
+        that reads boxes (either replaces the source the adapter was trained with, said in the log; default: those
+        the index was built with, else for adapters trained on ground-truth boxes the indexed toy world's, or the
+        annotations file the cache was extracted with; without any, text queries work and image queries are
         refused, saying why).
         ``scorer``: an already loaded model instead of ``model`` (checked all the same).
 
@@ -197,11 +198,14 @@ class Searcher:
         if scorer is None:
             spec = model or manifest["model"]["model"]
             weights = pretrained if (model or pretrained) else manifest["model"].get("pretrained")
+            chosen = annotations is not None  # the caller's box file replaces a detector the head was trained with
             if annotations is None and detector is None and not model:  # the boxes the index was built with
                 annotations, detector = manifest["model"].get("annotations"), manifest["model"].get("detector")
-            if annotations is None and detector is None:
+                chosen = annotations is not None and _indexed_boxes(caches) == {"gt"}  # (older builds: the detector's)
+            if annotations is None and detector is None:  # the data's own boxes: for heads trained on them only
                 annotations, image_problem = default_boxes(spec, manifest, caches)
-            scorer = load_scorer(spec, weights, device=device, annotations=annotations, detector=detector)
+            scorer = load_scorer(spec, weights, device=device, annotations=annotations, detector=detector,
+                                 use_annotations=chosen)
         layout.check_model(manifest, model_fingerprint(scorer), scorer.name, index_dir)
         if has_second_stage(scorer):
             if caches is None:
@@ -493,6 +497,12 @@ def gather(scorer, caches: list, side: str, cache_rows: np.ndarray, parts: np.nd
 def _ordered(rows: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = np.lexsort((rows, -scores.astype(np.float64)))
     return rows[order], scores[order].astype(np.float32)
+
+
+def _indexed_boxes(caches: list | None) -> set:
+    """The box sources (gt / yolo / random) the index's caches were extracted with: the manifest's annotations are
+    the boxes of image queries only where they were the indexed items' boxes too."""
+    return {((c.settings.get("boxes") or {}).get("source")) for c in caches or ()}
 
 
 def _ms_since(started: float) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from serve.heatmap_render import fit, render
+from serve.redact import Redactor, server_paths, source_name
 from serve.search import QueryError, Searcher
 
 #: the longest side of a gallery thumbnail (px); smaller images are enlarged by a whole factor, pixels kept sharp
@@ -47,8 +48,9 @@ class Limits:
     added); ``max_pixels``: width x height of any decoded image, read from the header; ``concurrency``: model
     computations at once (page and HTTP API together); ``queue``: requests waiting beyond those (more are told the
     server is busy); ``max_results``: hits (and re-ranked candidates) one request may ask for; ``show_paths``: HTTP
-    answers also hold each image's file path on the server (``image_path``; off by default: a client needs the
-    image's URL and id, not the server's folder layout; on for a trusted local setup)."""
+    answers also hold each image's file path on the server (``image_path``) and no answer of either API is
+    filtered for the server's paths (off by default: a client needs the image's URL and id, not the
+    server's folder layout, and every answer goes through :meth:`Served.public`; on for a trusted local setup)."""
 
     max_upload_bytes: int = 10 * 2**20
     max_pixels: int = 25_000_000
@@ -195,6 +197,7 @@ class Served:
         self._rows: dict[str, int] | None = None  # image id -> row, made on first use
         self.started = time.time()
         self.upload_dir: str | None = None  # where uploads may be read from; None: Gradio's upload folder
+        self.redactor = Redactor(server_paths(searcher))
         self.examples = grade_examples(self, probe_examples(searcher, GRADE_CANDIDATES))  # scores: needs the above
 
     @classmethod
@@ -207,6 +210,11 @@ class Served:
         if recall is None:
             recall = searcher.num_captions > 0 and searcher.num_images + searcher.num_captions <= RECALL_LIMIT
         return cls(searcher, limits, recall=measure_recall(searcher, candidates) if recall else None)
+
+    def public(self, value):
+        """``value`` (an answer: text, JSON-like data, a page's outputs) as a client may see it: every path of the
+        server replaced by its name (serve.redact), unless the operator started the server with ``--show-paths``."""
+        return value if self.limits.show_paths else self.redactor.value(value)
 
     # -- the collection --------------------------------------------------------------------------------
     def image_ids(self, limit: int | None = None) -> list[str]:
@@ -485,8 +493,9 @@ def box_note(scorer, image: QueryImage, consequence: str) -> str | None:
     boxes = extractor.boxes
     if boxes is not None and boxes.has(image.name):
         return None
-    where = (f"{boxes.described} holds no entry for {os.path.basename(str(image.name))!r}" if boxes is not None
-             and len(boxes) else "no box file was given")
+    # the box file by its name only: an answer never says where the server keeps its files (serve.redact)
+    where = (f"{source_name(boxes.source)!r} ({boxes.format}) holds no entry for {source_name(image.name)!r}"
+             if boxes is not None and len(boxes) else "no box file was given")
     return (f"{scorer.name} reads ground-truth boxes and has none for this image ({where}): {consequence}. To give "
             "it boxes, start the server with --annotations FILE (COCO instances, Visual Genome objects.json or a "
             "toy world, naming the image by file name) or --detector WEIGHTS.pt")

@@ -1,7 +1,8 @@
 """The README is the front door (at most 400 lines): its set-up commands are what CI runs, it has a contents list;
-the reference lives in a README per package. In every one of them, each block marked ``<!-- runnable -->`` (shell or
-Python) runs as written, in order, in a fresh folder per file, on the embedded default, and reads well in a log; every
-``python -m`` command's flags exist; every link and anchor resolves."""
+the reference lives next to the code, a README per package and a page per job beside it, none over 600 lines. In every
+documentation page, each block marked ``<!-- runnable -->`` (shell or Python) runs as written, in order, in a fresh
+folder per file, on the embedded default, and reads well in a log; every ``python -m`` command's flags exist; every
+link and anchor resolves."""
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-#: the front door and the reference next to the code (``git ls-files`` would miss a new one; this cannot)
-READMES = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(ROOT.glob("**/README.md"))
-           if not any(part.startswith(".") or part in {"runs", "node_modules"} for part in p.relative_to(ROOT).parts)}
+#: every documentation page: the front door, a README per package, a page per job beside its code (``git ls-files``
+#: would miss a new one; this cannot); run folders, hidden folders (.git, .pytest_cache) and node_modules are not ours
+DOCS = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(ROOT.glob("**/*.md"))
+        if not any(part.startswith(".") or part in {"runs", "node_modules"} for part in p.relative_to(ROOT).parts)}
+READMES = {name: text for name, text in DOCS.items() if Path(name).name == "README.md"}
+#: a page a reader can take in: past this, split it by job (the developers' guide)
+MAX_PAGE_LINES = 600
 BLOCK = re.compile(r"<!-- runnable(?P<opts>[^>]*)-->\n```(?P<lang>bash|python)\n(?P<body>.*?)```", re.S)
 BLOCKS = [(name, m.group("lang"), m.group("body"), int(re.search(r"exit=(\d+)", m.group("opts")).group(1))
-           if "exit=" in m.group("opts") else 0) for name, text in READMES.items() for m in BLOCK.finditer(text)]
+           if "exit=" in m.group("opts") else 0) for name, text in DOCS.items() for m in BLOCK.finditer(text)]
 
 
 def test_the_front_door():
@@ -35,7 +40,7 @@ def test_the_front_door():
         assert f"## {section}" in README and f"(#{section.lower().replace(' ', '-').replace(',', '')}" in README
     for package in ("extract", "adapters", "serve", "train"):  # the reference, linked from the front door
         assert f"({package}/README.md)" in README and f"{package}/README.md" in READMES
-    for name, text in READMES.items():
+    for name, text in DOCS.items():
         assert "../shared" not in text and "design.md" not in text, name  # nothing outside the repository
     assert README.count("\n") <= 400, "the front door is at most 400 lines: move reference into a package README"
     assert len(BLOCKS) >= 4
@@ -51,11 +56,22 @@ def _anchors(text: str) -> set[str]:
     return {_slug(line) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
 
 
+def _too_long(pages: dict[str, str]) -> list[str]:
+    return [f"{name}: {len(text.splitlines())} lines" for name, text in pages.items()
+            if len(text.splitlines()) > MAX_PAGE_LINES]
+
+
+def test_no_documentation_page_is_over_600_lines():
+    """One page per job, next to its code: a page that grows past 600 lines is split by role, as code is."""
+    assert len(DOCS) > len(READMES), "the pages beside the READMEs were not found"
+    assert not _too_long(DOCS), _too_long(DOCS)
+
+
 def test_every_link_and_anchor_resolves():
-    """A moved section leaves links behind: every relative link of every README names a file that exists, and every
-    ``#anchor`` a heading of the file it points to."""
+    """A moved section leaves links behind: every relative link of every documentation page names a file that
+    exists, and every ``#anchor`` a heading of the file it points to."""
     broken = []
-    for name, text in READMES.items():
+    for name, text in DOCS.items():
         here = (ROOT / name).parent
         for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)):
             if target.startswith(("http://", "https://", "mailto:")):
@@ -97,10 +113,10 @@ def test_a_runnable_block_runs_as_written(workdir, index):
 
 
 def _readme_commands():
-    """Every ``python -m MODULE ...`` command in every README's code blocks (continuation lines joined) and inline
-    code spans (which the text wraps over lines)."""
+    """Every ``python -m MODULE ...`` command in every documentation page's code blocks (continuation lines joined)
+    and inline code spans (which the text wraps over lines)."""
     commands = []
-    text = "\n".join(READMES.values())
+    text = "\n".join(DOCS.values())
     spans = [s.replace("\n", " ") for s in re.findall(r"(?<!`)`(python -m [^`]+)`(?!`)", text)]
     for block in re.findall(r"```bash\n(.*?)```", text, re.S) + spans:
         for line in block.replace("\\\n", " ").splitlines():

@@ -5,8 +5,9 @@ train split the colour-shape combinations the bases' own pre-training held out, 
 so its held-out rows test combinations no model saw), pre-trains a base that has no weights of its own (``--base
 tiny``: CLIP's objective, ``train.pretrain.engine.pretrain``) and trains every registered adapter on each frozen base
 (``train.adapter.compare.compare``: one shared feature cache, one ``train.adapter.train`` run per method and seed).
-The default bases are the two toy bases that ship with plugvlm (``extract/models/bases``): CLIP and CLIP + hard negatives
-(NegCLIP's recipe). Each base gets its full table of the frozen base vs base + each adapter on the test split:
+The default base is the toy CLIP pre-trained with hard negatives (NegCLIP's recipe) that ships with plugvlm
+(``extract/models/bases``); ``--base toy-clip,toy-negclip`` adds its twin without them and compares the two (the
+binding table of train/README is measured so). Each base gets its full table of the frozen base vs base + each adapter on the test split:
 retrieval R@k, multi-positive retrieval (any-true R@k and mAP, by caption kind and object count:
 ``adapters.eval.multipositive``) and accuracy per hard-negative type (held-out combinations as their own rows), each
 adapter's difference from its base with its 95% paired bootstrap interval over the test images (``*``: the interval
@@ -19,7 +20,7 @@ on the toy world's train split (``extract.components.toy_detector``) and adds Co
 detected boxes, and ComAlign on random boxes, next to their ground-truth ones (the oracle no user has), adds the PowerCLIP head trained with its CLIP term alone (the control of its powerset
 loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the same fine-tune without its powerset loss
 (:func:`powerclip_fine_tune`, paired intervals against that control) on the toy world (not on a hard world: there it
-shows no effect through the head, and its tokens localise every object before it; train/README, "The fine-tune on the
+shows no effect through the head, and its tokens localise every object before it; train/adapter/powerclip.md, "The fine-tune on the
 hard world"), pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S
 against CLIP on a hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
 long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
@@ -27,14 +28,16 @@ long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``ext
 SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
 paper's recipe) and SmartCLIP trained on the short-caption world only.
 
-It ends by serving the adapter that binds best over every base (the mean of swap-att, swap-obj and replace-rel on
-the validation split, not the test split: :data:`SELECTION`): ``serve.index`` builds the search index of the test split
-with it, one example query shows the first-stage hits next to the adapter's own re-ranking, and the caption probe's
-graded swaps (``serve.service.grade_examples``: attribute swaps, object swaps, replaced relations) show one the served
-model gets right and, if any, one it gets wrong.
-
-Last, support and depth, which the toy world has not: the frozen bases, the text-only floor and the served adapter
-on both controlled tests of a small hard world (``--hard-n`` scenes; :mod:`train.demo_hard`).
+It ends with support and depth in clutter, which the version-2 world has not (:mod:`train.demo_hard`): a hard world
+(``--hard-n`` scenes), the grounded relation head trained on it on a hard base with the world's own boxes, and the
+table of the frozen hard bases, the text-only floor and the head on both controlled tests (What'sUp's Controlled-A /
+-B analogues) and the test split's object swaps and replaced relations. It serves that head: ``serve.index`` builds
+the search index of the hard world's test split with it, one example query shows the first-stage hits next to the
+head's own re-ranking, and the caption probe's graded swaps (``serve.service.grade_examples``: attribute swaps,
+object swaps, replaced relations) show one the served model gets right and, if any, one it gets wrong. With
+``--hard-n 0`` there is no hard world, and the demo serves the adapter that binds best over every base on the
+version-2 world instead (the mean of swap-att, swap-obj and replace-rel on the validation split, not the test split:
+:data:`SELECTION`).
 
 Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
 fitted on the training captions against their negatives, no image), and the binding table the controlled test
@@ -43,12 +46,13 @@ fitted on the training captions against their negatives, no image), and the bind
 Everything lands in ``--out``: ``toyworld/``, ``base/`` (one base to pre-train; ``bases/<base>/`` for several: the
 pre-trained backbone, open_clip-loadable ``model.safetensors`` + ``model.json``, and its last checkpoint),
 ``adapters/`` (one base) or ``adapters/<base>/`` (several: ``results.{json,md,png}``, one run folder per method;
-``adapters/cache`` is shared), ``bases-compared/``, ``binding.md``, ``index/`` (the search index of the best
-adapter: ``python -m serve.query OUT/index "..."`` searches it), ``demo_report.json`` and the resolved
-``config.json``; with ``--full`` also the long run's folders (``pretrain-hard/``: the hard world and one
+``adapters/cache`` is shared), ``bases-compared/``, ``binding.md``, ``hardworld/`` (the hard world),
+``hard/`` (the head's run folder ``grounded/`` and its feature cache), ``hardworld-eval/`` (its table), ``index/``
+(the search index of the served model: ``python -m serve.query OUT/index "..."`` searches it, ``python -m serve``
+serves it), ``demo_report.json`` and the resolved ``config.json``; with ``--full`` also the long run's folders (``pretrain-hard/``: the hard world and one
 ``train.pretrain.compare`` folder per comparison). Rerunning reuses the toy world, a pre-trained base, the feature
-caches and the finished hard-world pre-training runs when their settings are unchanged; the adapters are trained
-again.
+caches and the finished hard-world pre-training runs when their settings are unchanged; the adapters and the
+hard world's head are trained again.
 """
 from __future__ import annotations
 
@@ -64,13 +68,15 @@ from adapters.registry import ADAPTERS
 from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
-from train.demo_hard import HARD_N, hard_controlled
+from train.demo_hard import HARD_BASES, HARD_N, example_query, hard_controlled, hard_world, train_head
 from train.demo_pretrain import (HARD_PRETRAIN_JOBS, HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN,
                                   hard_pretraining, tuning_steps)
 
 PROG = "python -m train.demo"
-#: the demo's frozen bases: CLIP and CLIP + hard negatives, both shipped (extract/models/bases); the first is the reference
-DEFAULT_BASES = ("toy-clip", "toy-negclip")
+#: the demo's frozen base on the version-2 world: CLIP + hard negatives, shipped (extract/models/bases). One base, so
+#: that the hard world's head fits the demo's 7 minutes beside every method on it (each base costs about 3 minutes
+#: here); ``--base toy-clip,toy-negclip`` adds the twin without hard negatives (the first named is the reference)
+DEFAULT_BASES = ("toy-negclip",)
 
 
 @dataclass
@@ -82,8 +88,9 @@ class DemoOptions:
     seed: int = option(0, type=nonnegative_int, help="seeds the toy world, pre-training and adapters")
     base: Any = option(",".join(DEFAULT_BASES), metavar="BASES",
                        help="backbone aliases or open_clip model names, comma list: every adapter trains on each "
-                            "(default: the shipped toy CLIP and its twin pre-trained with hard negatives, NegCLIP's "
-                            "recipe; extract/models/bases)")
+                            "(default: the shipped toy CLIP pre-trained with hard negatives, NegCLIP's recipe; "
+                            "toy-clip,toy-negclip adds its twin without them and compares the two; "
+                            "extract/models/bases)")
     pretrained: str | None = option(None, help="weights of a single --base (tag, file or 'none'); without it a base "
                                                "with no weights of its own (e.g. tiny) is pre-trained on the toy world "
                                                "first, the others use their alias's weights")
@@ -111,9 +118,17 @@ class DemoOptions:
                              "PowerCLIP-R and, with hard negatives, PowerCLIP-S against CLIP pre-trained on a hard "
                              "world (--hard-pretrain-n)")
     hard_n: int = option(HARD_N, type=nonnegative_int,
-                         help="scenes of the small hard world whose controlled tests (What'sUp's Controlled-A / -B "
-                              "analogues: support, depth) score the bases, the text-only floor and the served adapter "
-                              "at the end (train/demo_hard.py; 0: skip)")
+                         help="scenes of the hard world (support, depth, clutter) the grounded head is trained on, on "
+                              f"{HARD_BASES[0]} with the world's own boxes, then scored beside the frozen hard bases "
+                              "and the text-only floor on both controlled tests (What'sUp's Controlled-A / -B "
+                              "analogues) and served (train/demo_hard.py; 0: no hard world, the best version-2 "
+                              "adapter is served)")
+    hard_epochs: int | None = option(None, type=positive_int,
+                                     help="the hard world's head: training epochs (default: until its held-out score "
+                                          "stops improving, as python -m train.adapter without --epochs)")
+    hard_batch_size: int | None = option(None, type=positive_int,
+                                         help="the hard world's head: training batch (default: python -m "
+                                              "train.adapter's)")
     hard_pretrain_n: int = option(HARD_PRETRAIN_N, type=nonnegative_int,
                                   help="--full: scenes of the hard world CLIP, FLIP, CLIP-PGS, PowerCLIP-R and, with "
                                        "hard negatives, CLIP and PowerCLIP-S are pre-trained on, the tiny ViT from "
@@ -230,7 +245,7 @@ def full_variants(methods: list[str], detector: str | None) -> list:
 
 #: --full: PowerCLIP fine-tuning the backbone (``--unfreeze``) with the powerset loss, PowerCLIP-S regions (the toy
 #: world's exact object masks through the toy segmenter) and NegCLIP's hard negatives, against the same fine-tune with
-#: the powerset term off (``lam`` 0): train/README "PowerCLIP fine-tuned" measures why these settings
+#: the powerset term off (``lam`` 0): train/adapter/powerclip.md measures why these settings
 POWERCLIP_FINE_TUNE = {"unfreeze": True, "backbone_lr": 1e-4, "hard_negatives": "swap-att,replace-obj",
                        "extract_options": {"regions": "sam2", "segmenter": "toy"}}
 #: the rows the demo prints of that comparison (the whole table is in its results.md)
@@ -305,36 +320,36 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
     return compare(copts)
 
 
-def serve_best(opts: DemoOptions, results: dict[str, dict], world: Path, out: Path, step=say) -> dict | None:
-    """Index the toy world's test split with the best adapter over every base (``serve.index``) and run
-    :data:`EXAMPLE_QUERY` with re-ranking; returns what it did, with the hits, for the report, and the caption
-    probe's examples there: a swap the served model gets right and one it gets wrong (``serve.app``)."""
+def best_v2(results: dict[str, dict]) -> tuple[str, str, float] | None:
+    """(base, method, binding score) of the adapter that binds best on the validation split over every base
+    (:func:`binding_score`; the higher held-out T2I R@1 breaks a tie); None without any."""
+    best = {(base, m): (binding_score(r["methods"][m]["val"]), r["methods"][m]["val"].get("retrieval T2I R@1", 0.0))
+            for base, r in results.items() for m in [best_adapter(r["methods"])] if m is not None}
+    if not best:
+        return None
+    base, method = max(best, key=best.get)
+    return base, method, best[(base, method)][0]
+
+
+def serve_model(opts: DemoOptions, checkpoint: str, world: Path, out: Path, cache_dir: Path, query: str) -> dict:
+    """Index ``world``'s test split with ``checkpoint`` (``serve.index``, into ``out / "index"``) and run ``query``
+    with re-ranking; returns what it did, with the hits, for the report, and the caption probe's examples there: a
+    swap the served model gets right and one it gets wrong (``serve.service``)."""
     from serve.service import Served
     from serve.index import IndexOptions, build_index
     from serve.query import table
     from serve.search import Searcher
 
-    best = {(base, m): (binding_score(r["methods"][m]["val"]), r["methods"][m]["val"].get("retrieval T2I R@1", 0.0))
-            for base, r in results.items() for m in [best_adapter(r["methods"])] if m is not None}
-    if not best:
-        step("serving skipped: no adapter with held-out figures")
-        return None
-    base, method = max(best, key=best.get)
-    checkpoint = results[base]["methods"][method]["checkpoint"]
-    step(f"serving {base} + {method}, the best binding on the validation split (mean of "
-         f"{', '.join(k.split(' ', 1)[1] for k in SELECTION)}: {best[(base, method)][0]:.1f}): its index of the test "
-         f"split -> {out / 'index'}")
     manifest = build_index(IndexOptions(model=checkpoint, data=str(world), out=str(out / "index"), kind="flat",
-                                        cache_dir=str(out / "adapters" / "cache"), device=opts.device,
-                                        workers=opts.workers, seed=opts.seed))
+                                        cache_dir=str(cache_dir), device=opts.device, workers=opts.workers,
+                                        seed=opts.seed))
     searcher = Searcher.open(out / "index", device=opts.device or "cpu")
-    hits = searcher.search_text(EXAMPLE_QUERY, k=5, rerank=50)
+    hits = searcher.search_text(query, k=5, rerank=50)
     probes = [{"type": e.type, "verdict": e.verdict, "image_id": e.image_id, "positive": e.positive,
                "negative": e.negative} for e in Served(searcher).examples if e.verdict]
-    return {"base": base, "method": method, "checkpoint": checkpoint, "index": str(out / "index"),
+    return {"checkpoint": checkpoint, "index": str(out / "index"), "world": str(world),
             "images": manifest["collection"]["images"], "captions": manifest["collection"]["captions"],
-            "query": EXAMPLE_QUERY,
-            "hits": hits.to_dict(), "table": table(searcher, hits), "probes": probes}
+            "query": query, "hits": hits.to_dict(), "table": table(searcher, hits), "probes": probes}
 
 
 def bases_of(opts: DemoOptions) -> list[str]:
@@ -436,7 +451,7 @@ def demo(opts: DemoOptions) -> dict:
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
     hard_pretrain = opts.full and opts.hard_pretrain_n > 0
-    step = Steps(4 + len(bases) + several + bool(opts.hard_n) + hard_pretrain
+    step = Steps(4 + len(bases) + several + 2 * bool(opts.hard_n) + hard_pretrain
                  + (1 + ("smartclip" in methods) + ("powerclip" in methods) if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
@@ -451,6 +466,11 @@ def demo(opts: DemoOptions) -> dict:
         say(f"  {b}: {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
             f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
         del backbone
+    hard_bases = [b for b in HARD_BASES if opts.hard_n and b not in bases]
+    for b in hard_bases:  # the hard world's bases: shipped, checked now all the same
+        infos[b] = load_backbone(b, None, device="cpu").describe()
+        say(f"  {b} (the hard world's): {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
+            f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
@@ -522,14 +542,38 @@ def demo(opts: DemoOptions) -> dict:
                                          steps=opts.hard_pretrain_steps, seed=opts.seed, seeds=opts.seeds,
                                          batch_size=opts.pretrain_batch_size, workers=opts.workers,
                                          jobs=opts.hard_pretrain_jobs, device=opts.device, say=say)
-    served = serve_best(opts, results, world, out, step)
-    hard = None
+    hard = served = None
     if opts.hard_n:
-        step(f"a hard world's controlled tests ({opts.hard_n} scenes: support and depth, which the toy world has not) "
-             "for the bases, the text-only floor" + (" and the served adapter" if served else ""))
-        models = [(b, weights[b]) for b in bases] + ([(served["checkpoint"], None)] if served else [])
-        hard = hard_controlled(out, models, n=opts.hard_n, seed=opts.seed, holdout=holdout, device=opts.device,
-                               say=say)
+        hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
+        step(f"support and depth in clutter: a hard world of {opts.hard_n} scenes, seed {opts.seed}, and the "
+             f"grounded head trained on it on the frozen {HARD_BASES[0]} with the world's own boxes"
+             + (f" ({opts.hard_epochs} epochs)" if opts.hard_epochs else " (until its held-out score stops improving)"))
+        hard_dir = hard_world(out, opts.hard_n, opts.seed, hard_holdout, say=say)
+        head = train_head(hard_dir, out / "hard", seed=opts.seed, epochs=opts.hard_epochs,
+                          batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device)
+        step(f"the hard world's controlled tests and test split: {', '.join(HARD_BASES)} frozen, the text-only floor, "
+             f"{HARD_BASES[0]} + grounded")
+        hard = hard_controlled(hard_dir, out / "hardworld-eval", [(b, None) for b in HARD_BASES] +
+                               [(head["adapter"], None)], seed=opts.seed, device=opts.device)
+        hard["head"] = {"checkpoint": head["adapter"], "steps": head["steps"], "seconds": head["seconds"],
+                        "stopping": head.get("stopping")}
+        step(f"serving {HARD_BASES[0]} + grounded, the head of the hard world: its index of the hard world's test "
+             f"split -> {out / 'index'}")
+        served = serve_model(opts, head["adapter"], hard_dir, out, out / "hard" / "cache",
+                             example_query(hard_dir))
+        served.update(base=HARD_BASES[0], method="grounded")
+    else:
+        best = best_v2(results)
+        if best is None:
+            step("serving skipped: no adapter with held-out figures")
+        else:
+            base, method, score = best
+            step(f"serving {base} + {method}, the best binding on the validation split (mean of "
+                 f"{', '.join(k.split(' ', 1)[1] for k in SELECTION)}: {score:.1f}): its index of the test "
+                 f"split -> {out / 'index'}")
+            served = serve_model(opts, results[base]["methods"][method]["checkpoint"], world, out,
+                                 out / "adapters" / "cache", EXAMPLE_QUERY)
+            served.update(base=base, method=method)
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
               "powerclip_fine_tune": fine_tune, "hard_world": hard,
@@ -579,32 +623,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\npre-training on a hard world, where FLIP's uniform drop halves small objects: CLIP-PGS against "
                   f"FLIP (the clip-pgs vs flip rows; +tune: after {tuning_steps(opts.hard_pretrain_steps)} unmasked "
                   f"steps), PowerCLIP-R against CLIP (the tiny ViT, {opts.hard_pretrain_steps} steps; test split, "
-                  f"{seeds}; %; the 3-seed tables: train/README, \"Pre-training on the hard world\"):")
+                  f"{seeds}; %; the 3-seed tables: train/pretrain/compare_hard.md):")
             print(tables[PLAIN.folder])
             print("\nthe same world with NegCLIP's hard negatives for both: PowerCLIP-S against CLIP")
             print(tables[NEGATIVES.folder])
+        hard = report.get("hard_world")
+        if hard:
+            head = hard["head"]
+            print(f"\nsupport and depth in clutter, which the version-2 world has not: a hard world ({opts.hard_n} "
+                  f"scenes), the grounded head trained on it on the frozen {HARD_BASES[0]} with the world's own boxes "
+                  f"({head['steps']} steps, {head['seconds']:.0f} s); What'sUp's Controlled-A / -B analogues "
+                  "(four-way caption and image choice, group: a set's four images and captions all right) and the "
+                  "test split's swap-obj / replace-rel (%); detected boxes: train/adapter/README, the hard world:")
+            print(hard["markdown"])
         if report.get("served"):
             served = report["served"]
-            print(f"\nthe best adapter, {served['base']} + {served['method']}, serving the test split "
+            which = "the head of the hard world" if hard else "the best adapter"
+            print(f"\n{which}, {served['base']} + {served['method']}, serving the test split "
                   f"({served['images']} images; first 50 re-ranked by its own score):")
             print(served["table"])
             for p in served.get("probes") or ():
                 print(f"  {p['type']}, {p['verdict']}: image {p['image_id']}, \"{p['positive']}\" (true) vs "
                       f"\"{p['negative']}\"")
-            print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50; the caption "
-                  f"probe: python -m serve --index {served['index']}")
-        hard = report.get("hard_world")
-        if hard:
-            print("\nsupport and depth, which the toy world has not: a hard world's controlled tests (What'sUp's "
-                  "Controlled-A / -B analogues; four-way choices; the demo's models never saw this world; a head "
-                  "trained on it: train/README, the hard world):")
-            print(hard["markdown"])
+            print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50; the app, with "
+                  f"the caption probe and the heatmaps: python -m serve")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "
             "adapters/" + ("" if len(results) == 1 else "BASE/") + "results.{json,md,png}"
             + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
             + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else "")
             + (", pretrain-hard/{plain,hard-negatives}/compare.{md,json}" if report.get("pretrain_hard") else "")
-            + (", hardworld-eval/results.{json,md,png}" if report.get("hard_world") else ""))
+            + (", hardworld-eval/results.{json,md,png}, hard/grounded/" if report.get("hard_world") else ""))
 
     return run_job(job, parse_args(argv))
 

@@ -1,7 +1,7 @@
 """The demo's pre-training comparisons on a hard world: those that show their paper's effect there.
 
 ``python -m train.demo --full`` pre-trains the tiny ViT from scratch on a hard world (overlap, clutter, textured
-backgrounds: ``extract/data/hardworld.py``) with the columns whose paper claim train/README's "Pre-training on the hard
+backgrounds: ``extract/data/hardworld.py``) with the columns whose paper claim train/pretrain/compare_hard.md's "Pre-training on the hard
 world" found beyond the interval (3 seeds there):
 
 - **CLIP-PGS against FLIP** at the same masking ratio (CLIP-PGS §4): FLIP drops half of every image's patches
@@ -16,7 +16,7 @@ Two ``train.pretrain.compare`` runs on one world, with the settings measured the
 ``--seeds``, two runs at a time (``--hard-pretrain-jobs``); the first (:data:`PLAIN`) with FLIP's unmasked tuning
 from every final model (300 steps: 3/5 of the steps) and the rows ``clip-pgs vs flip`` untuned and tuned, the
 second (:data:`NEGATIVES`) with ``--hard-negatives all``. CLIP is each table's reference. The demo's world has its
-own seed (``--seed``), so its figures are a fresh draw of the same comparisons, not the README's tables.
+own seed (``--seed``), so its figures are a fresh draw of the same comparisons, not train/pretrain/compare_hard.md's tables.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-HARD_PRETRAIN_N = 10000  # train/README's hard world: 8,001 train images, 125 steps of 64 per epoch
+HARD_PRETRAIN_N = 10000  # train/pretrain/compare_hard.md's hard world: 8,001 train images, 125 steps of 64 per epoch
 HARD_PRETRAIN_STEPS = 500
 HARD_PRETRAIN_JOBS = 2  # runs trained at once: the two cores here
 TUNING_FRACTION = 3 / 5  # FLIP's unmasked tuning: 300 steps after 500, as measured

@@ -6,7 +6,7 @@ Recall alone counts an image right when any one of its captions comes first, so 
 (the long one, naming every object) and pushes the others down scores best on it. Fitted on recall alone,
 ComAlign cost I2T mAP 19 points on the toy world (76.4 -> 57.4, 3 seeds, train/README's binding table before this
 objective), and PowerCLIP's ``beta`` weighed an untrained region score at 0.1 in 10 of 18 hard-world control runs
-on held-out recall gains of 0.05-0.44 points, costing 6-8 points of I2T mAP and of add-obj (train/README, "The
+on held-out recall gains of 0.05-0.44 points, costing 6-8 points of I2T mAP and of add-obj (train/adapter/powerclip.md, "The
 control's fitted beta"). ``both`` (one weight shared by the two directions, PowerCLIP's ``beta``) is the mean of the
 two directions' objectives.
 """

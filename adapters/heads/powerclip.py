@@ -33,7 +33,7 @@ embeddings -- which live in the same joint space, the global being the same fina
 Every trainable output layer starts at zero, so an untrained head computes everything from the base model's
 own embeddings (its score is the base CLIP score plus ``beta`` x S).
 
-Measured on the demo's toy world (CLIP-pre-trained tiny base, 3 seeds, 95% bootstrap intervals; README "The demo"):
+Measured on the demo's toy world (CLIP-pre-trained tiny base, 3 seeds, 95% bootstrap intervals; train/adapter/README, "The long run"):
 ``block`` lifts retrieval (T2I R@1 +2.7, I2T R@1 +10.8, relation captions +4.0 mAP) where ``shared`` and
 ``separate`` do not, which is why it is the default; but the same block trained with the CLIP term alone
 (``lam = 0``) lifts it as much (+3.3, +13.3, +4.1), and the fitted ``beta`` is 0: the powerset term adds nothing
@@ -398,7 +398,7 @@ class PowerCLIPHead(AdapterHead):
 
         At ``lam = 0`` beta is 0, not fitted: the head was trained by the CLIP term alone (the fine-tune's control),
         so S is nothing the loss shaped, and a control that weighs it is scored unlike the method it controls (on
-        the hard world an untrained S weighed 0.1 cost 6-8 points of I2T mAP and add-obj; train/README, "The
+        the hard world an untrained S weighed 0.1 cost 6-8 points of I2T mAP and add-obj; train/adapter/powerclip.md, "The
         control's fitted beta"). ``--beta B --no-fit-beta`` still weighs it when asked. Returns what was fitted: at
         ``lam = 0`` nothing (beta is set, and a log saying "fitted" would misreport the control)."""
         cfg = self.config

@@ -65,7 +65,7 @@ def pixel_patches(images: Tensor, patch: tuple[int, int]) -> Tensor:
 
     A reshape, not ``F.unfold``: the patches do not overlap, so one strided copy gathers them. On CUDA
     ``F.unfold`` launches an im2col kernel per image: 12 ms of the selection's 17 at batch 256 on an H200,
-    against 0.7-0.9 ms for each cosine matrix (train/README, Speed)."""
+    against 0.7-0.9 ms for each cosine matrix (train/pretrain/README, Speed)."""
     (ph, pw), (b, c, h, w) = patch, images.shape
     rows, cols = h // ph, w // pw
     x = images[..., :rows * ph, :cols * pw].float().reshape(b, c, rows, ph, cols, pw)

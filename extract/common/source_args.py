@@ -103,11 +103,13 @@ class BoxOptions:
     ``serve.index``)."""
 
     annotations: str | None = option(None, group="adapters",
-                                     help="boxes for adapters trained on ground-truth boxes: COCO instances, Visual "
-                                          "Genome objects.json or a toy-world folder (default: --data when it is a "
-                                          "toy world)")
+                                     help="ground-truth boxes to score adapters with: COCO instances, Visual Genome "
+                                          "objects.json or a toy-world folder; given, they replace the detector of an "
+                                          "adapter trained on detected boxes (default: --data when it is a toy world, "
+                                          "for adapters trained on ground-truth boxes only)")
     detector: str | None = option(None, group="adapters",
-                                  help="YOLO weights: detect boxes for adapters instead of annotations")
+                                  help="YOLO weights to detect boxes with instead of the adapter's own source "
+                                       "(default: the detector its run folder carries, or the annotations)")
     max_missing_boxes: float = option(DEFAULT_MAX_MISSING, type=fraction, metavar="SHARE", group="adapters",
                                       help=MAX_MISSING_HELP)
 

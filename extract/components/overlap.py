@@ -8,30 +8,67 @@ the crop of the overlap 51-57% (issue 53). The pixels do, and they cost no forwa
 
 For every ordered pair of entity boxes (b, c) of one image, with O = b ∩ c and each object's colour the histogram
 bin (HIST_LEVELS levels per RGB channel) that its box fills most beyond the image's border colours (read outside the
-other box where enough of it is left, OWN_SHARE), the FEATURES = 12 are
+other box where enough of it is left, OWN_SHARE), the FEATURES = 18 are
 
     [overlaps, seen_b, seen_c, seen_b - seen_c, extent_b, extent_c, extent_b - extent_c,
-     bite_b, bite_c, bite_c - bite_b, |O| / |b|, |O| / |c|]
+     bite_b, bite_c, bite_c - bite_b, |O| / |b|, |O| / |c|,
+     mirror_b, mirror_c, mirror_b - mirror_c, flip_b, flip_c, flip_b - flip_c]
 
 seen_x: the share of O showing x's colour over the share of its own box it fills (the front object owns the
 overlap, Swain & Ballard's histogram intersection in spirit); extent_x: the bounding box of x's colour pixels over
 its box (a hidden part often takes an extreme point with it); bite_x: the share of the convex hull of x's pixels
-that shows the other's colour inside the other's box (the bite the front object takes out of the one behind). Each
-difference says "b is in front" by its sign; ``python -m train.eval.overlap_probe`` measures each rule alone and
-fitted. A pair whose boxes share fewer than MIN_OVERLAP pixels gets zeros. A function of the image and its boxes
-alone. The grounded head reads it next to the pair's geometry (``adapters/heads/grounded.py``), so what "in front of"
-means is still learned from captions.
+that shows the other's colour inside the other's box (the bite the front object takes out of the one behind);
+mirror_x / flip_x: how symmetric x's colour pixels are (around its box, SYMMETRY_MARGIN px wider) about their own
+centre, left-right / up-down, as the IoU of the pixels with their mirror image: an object in front shows its whole
+shape, symmetric where the shape is (every shape of the toy world is left-right, most of them up-down, and so are many
+things people photograph), while the one behind shows its shape with a piece cut away (a Gestalt cue of occlusion that
+holds for boxes of any tightness: a detector's box of a hidden object hugs what shows of it, so its extent says little,
+and a star's or a triangle's convex hull takes in its neighbour's colour whether in front or not). On the named
+in-front / behind pairs of Controlled-B of a 2,000-scene hard world (seed 43) with a detector's boxes, a logistic
+regression on the twelve features before these read the front object at 94.1%, on all eighteen at 97.0% (an MLP:
+93.0 -> 98.4; ``python -m train.eval.overlap_probe``). Each difference says "b is in front" by its sign: the rules of
+:data:`RULES`, defined here for every reader (the
+grounded head's explanations; ``python -m train.eval.overlap_probe``, which measures each rule alone and fitted). A
+pair whose boxes share fewer than MIN_OVERLAP pixels gets zeros. A function of the image and its boxes alone. The
+grounded head reads it next to the pair's geometry (``adapters/heads/grounded.py``), so what "in front of" means is
+still learned from captions.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw
 
-FEATURES = 12
+FEATURES = 18
 HIST_LEVELS = 4  # per channel: 64 bins; a muted background and a saturated object fall in different bins
 MIN_OVERLAP = 4  # px
 BORDER = 2  # px of the image's edge: its context colours
 OWN_SHARE = 0.15  # of a box outside the other: enough to read its colour there
+SYMMETRY_MARGIN = 2  # px around a box where its object's pixels are read for symmetry: a detector's box may clip them
+MIN_PIXELS = 3  # of an object's colour, to read its symmetry (fewer: 0)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule of who is in front, read from a pair's FEATURES: ``column`` holds a difference whose value times
+    ``sign`` is positive where box b of the pair (b, c) is in front, negative where c is, 0 where it says nothing."""
+
+    name: str  # short: the key of a rule's vote and difference in explanations
+    label: str  # in words: a row of the probe's table
+    column: int
+    sign: int = 1
+
+    def difference(self, features):
+        """The signed difference, positive for b, of features [..., FEATURES] (numpy array or torch tensor)."""
+        return self.sign * features[..., self.column]
+
+
+#: the rules, in column order: b's colour seen in the overlap (seen_b - seen_c), b's colour spanning its box
+#: (extent_b - extent_c), the bite b takes out of c's hull (bite_c - bite_b), b's pixels mirror-symmetric left-right
+#: (mirror_b - mirror_c; up-down is a feature, not a rule: a whole triangle or star is not symmetric that way)
+RULES = (Rule("seen", "own colour seen in the overlap", 3), Rule("extent", "own colour spans its box", 6),
+         Rule("bite", "bite out of the other's hull", 9), Rule("mirror", "own colour mirror-symmetric", 14))
 
 
 def _histogram(bins: np.ndarray) -> np.ndarray:
@@ -125,11 +162,34 @@ def ownership(raw: np.ndarray, boxes: np.ndarray, slots: int) -> np.ndarray:
             size_i = max(1, (r[2] - r[0]) * (r[3] - r[1]))
             size_j = max(1, (s[2] - s[0]) * (s[3] - s[1]))
             bite_i, bite_j = _bite(bins, r, ci, s, cj), _bite(bins, s, cj, r, ci)
+            (mi, fi_), (mj, fj_) = _symmetry(bins, r, ci), _symmetry(bins, s, cj)
             out[i, j] = (1.0, seen_i, seen_j, seen_i - seen_j, ei, ej, ei - ej, bite_i, bite_j, bite_j - bite_i,
-                         area / size_i, area / size_j)
+                         area / size_i, area / size_j, mi, mj, mi - mj, fi_, fj_, fi_ - fj_)
             out[j, i] = (1.0, seen_j, seen_i, seen_j - seen_i, ej, ei, ej - ei, bite_j, bite_i, bite_i - bite_j,
-                         area / size_j, area / size_i)
+                         area / size_j, area / size_i, mj, mi, mj - mi, fj_, fi_, fj_ - fi_)
     return out
+
+
+def _symmetry(bins: np.ndarray, r, colour: int) -> tuple[float, float]:
+    """(left-right, up-down): the IoU of the pixels of ``colour`` around box ``r`` (SYMMETRY_MARGIN px wider) with
+    their mirror image about their own centre; 0, 0 with fewer than MIN_PIXELS of them."""
+    h, w = bins.shape
+    x0, y0 = max(0, r[0] - SYMMETRY_MARGIN), max(0, r[1] - SYMMETRY_MARGIN)
+    x1, y1 = min(w, r[2] + SYMMETRY_MARGIN), min(h, r[3] + SYMMETRY_MARGIN)
+    ys, xs = np.nonzero(bins[y0:y1, x0:x1] == colour)
+    if len(xs) < MIN_PIXELS:
+        return 0.0, 0.0
+    # on a canvas three windows wide and high: a mirrored pixel lands within one window's size of the window
+    hh, ww = y1 - y0, x1 - x0
+    canvas = np.zeros((3 * hh, 3 * ww), bool)
+    canvas[ys + hh, xs + ww] = True
+    out = []
+    across = np.rint(2 * xs.mean() - xs).astype(np.int64), np.rint(2 * ys.mean() - ys).astype(np.int64)
+    for mx, my in ((across[0], ys), (xs, across[1])):
+        mirror = np.zeros_like(canvas)
+        mirror[my + hh, mx + ww] = True
+        out.append(float((canvas & mirror).sum()) / max(1, int((canvas | mirror).sum())))
+    return out[0], out[1]
 
 
 def _bite(bins: np.ndarray, r, colour: int, other, other_colour: int) -> float:

@@ -4,6 +4,12 @@ instead of the ground-truth ones no user has.
     python -m extract.components.toy_detector                                 # the embedded toy world (runs/toy)
     python -m extract.components.toy_detector --data runs/demo/toyworld       # a toy world of your own
     python -m train.adapter --method comalign --boxes yolo --detector runs/toy-detector/<fingerprint>/best.pt
+    python -m train.adapter --method grounded --base toy-clip-hard --data W --boxes yolo   # no --detector: W's own
+
+``--boxes yolo`` without ``--detector`` on a toy world (``python -m extract``, ``python -m train.adapter``) uses this
+detector with its default settings, trained on that world's train split the first time and reused by fingerprint
+after (:func:`world_detector`, called where an extraction resolves its detector; one log line says trained or
+reused, where, and its val recall).
 
 What it does, in order (``train_toy_detector(ToyDetectorOptions(...))`` from Python):
 
@@ -408,11 +414,12 @@ def _train(opts: ToyDetectorOptions, data_yaml: Path, run: Path, imgsz: int) -> 
             "train_seconds": time.perf_counter() - started}
 
 
-def train_toy_detector(opts: ToyDetectorOptions) -> dict:
+def train_toy_detector(opts: ToyDetectorOptions, announce: bool = True) -> dict:
     """Export, train (or reuse by fingerprint) and report (module docstring). Returns ``{"weights": RUN/best.pt,
     "run", "fingerprint", "reused", "settings", "val": {"map50", "map50_95", "recall", "precision",
     "detections_per_image", "recall_by_size", ...}, "seconds"}`` (also ``RUN/detector.json``). Raises
-    FileNotFoundError for a missing world, ValueError for bad settings."""
+    FileNotFoundError for a missing world, ValueError for bad settings. ``announce``: say the line of a reuse (a
+    caller that says its own, :func:`world_detector`, turns it off)."""
     check_options(opts, build_parser())
     started = time.perf_counter()
     world = resolve_world(opts.data)
@@ -423,7 +430,8 @@ def train_toy_detector(opts: ToyDetectorOptions) -> dict:
     if weights.is_file() and record.is_file():
         done = json.loads(record.read_text())
         if done.get("fingerprint") == fp:
-            say(f"toy detector: {weights} (trained before with these settings; reused)")
+            if announce:
+                say(f"toy detector: {weights} (trained before with these settings; reused)")
             return {**done, "weights": str(weights), "run": str(run), "reused": True,
                     "seconds": time.perf_counter() - started}
     os.environ.setdefault("YOLO_CONFIG_DIR", str((Path(opts.out) / ".ultralytics").resolve()))
@@ -444,6 +452,19 @@ def train_toy_detector(opts: ToyDetectorOptions) -> dict:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, record)  # written last: its presence means best.pt is complete
     return {**result, "seconds": time.perf_counter() - started}
+
+
+def world_detector(world: str | os.PathLike, device: str | None = None) -> str:
+    """The detector of ``--boxes yolo`` without ``--detector`` on the toy world ``world`` (decided in
+    :meth:`extract.pipeline.ExtractionComponents`, for ``python -m extract`` and ``python -m train.adapter`` alike):
+    this module's detector with its default settings, trained on the world's train split into
+    ``runs/toy-detector/<fingerprint>`` once and reused whenever the fingerprint matches. Says one line (trained or
+    reused, where, its val recall); returns the path of its ``best.pt``. The extraction fingerprints that file's
+    SHA-256, so a retrained detector never meets boxes cached from another."""
+    result = train_toy_detector(ToyDetectorOptions(data=str(world), device=device), announce=False)
+    say(f"boxes: no --detector, so the toy detector of {world} ({'reused' if result['reused'] else 'trained now'}, "
+        f"val recall {100 * result['val']['recall']:.1f}%): {result['weights']}")
+    return str(result["weights"])
 
 
 def summary(result: dict) -> str:

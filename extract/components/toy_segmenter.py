@@ -13,7 +13,7 @@ colour has a channel above that). A mask is therefore one 8-connected run of pix
 
 - version-2 world: exact (its layout keeps every two boxes ``GAP`` x the side apart, so each object is one run);
 - hard world: each object's **visible** pixels (the part the objects drawn after it leave). On the 2,000-scene
-  world of train/README 94.7 % of the objects are one mask exactly; 3.3 % share one with an object of their colour
+  world of train/adapter/README 94.7 % of the objects are one mask exactly; 3.3 % share one with an object of their colour
   they touch or overlap (as SAM2 would often merge them too), and 2.0 %, hidden in two pieces, give a mask per
   piece (``python -m extract.components.toy_segmenter --data WORLD`` counts them).
 

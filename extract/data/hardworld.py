@@ -43,7 +43,7 @@ Captions (``struct`` as in version 2; predicate words :data:`WORDS`, What'sUp's 
 No caption prior. The named predicate is uniform over the eight, said from either side, and the named pair holds
 no other predicate even leniently, so each replace-rel negative is uniform over the other seven and a (caption
 predicate, negative predicate) pair is as likely as its reverse; a swap-obj negative ("B on A") always fails. A
-text-only model sits at chance (``train.eval.text_only``, measured in train/README).
+text-only model sits at chance (``train.eval.text_only``, measured in train/adapter/README).
 
 Controlled tests (What'sUp's Controlled-A and -B analogues, :func:`generate_controlled`)
     ``controlled_a.json``: sets of two objects (different colours) in four images, the first **on**, **under**, **to

@@ -223,3 +223,29 @@ def test_saved_files_follow_the_umask(tmp_path, umask, mode):
         os.umask(old)
     assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in paths} == {p.name: oct(mode) for p in paths}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no temporary left
+
+
+def test_the_detector_is_copied_only_as_it_was_when_the_boxes_were_found(tmp_path):
+    """save_detector copies the detector file the training cache names into the run folder, with its digest; a file
+    that changed since the cache was extracted is refused (the cached boxes are not its boxes); boxes from no file
+    (ground truth, a config ultralytics ships) copy nothing; run_detector gives the copy back, checked."""
+    from extract.models.weights import file_sha256
+
+    weights = tmp_path / "det" / "best.pt"
+    weights.parent.mkdir()
+    weights.write_bytes(b"detector weights")
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def extraction(source="yolo", **named):
+        return {"settings": {"boxes": {"source": source, "detector": {"weights": named}}}}
+
+    entry = ck.save_detector(run, extraction(file=str(weights), sha256=file_sha256(weights)))["detector"]
+    assert entry == {"file": "detector.pt", "sha256": file_sha256(weights), "trained_from": str(weights)}
+    assert (run / "detector.pt").read_bytes() == b"detector weights"
+    assert ck.run_detector(run / "adapter.safetensors", {"detector": entry}) == str(run / "detector.pt")
+    assert ck.save_detector(run, extraction("gt", file=str(weights))) == {}
+    assert ck.save_detector(run, extraction(config="yolov8n.yaml", init_seed=0)) == {}
+    with pytest.raises(ck.CheckpointError, match="changed after the training cache was extracted"):
+        ck.save_detector(run, extraction(file=str(weights), sha256="0" * 64))
+    assert [p.name for p in run.iterdir()] == ["detector.pt"]  # no temporary file left behind

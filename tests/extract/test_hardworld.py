@@ -212,11 +212,16 @@ def test_the_toy_world_box_reader_finds_every_controlled_scene_by_file_name(worl
 
     out, _, _, _ = world
     boxes = read_boxes(str(out))
-    names = [s["file_name"] for test in "AB"
-             for e in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"] for s in e["scenes"]]
+    scenes = {test: [s for e in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"] for s in e["scenes"]]
+              for test in "AB"}
+    names = [s["file_name"] for test in "AB" for s in scenes[test]]
     assert len({n.rsplit("/", 1)[1] for n in names}) == len(names)  # unique base names across both tests
-    for name in names[:8]:
-        assert len(boxes.entry(str(out / name))["objects"]) == 4
+    for test in "AB":  # every scene of both tests, each with its own boxes in its drawing order
+        assert len(scenes[test]) == 4 * hw.controlled_count(N)
+        for scene in scenes[test]:
+            found = boxes.entry(str(out / scene["file_name"]))["objects"]
+            assert [o["box"] for o in found] == [o["box"] for o in scene["objects"]], scene["file_name"]
+            assert [(o["colour"], o["shape"]) for o in found] == [(o["colour"], o["shape"]) for o in scene["objects"]]
 
 
 # --------------------------------------------------------------------------- command line

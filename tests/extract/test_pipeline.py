@@ -33,6 +33,7 @@ from extract.options import ExtractOptions
 from extract.pipeline import _image_seed, build_cache, data_fingerprint, main
 from extract.components.regions import crop_regions, gt_boxes, random_grid_boxes
 from fixtures import warm
+from fixtures.toy import hard_world_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_ARGS = ["--workers", "0", "--batch-size", "8", "--shard-size", "8"]
@@ -143,6 +144,39 @@ def test_toyworld_cache_matches_direct_computation(world, reference):
         assert 1 <= got["n_leaves"][b] <= cap and not leaves[got["n_leaves"][b]:].any()
         assert not (leaves & ~got["token_mask"][b].astype(bool)[None]).any()  # leaves cover real tokens only
     assert (cache.path / "config.json").is_file() and (cache.path / "report.json").is_file()
+
+
+def test_a_hard_worlds_cache_holds_the_overlap_code_of_its_pixels_where_boxes_overlap(tmp_path_factory):
+    """``ventity_overlap`` as the pipeline writes it, read back from a small hard world's cache: each image's array is
+    the overlap component's (extract/components/overlap.py) on its own pixels and cached boxes, non-zero for every
+    pair the world draws one in front of the other, zero where two boxes are apart; the world has such pairs."""
+    from extract.components.overlap import FEATURES, ownership
+
+    cache, world = hard_world_cache(tmp_path_factory)
+    scenes = {str(s["image_id"]): s for s in toyworld.load(world)["scenes"]}
+    records = {r.image_id: r for r in ToyWorldSource(world).records()}
+    rows = np.arange(cache.num_images)
+    got, boxes, valid = (cache.gather(k, rows) for k in ("ventity_overlap", "ventity_boxes", "ventity_valid"))
+    assert got.shape == (len(rows), 10, 10, FEATURES) and got.dtype == np.float16
+    in_front = apart = 0
+    for row, image_id in enumerate(cache.image_ids()):
+        n = int(valid[row].sum())
+        raw = np.asarray(Image.open(records[image_id].source).convert("RGB"))
+        want = ownership(raw, boxes[row, :n], 10)
+        np.testing.assert_array_equal(got[row], want.astype(np.float16), err_msg=image_id)
+        for front, predicate, back in scenes[image_id]["relations"]:
+            if predicate == "in front of":  # the front object owns pixels of the other's box: the pair overlaps
+                in_front += 1
+                assert got[row, front, back, 0] == got[row, back, front, 0] == 1.0, (image_id, front, back)
+                assert np.abs(got[row, front, back, 1:]).sum() > 0, (image_id, front, back)
+        for a in range(n):
+            for b in range(n):
+                (x0, y0, x1, y1), (u0, v0, u1, v1) = boxes[row, a], boxes[row, b]
+                if min(x1, u1) - max(x0, u0) < -1 or min(y1, v1) - max(y0, v0) < -1:  # a pixel or more apart
+                    apart += 1
+                    assert not got[row, a, b].any(), (image_id, a, b)
+        assert not got[row, n:].any() and not got[row, :, n:].any()  # empty slots
+    assert in_front >= 3 and apart > in_front, (in_front, apart)
 
 
 # --------------------------------------------------------------------------------------------- reuse / rebuild

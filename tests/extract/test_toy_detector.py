@@ -181,3 +181,58 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
     assert all(report["recall_by_hidden"][k] == 0.0 for k in report["recall_by_hidden"] if k != "whole")
     assert sum(report["objects_by_hidden"].values()) == len(objects)
     assert report["recall"] == pytest.approx(1 - len(hidden) / len(objects))
+
+
+# ------------------------------------------------------------------------------------ --boxes yolo, no --detector
+def test_boxes_yolo_on_a_toy_world_trains_its_detector_once_then_reuses_it(world, tmp_path, monkeypatch, capsys):
+    """``--boxes yolo`` without ``--detector`` on a toy world: the extraction trains the toy detector on the world's
+    train split with the default settings (epochs 12 ...) into runs/toy-detector/<fingerprint>, says so, and detects
+    with its best.pt; a second extraction reuses it without training; a detector trained again (other weights at the
+    same place) gives another cache, never the boxes of the first. Training itself is replaced by a random detector
+    file (the real one is tested above); everything around it is the real path."""
+    from extract.models.weights import file_sha256
+    from extract.pipeline import build_cache
+    from fixtures.detector import random_detector
+
+    monkeypatch.chdir(tmp_path)  # the default out folder is relative: runs/toy-detector
+    monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / ".yolo"))
+    trainings = []
+
+    def fake_train(opts, data_yaml, run, imgsz):
+        assert (opts.epochs, opts.batch, opts.model, opts.data) == (12, 16, "yolov8n.yaml", str(world))  # defaults
+        assert Path(data_yaml).is_file() and imgsz == 64
+        trainings.append(run)
+        best = random_detector(run / "yolo" / "weights" / "best.pt", imgsz, bump=len(trainings) - 1)
+        return {"best": best, "map50": 0.5, "map50_95": 0.25, "train_seconds": 0.0}
+
+    monkeypatch.setattr(td, "_train", fake_train)
+    options = dict(base="tiny", components=["entities", "relations"], boxes="yolo", conf=0.0, workers=0)
+    first = build_cache(world, tmp_path / "cache", split="val", **options)
+    weights = Path(trainings[0]) / "best.pt"
+    assert len(trainings) == 1 and Path(trainings[0]).parent == Path("runs") / "toy-detector"
+    out = capsys.readouterr().out
+    assert f"toy detector of {world} (trained now, val recall" in out and str(weights) in out
+    assert first.settings["boxes"]["detector"]["weights"]["sha256"] == file_sha256(weights)
+    assert json.loads((first.path / "config.json").read_text())["detector"] == str(weights)
+
+    again = build_cache(world, tmp_path / "cache", split="test", **options)  # another cache, the same detector
+    assert len(trainings) == 1 and again.settings["boxes"]["detector"] == first.settings["boxes"]["detector"]
+    assert "(reused, val recall" in capsys.readouterr().out
+
+    (weights.parent / "detector.json").unlink()  # trained again: other weights at the same place
+    retrained = build_cache(world, tmp_path / "cache", split="val", **options)
+    assert len(trainings) == 2 and retrained.fingerprint != first.fingerprint
+    assert retrained.settings["boxes"]["detector"]["weights"]["sha256"] == file_sha256(weights)
+
+
+def test_boxes_yolo_elsewhere_still_asks_for_a_detector(world, tmp_path, capsys):
+    """Not a toy world (a CSV of the same images): nothing is trained; the error says what to pass."""
+    from extract.pipeline import main
+
+    scene = _scenes(world, "val")[0]
+    table = tmp_path / "pairs.csv"
+    table.write_text(f"filepath,title\n{world / scene['file_name']},a red circle\n")
+    assert main(["--data", str(table), "--out", str(tmp_path / "cache"), "--boxes", "yolo",
+                 "--components", "entities", "--base", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--detector WEIGHTS.pt" in err[0] and not (tmp_path / "runs").exists()

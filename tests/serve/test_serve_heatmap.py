@@ -8,12 +8,13 @@ a tiny model pre-trained briefly the maps localise the objects their phrases nam
 """
 from __future__ import annotations
 
+import html
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from adapters.scoring import BackboneScorer
 
@@ -291,3 +292,58 @@ def test_maps_localise_on_a_model_where_it_holds(brief_filip):
     assert trained["specificity"]["rate"] >= 0.75 and trained["specificity"]["ci95"][0] > 0.6
     assert random_["specificity"]["rate"] < 0.6 and control["specificity"]["rate"] == pytest.approx(0.5, abs=0.02)
 
+
+
+def test_a_relations_explanation_says_who_owns_the_overlap_of_its_two_boxes(tmp_path_factory, tmp_path):
+    """The grounded head's explanation of "a red square in front of a blue square", live on drawn pictures whose
+    boxes the scorer is given (the pixels' overlap evidence computed by extraction, as for any served image): red
+    drawn over blue, the explanation and the page's words say the overlap's pixels are the red square's; the same
+    boxes drawn the other way, the blue square's; the squares apart, that the boxes do not overlap. The region is
+    on both phrases' maps and hatched in the picture the page shows."""
+    from fixtures.toy import toy_root, trained_grounded
+    from extract.data.sceneparts import COLOURS
+    from serve.app import explanation_text
+    from serve.heatmap_render import render
+    from serve.service import Heatmaps
+
+    red, blue = [10, 10, 38, 38], [26, 24, 54, 52]
+    scenes = {"red-over-blue.png": (red, blue, "red"), "blue-over-red.png": (red, blue, "blue"),
+              "apart.png": ([4, 18, 26, 40], [38, 18, 60, 40], "red")}
+    annotations = {}
+    for name, (r, b, last) in scenes.items():
+        image = Image.new("RGB", (64, 64), (0, 0, 0))
+        pen = ImageDraw.Draw(image)
+        for colour in (("blue", "red") if last == "red" else ("red", "blue")):
+            x0, y0, x1, y1 = r if colour == "red" else b
+            pen.rectangle([x0, y0, x1 - 1, y1 - 1], fill=COLOURS[colour])
+        image.save(tmp_path / name)
+        annotations[name] = {"file_name": name, "objects": [
+            {"x": x0, "y": y0, "w": x1 - x0, "h": y1 - y0, "names": [f"{colour} square"]}
+            for colour, (x0, y0, x1, y1) in (("red", r), ("blue", b))]}
+    root = toy_root(tmp_path_factory)
+    mapper = hm.Heatmapper(load_scorer(str(trained_grounded(root)), annotations=annotations))
+    text = "a red square in front of a blue square"
+    said = {}
+    for name in scenes:
+        path = str(tmp_path / name)
+        maps, ex = mapper.explained_maps(path, text, method="raw")
+        [evidence] = ex.overlaps
+        assert (evidence.subject, evidence.object) == ("red square", "blue square")
+        assert (maps[0].box, maps[1].box) == (evidence.subject_box, evidence.object_box)  # the pair it grounded
+        said[name] = (evidence, explanation_text(Heatmaps(None, [], maps, ex, "raw")), maps)
+    over, words, maps = said["red-over-blue.png"]
+    assert over.region == (26.0, 24.0, 38.0, 38.0) and over.owner == "subject" and over.agree >= 2
+    assert "overlap at (26, 24, 38, 38); its pixels belong to the red square (in front" in words
+    assert [m.overlaps for m in maps] == [[(over.region, over.label)]] * 2  # on both phrases' maps
+    picture, annotations = render(Image.open(tmp_path / "red-over-blue.png").convert("RGB"), maps)
+    [hatch] = [mask for mask, label in annotations if label == "overlap of red square and blue square: the red "
+                                                                "square's pixels"]
+    assert 0 < hatch.mean() < 0.02 and hatch.max() == 1.0
+    under, words, _ = said["blue-over-red.png"]
+    assert under.region == over.region and under.owner == "object"
+    assert "its pixels belong to the blue square (in front" in words and "belong to the red square" not in words
+    apart, words, maps = said["apart.png"]
+    assert apart.region is None and apart.owner is None and all(m.overlaps == [] for m in maps)
+    assert apart.sentence() == "the red square's box (4, 18, 26, 40) and the blue square's box (38, 18, 60, 40) do " \
+                               "not overlap"
+    assert html.escape(apart.sentence()) in words  # the page's Markdown, escaped

@@ -65,3 +65,25 @@ def test_render_shows_the_scene_a_scale_and_outlines_only():
         (24 * 5, 8 * 5, 40 * 5, 16 * 5)  # the box, scaled with its panel
     bar = pixels[TOP + TITLE + ph + 6 + 5, left:left + pw].astype(float)
     assert np.abs(bar[[0, -1]] - INFERNO[[0, -1]]).max() <= 1.0  # the scale runs low (left) to peak (right)
+
+
+def test_an_overlap_region_is_hatched_in_the_panels_of_both_its_phrases_under_one_legend_entry():
+    scene = Image.new("RGB", (64, 64))
+    region, label = (26.0, 24.0, 38.0, 38.0), "overlap of red square and blue square: the red square's pixels"
+    maps = [PhraseMap("a red square", (0, 12), np.zeros((64, 64), np.float32), overlaps=[(region, label)]),
+            PhraseMap("a blue square", (29, 42), np.zeros((64, 64), np.float32), overlaps=[(region, label)]),
+            PhraseMap("a green star", (47, 59), np.zeros((64, 64), np.float32))]
+    picture, annotations = render(scene, maps)
+    [hatch] = [mask for mask, name in annotations if name == label]  # one entry for the region in both panels
+    pw, ph = panel_size(scene.size)
+    cell = max(pw, 180)
+    for k in range(3):
+        left, top = GAP + k * (cell + GAP) + (cell - pw) // 2, TOP + TITLE
+        inside = hatch[top + 24 * 4:top + 38 * 4, left + 26 * 4:left + 38 * 4]
+        outside = hatch[top:top + ph, left:left + pw].sum() - inside.sum()
+        if k < 2:  # outlined, and filled with thin diagonals: the picture shows between them
+            assert inside[0].all() and inside[-1].all() and inside[:, 0].all() and inside[:, -1].all()
+            assert 0.2 < inside[1:-1, 1:-1].mean() < 0.35 and outside == 0
+        else:
+            assert hatch[top:top + ph, left:left + pw].sum() == 0  # the third phrase is in no relation
+    assert np.array_equal(np.asarray(picture)[TOP + TITLE:TOP + TITLE + ph, GAP:GAP + pw].max(), 0)  # nothing burnt in

@@ -34,7 +34,7 @@ def test_the_cooldown_starts_after_patience_evaluations_without_a_gain_and_lasts
     assert (rule.cooldown_start, rule.cooldown_steps, rule.end_epoch) == (80, 20, 10)
     assert "not improved by 0.5 in 2 evaluations (40 steps; best 70.00 at step 40, epoch 4)" in rule.reason
     assert [rule.lr_factor(s) for s in (80, 90, 100)] == [1.0, 0.5, 0.0]
-    assert rule.due(10) and rule.due(9) is False  # the last epoch is always evaluated, whatever the interval
+    assert rule.due(10) and rule.due(9) is False  # epoch 10 is the last and on the interval (off it: the next test)
     rule.update(9, 90, None)
     assert not rule.done
     lines = rule.update(10, 100, 70.2)
@@ -48,6 +48,25 @@ def test_the_cooldown_starts_after_patience_evaluations_without_a_gain_and_lasts
     again = _rule()
     again.load(json.loads(json.dumps(rule.state())))
     assert again.state() == rule.state()
+
+
+def test_the_last_epoch_is_evaluated_where_it_falls_between_two_evaluations_on_the_interval():
+    """5 steps an epoch: evaluations every 4 epochs. The cool-down decided at epoch 12 lasts a fifth of 12 epochs,
+    rounded up to 3, so the run ends after epoch 15, not a multiple of 4: the rule evaluates it all the same (the
+    weights the run ends with are scored, and the stop is said after that score), and no epoch between."""
+    rule = _rule(steps_per_epoch=5)
+    assert rule.eval_every == 4
+    evaluated = []
+    for epoch in range(1, 100):
+        if rule.due(epoch):
+            evaluated.append(epoch)
+        lines = rule.update(epoch, epoch * 5, 60.0 if rule.due(epoch) else None)
+        if rule.done:
+            break
+    assert (rule.cooldown_start, rule.end_epoch, epoch) == (60, 15, 15)
+    assert evaluated == [s[0] for s in rule.scores] == [4, 8, 12, 15]
+    assert lines[0].startswith("held-out score 60.00") and "stopped after epoch 15 (step 75)" in lines[-1]
+    assert [rule.due(e) for e in (13, 14, 15, 16)] == [False, False, True, True]
 
 
 def test_a_gain_resets_the_patience_and_max_epochs_starts_the_cooldown_in_time():

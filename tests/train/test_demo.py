@@ -15,7 +15,8 @@ from train.demo import DEFAULT_BASES, bases_of, binding_score, main, parse_args
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--n", "80", "--workers", "0", "--pretrain-epochs", "1", "--pretrain-batch-size", "16", "--epochs", "1",
          "--batch-size", "32", "--hard-n", "0"]
-HARD = ["--hard-n", "40"]  # the end-to-end run's hard world: 2 sets per controlled test
+# the end-to-end run's hard world: 3 sets per controlled test, its head trained for one epoch
+HARD = ["--hard-n", "60", "--hard-epochs", "1", "--hard-batch-size", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -32,76 +33,96 @@ def logged_demo(tmp_path_factory):
 
 @pytest.mark.slow
 def test_demo_end_to_end(logged_demo, capsys):
-    """The default: every adapter on both shipped bases (CLIP, CLIP + hard negatives), a toy world holding out what
-    the bases never saw, the binding table, the bases compared, and the best adapter of all served."""
+    """The default: every adapter on the shipped NegCLIP-style base, a toy world holding out what the base never saw,
+    its binding table and its full table; then a hard world, the grounded head trained on it, its table beside the
+    frozen hard bases and the floor, and that head served. With two bases and no hard world (--hard-n 0) the bases
+    are compared and the adapter that binds best on the version-2 world's validation split over both is served."""
     out, printed = logged_demo
     argv = ["--out", str(out), *SMALL]
-    assert "[8/8]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
+    assert DEFAULT_BASES == ("toy-negclip",)
+    assert "[7/7]" in printed and printed.count("binding: frozen base vs base + adapter") == 1
     report = json.loads((out / "demo_report.json").read_text())
-    # nothing is pre-trained: the bases come with weights
-    assert report["pretrained"] == {"toy-clip": None, "toy-negclip": None} and not (out / "base").exists()
-    held = trained_holdout("toy-clip")
-    assert len(held) == 4 and report["holdout"] == held == trained_holdout("toy-negclip")
+    # nothing is pre-trained: the base comes with weights
+    assert report["pretrained"] == {"toy-negclip": None} and not (out / "base").exists()
+    held = trained_holdout("toy-negclip")
+    assert len(held) == 4 and report["holdout"] == held
     assert json.loads((out / "toyworld" / "meta.json").read_text())["holdout"] == held
-    # one full table per base: the frozen base, its text-only floor, then every registered adapter
-    columns = {base: [base, f"text only ({base})", *(f"{base} + {m}" for m in ADAPTERS.names())]
-               for base in DEFAULT_BASES}
-    for base in DEFAULT_BASES:
-        results = json.loads((out / "adapters" / base / "results.json").read_text())
-        assert list(results["results"]) == columns[base]
+    # one full table: the frozen base, its text-only floor, then every registered adapter, printed whole
+    columns = ["toy-negclip", "text only (toy-negclip)", *(f"toy-negclip + {m}" for m in ADAPTERS.names())]
+    results = json.loads((out / "adapters" / "results.json").read_text())
+    assert list(results["results"]) == columns
+    assert printed.count("frozen base vs base + adapter, every figure") == 1
     lines = report["markdown"].splitlines()
     assert all(h in lines[0] for h in ("swap-att", "same-shape swap-att", "swap-obj", "replace-rel", "4-way: caption",
                                        "4-way: image", "4-way: group"))
     heldout = report["markdown_heldout"].splitlines()
     assert all(h in heldout[0] for h in ("held-out swap-att", "held-out 4-way: caption", "T2I R@1", "I2T mAP"))
     rows = [line.split(" | ")[0][2:] for line in lines[2:]]
-    assert rows == [name for base in DEFAULT_BASES for name in columns[base]] + ["toy-negclip − toy-clip (frozen)"]
-    assert rows == [line.split(" | ")[0][2:] for line in heldout[2:]]
+    assert rows == columns and rows == [line.split(" | ")[0][2:] for line in heldout[2:]]
+    assert report["bases_compared"] is None
     assert printed.count(report["markdown"]) == 1 and printed.count(report["markdown_heldout"]) == 1
     assert (out / "binding.md").read_text().strip() == report["markdown"] + "\n\n" + report["markdown_heldout"]
-    # the bases' own comparison: the same frozen figures as each base's column in its table
-    versus = report["bases_compared"]["metrics"]
-    first = json.loads((out / "adapters" / "toy-clip" / "results.json").read_text())["table"]["metrics"]["toy-clip"]
-    assert versus["toy-clip"]["toyworld swap-att"]["mean"] == pytest.approx(first["toyworld swap-att"]["mean"])
-    # it ends serving the adapter that binds best on the validation split over both bases: an index of the test split
-    # and one query whose hits carry both stages' ranks and scores, and the printed table is the one `serve.query`
-    # prints
+    assert json.loads((out / "config.json").read_text())["n"] == 80
+    # support and depth: a hard world, the grounded head trained on it on the first hard base with the world's own
+    # boxes, and both controlled tests for the frozen hard bases, the text-only floor and the head, printed once; the
+    # text alone cannot choose a caption (the four images' scores tie)
+    hard = report["hard_world"]
+    world = Path(hard["world"])
+    assert json.loads((world / "meta.json").read_text())["hard"] is True
+    head = json.loads((Path(hard["head"]["checkpoint"]).parent / "summary.json").read_text())
+    assert head["data"] == str(world) and hard["head"]["steps"] == head["steps"] > 0
+    assert json.loads(Path(hard["head"]["checkpoint"]).with_suffix(".json").read_text())["base"]["base"] == \
+        "toy-clip-hard"
+    names = [r["model"] for r in hard["rows"]]
+    assert names == ["toy-clip-hard", "text only (toy-clip-hard)", "toy-negclip-hard", "toy-clip-hard + grounded"]
+    for row in hard["rows"]:
+        for test in ("toyworld-controlled-A", "toyworld-controlled-B"):
+            assert row[test]["sets"] == 3 and all(0 <= row[test][k] <= 100 for k in ("text", "image", "group"))
+        if row["model"] != names[1]:
+            assert all(0 <= row["pairs"][t] <= 100 for t in ("swap-obj", "replace-rel"))
+    floor = next(r for r in hard["rows"] if r["model"].startswith("text only"))
+    assert floor["toyworld-controlled-A"]["text"] == floor["toyworld-controlled-B"]["text"] == 25.0
+    assert printed.count(hard["markdown"]) == 1
+    assert printed.index(report["markdown"]) < printed.index(hard["markdown"])  # the hard world last, then serving
+    # it serves that head: an index of the hard world's test split and one depth query whose hits carry both stages'
+    # ranks and scores, and the printed table is the one `serve.query` prints
     served = report["served"]
-    val = {(b, m): (binding_score(r["val"]), r["val"]["retrieval T2I R@1"]) for b, res in report["adapters"].items()
-           for m, r in res["methods"].items()}
-    assert val[(served["base"], served["method"])] == max(val.values())
-    assert f"the best binding on the validation split (mean of swap-att, swap-obj, replace-rel: " \
-           f"{val[(served['base'], served['method'])][0]:.1f})" in printed
+    assert (served["base"], served["method"], served["checkpoint"]) == ("toy-clip-hard", "grounded",
+                                                                        hard["head"]["checkpoint"])
     from serve.search import Searcher
 
     searcher = Searcher.open(out / "index")
-    assert searcher.has_second_stage and searcher.num_images == served["images"] == 8  # the test split of 80 scenes
+    assert searcher.has_second_stage and searcher.num_images == served["images"] == 6  # the test split of 60 scenes
+    assert all(str(world) in h["path"] for h in served["hits"]["hits"])
     again = searcher.search_text(served["query"], k=5, rerank=50)
     assert [h["row"] for h in served["hits"]["hits"]] == [h.row for h in again]
     assert [h.rerank_score for h in again] == sorted((h.rerank_score for h in again), reverse=True)
     assert printed.count(served["table"]) == 1 and "stage-1 rank" in served["table"]
+    assert printed.index(hard["markdown"]) < printed.index(served["table"])
     # the caption probe's graded swaps, printed: one the served model gets right, one it gets wrong
     assert served["probes"] and all(f'"{p["positive"]}" (true) vs "{p["negative"]}"' in printed
                                     for p in served["probes"])
     assert {p["verdict"].rsplit(" ", 1)[1] for p in served["probes"]} <= {"right", "wrong"}
-    assert json.loads((out / "config.json").read_text())["n"] == 80
-    # it ends with support and depth: both controlled tests of a small hard world for the bases, the text-only floor
-    # and the served adapter, printed once; the text alone cannot choose a caption (the four images' scores tie)
-    hard = report["hard_world"]
-    assert json.loads((Path(hard["world"]) / "meta.json").read_text())["hard"] is True
-    names = [r["model"] for r in hard["rows"]]
-    assert names[:1] == ["toy-clip"] and "toy-negclip" in names and "text only (toy-clip)" in names
-    assert any(served["method"] in name for name in names) and len(names) == 4
-    for row in hard["rows"]:
-        for test in ("toyworld-controlled-A", "toyworld-controlled-B"):
-            assert row[test]["sets"] == 2 and all(0 <= row[test][k] <= 100 for k in ("text", "image", "group"))
-    floor = next(r for r in hard["rows"] if r["model"].startswith("text only"))
-    assert floor["toyworld-controlled-A"]["text"] == floor["toyworld-controlled-B"]["text"] == 25.0
-    assert printed.count(hard["markdown"]) == 1
-    # a second run reuses the toy world (one base and one adapter are enough to see it)
-    assert main(argv + ["--base", DEFAULT_BASES[0], "--methods", ADAPTERS.names()[0]]) == 0
+    # a second run reuses the toy world; with both shipped bases (two adapters are enough) it compares the frozen bases
+    # and, without a hard world, serves the adapter that binds best on the version-2 world's validation split over
+    # both, an index of its test split
+    assert main(argv + ["--base", "toy-clip,toy-negclip", "--methods", "comalign,grounded"]) == 0
     printed = capsys.readouterr().out
-    assert "reused" in printed.split("[2/5]")[1].split("[3/5]")[0]  # one base: no comparison, no 7 steps
+    assert "reused" in printed.split("[2/7]")[1].split("[3/7]")[0]  # two bases, no hard world: 7 steps
+    report = json.loads((out / "demo_report.json").read_text())
+    rows = [line.split(" | ")[0][2:] for line in report["markdown"].splitlines()[2:]]
+    assert rows[-1] == "toy-negclip − toy-clip (frozen)" and rows[0] == "toy-clip" and len(rows) == 9
+    # the bases' own comparison: the same frozen figures as each base's column in its table
+    versus = report["bases_compared"]["metrics"]
+    first = json.loads((out / "adapters" / "toy-clip" / "results.json").read_text())["table"]["metrics"]["toy-clip"]
+    assert versus["toy-clip"]["toyworld swap-att"]["mean"] == pytest.approx(first["toyworld swap-att"]["mean"])
+    served = report["served"]
+    val = {(b, m): (binding_score(r["val"]), r["val"]["retrieval T2I R@1"]) for b, res in report["adapters"].items()
+           for m, r in res["methods"].items()}
+    assert report["hard_world"] is None and val[(served["base"], served["method"])] == max(val.values())
+    assert f"the best binding on the validation split (mean of swap-att, swap-obj, replace-rel: " \
+           f"{val[(served['base'], served['method'])][0]:.1f})" in printed
+    assert Searcher.open(out / "index").num_images == 8  # the version-2 world's test split of 80 scenes
 
 
 @pytest.mark.slow
@@ -155,7 +176,7 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     long-caption world the second table (base, frozen SmartCLIP, --unfreeze with 248 tokens, trained on short
     captions); both tables printed once. PowerCLIP: its frozen head's control (CLIP loss only), and the fine-tune of
     the backbone against the same fine-tune without the powerset loss, with paired intervals, on the toy world only
-    (on a hard world it shows no effect: train/README)."""
+    (on a hard world it shows no effect: train/adapter/powerclip.md)."""
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
                  "comalign,smartclip,powerclip", "--hard-pretrain-n", "40",

@@ -35,7 +35,8 @@ What it does, in order:
    many epochs of warm-up + cosine (or ``--schedule``).
 5. Fits the head's inference-only parameters on the held-out split (``fit_inference``: ComAlign's fusion
    weights, eq. 10-11), saves ``RUN/adapter.safetensors`` (+ ``.json``), a self-describing checkpoint that
-   ``python -m train.eval --model RUN/adapter.safetensors`` and serving rebuild from the file alone, and
+   ``python -m train.eval --model RUN/adapter.safetensors`` and serving rebuild from the file alone (trained on
+   detected boxes, the run folder also carries the detector, ``RUN/detector.pt``, named with its SHA-256), and
    writes the test-split table of the frozen base vs base + adapter (``RUN/eval/results.{json,md,png}``).
 
 Gradient accumulation (``--accum-steps K``): the gradient of the whole batch over K micro-batches
@@ -70,7 +71,7 @@ import numpy as np
 import torch
 
 from adapters.heads.base import to_tensors
-from adapters.checkpoint import save_adapter, save_backbone_weights
+from adapters.checkpoint import save_adapter, save_backbone_weights, save_detector
 from adapters.registry import ADAPTERS
 from extract.components.hard_negatives import parse_types
 from extract.common.cli import progress, run_job, say
@@ -172,8 +173,11 @@ def _cached_data(opts: AdapterOptions, env: Env) -> TrainData:
     device, workers = str(env.backbone.device), _workers(opts)
     world = Path(opts.data) if opts.data and is_toyworld(opts.data) else None
 
-    def cache_for(data, split=None):
-        return obtain_cache(extraction_options(opts, data, split, device=device, workers=workers), env.backbone)
+    def cache_for(data, split=None, detector=None):
+        options = extraction_options(opts, data, split, device=device, workers=workers)
+        if detector:  # the training cache's: a held-out toy world would otherwise detect with its own toy detector
+            options.detector = detector
+        return obtain_cache(options, env.backbone)
 
     if opts.cache:
         from extract.cache import FeatureCache
@@ -193,7 +197,8 @@ def _cached_data(opts: AdapterOptions, env: Env) -> TrainData:
 
     if opts.val_data or world is not None:
         spec = opts.val_data or world
-        val = heldout_split(cache_for(spec, "val" if is_toyworld(spec) else None), name="val")
+        val = heldout_split(cache_for(spec, "val" if is_toyworld(spec) else None, extraction.get("detector")),
+                            name="val")
         train_rows = np.arange(cache.num_captions)
     else:
         train_images, val_images = split_images(cache.num_images, opts.val_fraction, opts.seed)
@@ -456,10 +461,12 @@ def finish(run: Run, summary: dict) -> dict:
             data.live.report.to_json(out / "data_report.json")
             env.warn(f"warning: skipped while training: {data.live.report.summary()} (listed in "
                      f"{out / 'data_report.json'})")
+    # the detector of detected training boxes travels with the run (RUN/detector.pt), named with its SHA-256
+    carried = save_detector(out, data.extraction)
     adapter_path = save_adapter(out / "adapter.safetensors", head, {
         "base": env.base_info, "extraction": data.extraction, "args": options_json(opts), "epoch": run.state.epoch,
         "step": run.state.step, "metrics": {"val": final_val}, "inference": fitted, "history": run.state.history,
-        **tuned})
+        **tuned, **carried})
     env.say(f"checkpoint: {adapter_path} (held-out after fitting: {_summary_line(final_val)})")
     summary.update(adapter=str(adapter_path), val=final_val, inference=fitted)
     if model.plateau is not None:

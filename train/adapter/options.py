@@ -227,7 +227,7 @@ def _add_head_group(p: argparse.ArgumentParser, head_cls: type[AdapterHead]) -> 
 def _method_and_config(argv: Sequence[str] | None) -> tuple[str | None, dict | None]:
     """``--method`` (from the command line, else from ``--config``'s file) and that file's values, read once: the
     method decides the parser (its head's flags), which then parses everything with the same values."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # else extract's --conf reads as --config
     pre.add_argument("--method")
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)

@@ -525,10 +525,14 @@ def evaluate(opts: EvaluateOptions) -> dict:
     floor_name = None
     for k, (model, pretrained) in enumerate(zip(opts.model, opts.pretrained)):
         started = time.perf_counter()
+        # --annotations is a box source chosen for every adapter (it replaces a detector one was trained with);
+        # --data's own boxes serve only adapters trained on ground-truth boxes
         scorer = load_scorer(model, pretrained, device=device, detector=opts.detector,
                              annotations=opts.annotations or (opts.data if opts.data else None),
-                             max_missing_boxes=opts.max_missing_boxes)
+                             max_missing_boxes=opts.max_missing_boxes, use_annotations=bool(opts.annotations))
         res: dict = {}
+        if scorer.boxes_used:  # which boxes these figures were measured with
+            res["boxes"] = scorer.boxes_used
         queries = PerQuery()
         if "retrieval" in tasks and opts.cache:  # the cached arrays, not the data decoded and encoded again
             res["retrieval"] = run_retrieval_cached(scorer, tasks["retrieval"], scenes=tasks.get("scenes"),

@@ -29,10 +29,9 @@ import torch
 from extract.common.cli import Parser, option, parse_options, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int
+from extract.components.overlap import RULES
 
 PROG = "python -m train.eval.overlap_probe"
-#: the overlap features' rules, each a difference whose sign says "this one is in front" (overlap.py's columns)
-RULES = {"own colour seen in the overlap": 3, "own colour spans its box": 6, "bite out of the other's hull": 9}
 
 
 @dataclass
@@ -118,8 +117,8 @@ def probe(opts: OverlapProbeOptions) -> list[dict]:
             out[f"n {name}"] = len(d["label"])
         rows.append(out)
 
-    for name, column in RULES.items():
-        row("overlap", f"rule: {name}", lambda d, c=column: d["overlap"][:, c] > 0)
+    for rule in RULES:  # what each says is the overlap code's (extract.components.overlap.RULES)
+        row("overlap", f"rule: {rule.label}", lambda d, r=rule: r.difference(d["overlap"]) > 0)
     for source in ("boxes", "overlap"):
         mean, std = fit[source].mean(0), fit[source].std(0) + 1e-6
         x = torch.from_numpy((fit[source] - mean) / std)

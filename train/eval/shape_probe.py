@@ -14,7 +14,7 @@ initialisation, the floor):
 - text side: the mean cosine between the text embeddings of captions that differ in the shape word only ("a small
   red circle" / "a small red square") and in the colour word only. A text tower whose shape-only cosine nears 1
   has collapsed the shape words: hard negatives that replace a shape then look like their positive, and no
-  gradient asks the image tower for shape (the saddle a contrastive base can sit on; see the README's "Hard
+  gradient asks the image tower for shape (the saddle a contrastive base can sit on; see train/adapter/README's "Hard
   negatives"); and the same for relations: a relation caption against its converse ("to the left of" / "to the
   right of") and against its objects swapped;
 - position: whether the image side says which object is left. On two-object scenes (two colours), for each colour a

@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import textwrap
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -630,11 +631,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         hard = report.get("hard_world")
         if hard:
             head = hard["head"]
-            print(f"\nsupport and depth in clutter, which the version-2 world has not: a hard world ({opts.hard_n} "
-                  f"scenes), the grounded head trained on it on the frozen {HARD_BASES[0]} with the world's own boxes "
-                  f"({head['steps']} steps, {head['seconds']:.0f} s); What'sUp's Controlled-A / -B analogues "
-                  "(four-way caption and image choice, group: a set's four images and captions all right) and the "
-                  "test split's swap-obj / replace-rel (%); detected boxes: train/adapter/README, the hard world:")
+            print("\n" + textwrap.fill(
+                f"support and depth in clutter, which the version-2 world has not: a hard world ({opts.hard_n} "
+                f"scenes), the grounded head trained on it on the frozen {HARD_BASES[0]} with the world's own boxes "
+                f"({head['steps']} steps, {head['seconds']:.0f} s); What'sUp's Controlled-A / -B analogues "
+                "(four-way caption and image choice, group: a set's four images and captions all right) and the "
+                "test split's swap-obj / replace-rel (%); detected boxes: train/adapter/README, the hard world:", 116))
             print(hard["markdown"])
         if report.get("served"):
             served = report["served"]
@@ -642,9 +644,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n{which}, {served['base']} + {served['method']}, serving the test split "
                   f"({served['images']} images; first 50 re-ranked by its own score):")
             print(served["table"])
-            for p in served.get("probes") or ():
-                print(f"  {p['type']}, {p['verdict']}: image {p['image_id']}, \"{p['positive']}\" (true) vs "
-                      f"\"{p['negative']}\"")
+            for p in served.get("probes") or ():  # a hard world's captions run long: wrapped, one per line
+                print(f"  {p['type']}, {p['verdict']}: image {p['image_id']}")
+                for tag, text in (("true: ", p["positive"]), ("false:", p["negative"])):
+                    print(textwrap.fill(f'{tag} "{text}"', 116, initial_indent="    ", subsequent_indent="           "))
             print(f"search it yourself: python -m serve.query {served['index']} \"...\" --rerank 50; the app, with "
                   f"the caption probe and the heatmaps: python -m serve")
         say(f"done in {report['seconds']:.0f} s; reports in {opts.out}: demo_report.json, binding.md, "

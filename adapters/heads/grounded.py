@@ -34,8 +34,8 @@ Score of image i and caption t (all three terms are differentiable; nothing here
               instead of whatever other pair the softmax leaves weight on; and
               R(s, p, o) = log(eps + (1 - eps) P): with the floor eps (``relation_floor``) one failing triplet
               costs at most log(eps), so a box the detector got wrong cannot sink a caption without bound, and
-              w_R can grow where the relations are read well. R(i, t) = mean over the caption's triplets; a caption
-              without a relation gets 0, so it falls back to the other terms.
+              w_R can be large enough to decide where the relations are read well. R(i, t) = mean over the
+              caption's triplets; a caption without a relation gets 0, so it falls back to the other terms.
   total       S(i, t) = <base_i, base_t> + w_E E(i, t) + w_R R(i, t).
 
 Every learned part starts where it changes nothing it should not: A is zero (grounding = the base's cosine), w_E

@@ -469,7 +469,9 @@ def _hides_nothing(placed: list[dict], partner: int, size: int) -> bool:
     return not (mask_of(new["shape"], new["box"], size) & mask_of(other["shape"], other["box"], size)).any()
 
 
-def _captions(scene: dict, named: dict, rng: np.random.Generator) -> list[dict]:
+def scene_captions(scene: dict, named: dict, rng: np.random.Generator) -> list[dict]:
+    """A scene's captions: one per object, the named relation said from either side, a long one (every object,
+    one relation)."""
     objects = scene["objects"]
     structs = [("one-object", {"objects": [describe(o, True)], "relations": []}) for o in objects]
     s, p, o = named["subject"], named["predicate"], named["object"]
@@ -488,7 +490,9 @@ def render(struct: dict) -> str:
     return render_struct(struct, WORDS)
 
 
-def _acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
+def acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
+    """Whether ``struct`` may serve as a hard negative of ``scene``: no combination twice, none held out in train,
+    and false of the scene even by its lenient table."""
     named = combos(struct)
     if len(set(named)) < len(named):
         return False
@@ -500,15 +504,19 @@ def _acceptable(scene: dict, struct: dict, holdout: frozenset) -> bool:
 def negative_candidates(scene: dict, struct: dict, neg_type: str,
                         holdout: frozenset = frozenset()) -> list[tuple[dict, bool]]:
     """Every candidate of ``neg_type`` for ``struct`` with whether it is acceptable (as version 2's)."""
-    return [(c, _acceptable(scene, c, holdout)) for c in mutations(struct, neg_type, PREDICATES)]
+    return [(c, acceptable(scene, c, holdout)) for c in mutations(struct, neg_type, PREDICATES)]
 
 
-def _negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset) -> list[dict]:
+def scene_negatives(scene: dict, caption: dict, rng: np.random.Generator, holdout: frozenset,
+                    predicates: Sequence[str] = PREDICATES, colours: Iterable[str] = COLOURS,
+                    shapes: Sequence[str] = SHAPES) -> list[dict]:
+    """One acceptable hard negative of each type for ``caption`` (drawn in a random order), from a world's
+    predicates and vocabulary (default: this world's)."""
     out = []
     for neg_type in NEGATIVE_TYPES:
-        candidates = mutations(caption["struct"], neg_type, PREDICATES)
+        candidates = mutations(caption["struct"], neg_type, predicates, colours, shapes)
         for k in rng.permutation(len(candidates)):
-            if _acceptable(scene, candidates[k], holdout):
+            if acceptable(scene, candidates[k], holdout):
                 out.append({"type": neg_type, "text": render(candidates[k]), "struct": candidates[k]})
                 break
     return out
@@ -525,10 +533,10 @@ def build_scene(index: int, settings: HardSettings, out_dir: str | None) -> tupl
     scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split, "width": settings.size,
              "height": settings.size, "objects": objects, "relations": strict, "lenient": lenient,
              "named": named, "background": background(rng, settings.size)}
-    scene["captions"] = _captions(scene, named, rng)
+    scene["captions"] = scene_captions(scene, named, rng)
     items = []
     for caption in scene["captions"]:
-        negatives = _negatives(scene, caption, rng, settings.holdout)
+        negatives = scene_negatives(scene, caption, rng, settings.holdout)
         if negatives:
             items.append({"image_id": index, "caption_id": caption["id"], "split": split,
                           "positive": caption["text"], "negatives": negatives})
@@ -767,10 +775,11 @@ def is_hard(world: str | os.PathLike) -> bool:
         return False
 
 
-def format_summary(summary: dict) -> str:
-    """A short human-readable report of a :func:`generate` summary."""
+def format_summary(summary: dict, headline: str | None = None) -> str:
+    """A short human-readable report of a :func:`generate` summary (``headline``: another world's first line)."""
     counts = summary["counts"]
-    lines = [f"toyworld (hard): {summary['n']} scenes ({summary['size']}x{summary['size']} px, seed {summary['seed']},"
+    lines = [headline or
+             f"toyworld (hard): {summary['n']} scenes ({summary['size']}x{summary['size']} px, seed {summary['seed']},"
              f" {counts['objects']} objects, {counts['partly_hidden_objects']} partly hidden) -> {summary['out']} in "
              f"{summary['seconds']:.1f} s with {summary['workers']} worker(s)",
              f"  {'split':<6}{'images':>8}{'captions':>10}{'negatives':>11}{'held-out objs':>15}"]

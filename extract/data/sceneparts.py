@@ -58,23 +58,25 @@ _UNIT_POLYGONS["star"] = _unit_star()
 # --------------------------------------------------------------------------- options
 
 
-def parse_holdout(spec: str | Iterable) -> frozenset:
-    """Parse ``"red circle,blue square"`` (or an iterable of such strings / (colour, shape) pairs).
+def parse_holdout(spec: str | Iterable, colours: Iterable[str] = COLOURS, shapes: Sequence[str] = SHAPES) -> frozenset:
+    """Parse ``"red circle,blue square"`` (or an iterable of such strings / (colour, shape) pairs) against a world's
+    vocabulary (default: the drawn worlds').
 
     Returns a frozenset of (colour, shape). Raises ValueError naming the vocabulary on a bad entry.
     """
+    colours = tuple(colours)
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     combos = set()
     for item in items:
         words = item.split() if isinstance(item, str) else list(item)
         if not words:
             continue
-        if len(words) != 2 or words[0].lower() not in COLOURS or words[1].lower() not in SHAPES:
+        if len(words) != 2 or words[0].lower() not in colours or words[1].lower() not in shapes:
             raise ValueError(
                 f"invalid holdout combination {item!r}: expected '<colour> <shape>' with colour in "
-                f"{', '.join(COLOURS)} and shape in {', '.join(SHAPES)}")
+                f"{', '.join(colours)} and shape in {', '.join(shapes)}")
         combos.add((words[0].lower(), words[1].lower()))
-    if len(combos) == len(COLOURS) * len(SHAPES):
+    if len(combos) == len(colours) * len(shapes):
         raise ValueError("holdout names every (colour, shape) combination: nothing left for train")
     return frozenset(combos)
 
@@ -113,7 +115,8 @@ def is_toyworld(path: str | os.PathLike | None) -> bool:
 def heldout_of(world: str | os.PathLike) -> frozenset:
     """The (colour, shape) combinations a generated toy world held out of its train split (``meta.json``)."""
     meta = json.loads((Path(world) / "meta.json").read_text())
-    return parse_holdout(meta.get("holdout", []))
+    vocabulary = meta.get("vocabulary") or {}  # a world of its own vocabulary (the 3D world's) names it
+    return parse_holdout(meta.get("holdout", []), vocabulary.get("colours", COLOURS), vocabulary.get("shapes", SHAPES))
 
 
 # --------------------------------------------------------------------------- caption text
@@ -172,25 +175,25 @@ def with_changes(struct: dict, obj_index: int | None = None, relation_index: int
     return {**struct, "objects": objects, "relations": relations}
 
 
-def _replace_att(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _replace_att(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     out = []
     for i, obj in enumerate(struct["objects"]):
-        out += [with_changes(struct, i, colour=c) for c in COLOURS if c != obj["colour"]]
+        out += [with_changes(struct, i, colour=c) for c in colours if c != obj["colour"]]
         out += [with_changes(struct, i, size=s) for s in SIZE_NAMES if "size" in obj and s != obj["size"]]
     return out
 
 
-def _replace_obj(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _replace_obj(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     return [with_changes(struct, i, shape=s)
-            for i, obj in enumerate(struct["objects"]) for s in SHAPES if s != obj["shape"]]
+            for i, obj in enumerate(struct["objects"]) for s in shapes if s != obj["shape"]]
 
 
-def _replace_rel(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _replace_rel(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     return [with_changes(struct, relation_index=r, relation=[i, q, j])
             for r, (i, p, j) in enumerate(struct["relations"]) for q in predicates if q != p]
 
 
-def _swap_att(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _swap_att(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     out = []
     objects = struct["objects"]
     for i, j in itertools.combinations(range(len(objects)), 2):
@@ -202,28 +205,30 @@ def _swap_att(struct: dict, predicates: Sequence[str]) -> list[dict]:
     return out
 
 
-def _swap_obj(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _swap_obj(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     return [with_changes(struct, relation_index=r, relation=[j, p, i])
             for r, (i, p, j) in enumerate(struct["relations"])]
 
 
-def _add_obj(struct: dict, predicates: Sequence[str]) -> list[dict]:
+def _add_obj(struct: dict, predicates: Sequence[str], colours=COLOURS, shapes=SHAPES) -> list[dict]:
     if "count" in struct:
         return []
     sizes = list(SIZE_NAMES) if "size" in struct["objects"][0] else [None]
     return [{**struct, "objects": struct["objects"] + [
                 {"colour": c, "shape": s} if z is None else {"size": z, "colour": c, "shape": s}]}
-            for c in COLOURS for s in SHAPES for z in sizes]
+            for c in colours for s in shapes for z in sizes]
 
 
 _MUTATORS = {"replace-att": _replace_att, "replace-obj": _replace_obj, "replace-rel": _replace_rel,
              "swap-att": _swap_att, "swap-obj": _swap_obj, "add-obj": _add_obj}
 
 
-def mutations(struct: dict, neg_type: str, predicates: Sequence[str]) -> list[dict]:
+def mutations(struct: dict, neg_type: str, predicates: Sequence[str], colours: Iterable[str] = COLOURS,
+              shapes: Sequence[str] = SHAPES) -> list[dict]:
     """Every candidate of hard-negative type ``neg_type`` (:data:`NEGATIVE_TYPES`) for caption ``struct``, in a
-    fixed order; ``predicates``: what a replace-rel candidate may say instead (the world's caption predicates)."""
-    return _MUTATORS[neg_type](struct, predicates)
+    fixed order; ``predicates``: what a replace-rel candidate may say instead (the world's caption predicates);
+    ``colours``, ``shapes``: the world's vocabulary (default: the drawn worlds')."""
+    return _MUTATORS[neg_type](struct, predicates, tuple(colours), tuple(shapes))
 
 
 def combos(struct: dict) -> list[tuple[str, str]]:

@@ -127,11 +127,12 @@ from extract.common.cli import Parser, from_namespace, option, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, parse_with_config, positive_int
 # the shared pieces (extract/data/sceneparts.py), also this module's public names as before
-from extract.data import hardworld
+from extract.data import hardworld, world3d_layout
 from extract.data.sceneparts import (COLOURS, COUNT_WORDS, NEGATIVE_TYPES, SHAPES, SPLITS, article, combos,
                                      count_files, describe, draw_shape, dump_json, heldout_of, is_toyworld,
                                      join_words, mutations, noun, parse_holdout, parse_splits, render_struct,
                                      split_of, write_split)
+from extract.data.world3d_layout import parse_holdout3d
 
 # the rules (extract/data/toyrules.py), also this module's public names as before
 from extract.data.toyrules import (BACKGROUND, CAPTION_PREDICATES, CAPTION_SLOTS, DIRECTION_MARGIN, GAP, LAYOUT_TRIES,
@@ -552,15 +553,24 @@ class ToyWorldOptions:
                              "front) or rest on one another, 2-8 objects with distractors, backgrounds that are not "
                              "black, captions with on / under / in front of / behind too, and What'sUp's Controlled-A "
                              "and -B analogues")
+    world: str = option("version2", choices=("version2", "hard", "3d"),
+                        help="which world: version2 (flat shapes on black, the default), hard (as --hard) or 3d "
+                             "(CLEVR's objects path-traced by Mitsuba 3, extract/data/world3d.py; the render3d "
+                             "extra)")
+    spp: int = option(32, type=positive_int, help="--world 3d: path-tracing samples a pixel")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
                                'what predicate words mean from captions; default: none)')
 
     def __post_init__(self):
+        if self.hard and self.world == "3d":
+            raise ValueError("--hard is --world hard: drop one of --hard and --world 3d")
+        self.hard = self.hard or self.world == "hard"
+        self.world = "hard" if self.hard else self.world
         if self.size is None:
-            self.size = hardworld.DEFAULT_SIZE if self.hard else 64
-        self.holdout = parse_holdout(self.holdout)
+            self.size = hardworld.DEFAULT_SIZE if self.world != "version2" else 64
+        self.holdout = parse_holdout3d(self.holdout) if self.world == "3d" else parse_holdout(self.holdout)
         self.splits = parse_splits(self.splits)
         self.phrases = parse_phrases(self.phrases)
 
@@ -585,14 +595,20 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
         opts = from_namespace(ToyWorldOptions, ns)
     except ValueError as err:
         parser.error(str(err))
-    if opts.hard and (opts.long_captions or opts.phrases):
-        parser.error("--hard has its own scenes and predicate words: drop --long-captions / --phrases")
+    if opts.world != "version2" and (opts.long_captions or opts.phrases):
+        which = "--hard" if opts.world == "hard" else "--world 3d"
+        parser.error(f"{which} has its own scenes and predicate words: drop --long-captions / --phrases")
     return opts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point: generate, print the summary; 0, or 2 with one ``error:`` line."""
     def job(opts: ToyWorldOptions) -> None:
+        if opts.world == "3d":
+            print(world3d_layout.format_summary(world3d_layout.generate(
+                opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp, holdout=opts.holdout,
+                splits=opts.splits, workers=opts.workers)))
+            return
         if opts.hard:
             print(hardworld.format_summary(hardworld.generate(
                 opts.out, opts.n, opts.seed, size=opts.size, holdout=opts.holdout,

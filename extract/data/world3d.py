@@ -13,8 +13,8 @@ What a scene gives, each from the 3D scene or the renderer, never from a caption
   at each pixel centre's jitter, seeded like the image), from which each object's visible mask and box follow; the
   same pass with the object alone gives the pixels it would cover unhidden, so its hidden share is counted, not
   guessed (:func:`visibility`);
-- **relations in the camera's frame** (:func:`relations`): "on" / "under" from what rests on what; "to the left of"
-  / "to the right of" from the two centres' offset along the camera's right axis; "in front of" / "behind" from
+- **relations in the camera's frame** (:func:`relations`): "on" / "under" from what rests on what; "left of" /
+  "right of" from the two centres' offset along the camera's right axis; "in front of" / "behind" from
   their offset along its viewing direction (nearer is in front). A pair whose offset is neither clearly sideways nor
   clearly in depth gets no relation: a caption never says what the scene leaves ambiguous.
 
@@ -40,6 +40,7 @@ SHAPES = ("cube", "sphere", "cylinder")
 SIZES = {"small": 0.35, "large": 0.7}
 MATERIALS = ("rubber", "metal")
 FLAT_TOPS = ("cube", "cylinder")  # what another object can rest on
+PREDICATES = ("left of", "right of", "on", "under", "in front of", "behind")  # said with hardworld.WORDS
 MAX_HIDDEN = 0.75  # a named object may be hidden up to three quarters of its pixels, as a rear object in a photograph
 ARENA = 3.0  # objects' centres on the floor lie in [-ARENA, ARENA]^2
 
@@ -162,7 +163,7 @@ def random_camera(rng: np.random.Generator) -> Camera:
     return Camera(tuple(round(v, 4) for v in origin), (0.0, 0.0, 0.4), 40.0)
 
 
-def _clear(obj: Object3D, placed: Sequence[Object3D], skip: int | None = None, gap: float = 0.15) -> bool:
+def clear_of(obj: Object3D, placed: Sequence[Object3D], skip: int | None = None, gap: float = 0.15) -> bool:
     """No overlap with any placed object but ``skip`` (the one it rests on): footprints apart by ``gap``, or one
     wholly above the other."""
     for k, other in enumerate(placed):
@@ -187,13 +188,13 @@ def place(rng: np.random.Generator, obj: Object3D, placed: list[Object3D], stack
         slack = max(base.half - obj.reach, 0.0) * 0.5  # rests well inside the top
         obj.x, obj.y = base.x + rng.uniform(-slack, slack), base.y + rng.uniform(-slack, slack)
         obj.z, obj.support = base.top, k
-        if _clear(obj, placed, skip=k):
+        if clear_of(obj, placed, skip=k):
             return True
         obj.support = None
     obj.z = 0.0
     for _ in range(tries):
         obj.x, obj.y = rng.uniform(-ARENA, ARENA), rng.uniform(-ARENA, ARENA)
-        if _clear(obj, placed):
+        if clear_of(obj, placed):
             return True
     return False
 
@@ -220,28 +221,31 @@ def random_scene(rng: np.random.Generator, count: int, *, seed: int = 0,
 
 
 # ------------------------------------------------------------------------------------------------- relations
-def relations(scene: Scene3D) -> list[tuple[int, str, int]]:
-    """Every (subject, predicate, object) the 3D scene makes true, in the camera's frame (module docstring)."""
+def relations(scene: Scene3D, lenient: bool = False) -> list[tuple[int, str, int]]:
+    """Every (subject, predicate, object) the 3D scene makes true, in the camera's frame (module docstring), with
+    the predicates of :data:`PREDICATES`. Strict: a stacked pair is on / under and nothing else, a pair beside a
+    stack gets no direction, and a direction needs an offset of at least the two footprints' radii, twice the other
+    axis's. ``lenient``: any direction the offsets lean to (a quarter of that, at most twice the other axis's), for
+    every pair: what a hard negative must not be even leniently (``hardworld.satisfies``)."""
     out = []
     objs = scene.objects
     cam = scene.camera.to_camera(np.stack([o.centre for o in objs])) if objs else np.zeros((0, 3))
+    reach, ratio = (0.25, 2.0) if lenient else (1.0, 0.5)
     for i, a in enumerate(objs):
         for j, b in enumerate(objs):
             if i == j:
                 continue
-            if a.support == j:
-                out.append((i, "on", j))
-                continue
-            if b.support == i:
-                out.append((i, "under", j))
-                continue
-            if a.support is not None or b.support is not None:
+            if a.support == j or b.support == i:
+                out.append((i, "on" if a.support == j else "under", j))
+                if not lenient:
+                    continue
+            elif not lenient and (a.support is not None or b.support is not None):
                 continue  # a stack beside something: its two levels say no more than the stack's base does
             side, depth = cam[i, 0] - cam[j, 0], cam[i, 2] - cam[j, 2]
-            apart = a.reach + b.reach
-            if abs(side) >= apart and abs(depth) <= 0.5 * abs(side):
-                out.append((i, "to the left of" if side < 0 else "to the right of", j))
-            elif abs(depth) >= apart and abs(side) <= 0.5 * abs(depth):
+            apart = reach * (a.reach + b.reach)
+            if abs(side) >= apart and abs(depth) <= ratio * abs(side):
+                out.append((i, "left of" if side < 0 else "right of", j))
+            if abs(depth) >= apart and abs(side) <= ratio * abs(depth):
                 out.append((i, "in front of" if depth < 0 else "behind", j))
     return out
 
@@ -333,17 +337,30 @@ def projected_box(scene: Scene3D, index: int, size: int = 96) -> list[float]:
     return [float(pts[:, 0].min()), float(pts[:, 1].min()), float(pts[:, 0].max()), float(pts[:, 1].max())]
 
 
+def scene_from_record(record: dict) -> Scene3D:
+    """The 3D scene of a saved record (its ``objects`` as :meth:`Object3D.to_dict` writes them and its ``camera``):
+    what a reader needs to judge a caption by the 3D rules again (the light is not kept: no rule reads it)."""
+    objects = [Object3D(o["colour"], o["shape"], o["size"], o["material"], *o["position"], angle=o["angle"],
+                        support=o["support"]) for o in record["objects"]]
+    cam = record["camera"]
+    return Scene3D(objects, Camera(tuple(cam["origin"]), tuple(cam["target"]), cam["fov"]), (0.0, 0.0, -1.0))
+
+
 # ------------------------------------------------------------------------------------------------- a world
-def build_scene(seed: int, index: int, size: int = 96, tries: int = 20) -> tuple[Scene3D, list[dict]]:
-    """Scene ``index`` of the world of ``seed``: 2-8 objects, redrawn (from the scene's own generator) until every
-    object lies inside the frame, shows, and is hidden by no more than :data:`MAX_HIDDEN`; (scene, its
-    :func:`visibility`)."""
+def build_scene(seed: int, index: int, size: int = 96, tries: int = 40,
+                allowed: Sequence[tuple[str, str]] | None = None,
+                need_relation: bool = False) -> tuple[Scene3D, list[dict]]:
+    """Scene ``index`` of the world of ``seed``: 2-8 objects (``allowed``: of these (colour, shape) only), redrawn
+    (from the scene's own generator) until every object lies inside the frame, shows, and is hidden by no more than
+    :data:`MAX_HIDDEN` (``need_relation``: and some pair is strictly related); (scene, its :func:`visibility`)."""
     rng = np.random.default_rng([seed, index])
     for _ in range(tries):
-        scene = random_scene(rng, int(rng.integers(2, 9)), seed=(seed * 1_000_003 + index) % 2**31)
+        scene = random_scene(rng, int(rng.integers(2, 9)), seed=(seed * 1_000_003 + index) % 2**31, allowed=allowed)
         framed = [projected_box(scene, k, size) for k in range(len(scene.objects))]
         if any(min(box) < 0 or max(box) > size for box in framed):
             continue  # cut by the frame: a photograph's subject is in it
+        if need_relation and not relations(scene):
+            continue
         vis = visibility(scene, size)
         if all(v["visible"] and v["hidden"] <= MAX_HIDDEN for v in vis):
             return scene, vis

@@ -1,0 +1,306 @@
+"""The 3D world on disk, in the toy worlds' layout (issue 69): captions, hard negatives, splits, zero-shot crops and
+What'sUp's Controlled-A / -B analogues, from :mod:`extract.data.world3d`'s path-traced scenes.
+
+Every reader of a toy world reads it (``annotations.json``, ``negatives.json``, ``{split}.csv``, ``{split}_coco.json``,
+``meta.json``, ``controlled_a.json``, ``controlled_b.json``, ``whatsup/``): each scene carries its own relation tables
+(``relations`` strict, ``lenient``), so a caption is judged by the 3D world's rules wherever the project asks whether
+it is true (``extract.data.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
+tests are the hard world's two), and names its vocabulary (CLEVR's).
+
+- **Captions** as the hard world's, in What'sUp's form: one per object ("a small red metal..." no: size, colour,
+  shape, as the other worlds), one relation said from either side ("a red cube on a blue cylinder" or "a blue
+  cylinder under a red cube"), and a long one listing every object with one relation. The named relation is drawn
+  predicate first, uniformly among those the scene holds, so the six predicates are as even as the scenes allow.
+- **Hard negatives** of every type from the world's own vocabulary, each false of the scene even by the lenient
+  table; in the train split none names a held-out combination, and no train image shows one.
+- **Controlled tests**: per set, two objects of one size (Controlled-A: both flat-topped, so either can carry the
+  other) in four arrangements under one camera and one light: on / under / left / right (A) and in front of /
+  behind / left / right (B), nearer meaning nearer the camera; a clutter pair of other colour-shapes beside them,
+  related the other way (side by side where the named pair is stacked or in depth, else stacked or in depth), so
+  neither how many things touch nor how many overlap tells the images apart. Each image holds its caption strictly
+  and none of the other three even leniently (tested).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from extract.data import hardworld
+from extract.data import world3d as w3
+from extract.data.hardworld import (CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, WHATSUP_DIR, WORDS, scene_captions,
+                                    scene_negatives, write_whatsup, zero_shot_crop)
+from extract.data.sceneparts import (NEGATIVE_TYPES, SPLITS, count_files, describe, dump_json, parse_holdout,
+                                     parse_splits, render_struct, split_of, write_split)
+
+VERSION = 1
+SETS_PER = 20  # one controlled set of each test per 20 scenes
+STACKED = {"A": ("on", "under"), "B": ("in front of", "behind")}  # the named pair's non-sideways arrangements
+
+
+@dataclass(frozen=True)
+class Settings3D:
+    n: int
+    seed: int
+    size: int = 96
+    spp: int = 32
+    holdout: frozenset = frozenset()
+    splits: tuple = (0.8, 0.1, 0.1)
+
+
+def parse_holdout3d(spec: str | Iterable) -> frozenset:
+    """``"red cube,blue sphere"`` against the 3D world's vocabulary (CLEVR's colours and shapes)."""
+    return parse_holdout(spec, w3.COLOURS, w3.SHAPES)
+
+
+def render(struct: dict) -> str:
+    return render_struct(struct, WORDS)
+
+
+# ------------------------------------------------------------------------------------------------- scenes
+def _object_records(scene: w3.Scene3D, vis: list[dict]) -> list[dict]:
+    return [{**obj.to_dict(), "box": v["box"], "visible": round(1 - v["hidden"], 3)}
+            for obj, v in zip(scene.objects, vis)]
+
+
+def _named(rng: np.random.Generator, strict: list) -> dict:
+    predicates = sorted({p for _, p, _ in strict}, key=w3.PREDICATES.index)
+    predicate = predicates[int(rng.integers(len(predicates)))]
+    pairs = [(i, j) for i, p, j in strict if p == predicate]
+    i, j = pairs[int(rng.integers(len(pairs)))]
+    return {"subject": i, "predicate": predicate, "object": j}
+
+
+def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[dict, list[dict]]:
+    """Scene ``index`` (and its negatives' items), rendered and saved under ``out_dir`` when given."""
+    from PIL import Image
+
+    split = split_of(index, settings.splits)
+    allowed = [(c, s) for c in w3.COLOURS for s in w3.SHAPES
+               if split != "train" or (c, s) not in settings.holdout]
+    scene3d, vis = w3.build_scene(settings.seed, index, settings.size, allowed=allowed, need_relation=True)
+    rng = np.random.default_rng([settings.seed, index, VERSION, 1])  # the words' own generator
+    objects = _object_records(scene3d, vis)
+    strict = [list(r) for r in w3.relations(scene3d)]
+    scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split, "width": settings.size,
+             "height": settings.size, "objects": objects, "relations": strict,
+             "lenient": [list(r) for r in w3.relations(scene3d, lenient=True)], "named": _named(rng, strict),
+             "camera": {"origin": list(scene3d.camera.origin), "target": list(scene3d.camera.target),
+                        "fov": scene3d.camera.fov}}
+    scene["captions"] = scene_captions(scene, scene["named"], rng)
+    items = []
+    for caption in scene["captions"]:
+        negatives = scene_negatives(scene, caption, rng, settings.holdout, w3.PREDICATES, w3.COLOURS, w3.SHAPES)
+        if negatives:
+            items.append({"image_id": index, "caption_id": caption["id"], "split": split,
+                          "positive": caption["text"], "negatives": negatives})
+    if split != "train":  # the zero-shot set of its objects (partly hidden ones included): each one's crop
+        for k, obj in enumerate(objects):
+            obj["crop"] = f"objects/{index:06d}-{k}.png"
+    if out_dir is not None:
+        image = Image.fromarray(w3.render(scene3d, settings.size, settings.spp))
+        image.save(os.path.join(out_dir, scene["file_name"]))
+        for obj in objects:
+            if "crop" in obj:
+                zero_shot_crop(image, obj["box"]).save(os.path.join(out_dir, obj["crop"]))
+    return scene, items
+
+
+# ------------------------------------------------------------------------------------------------- controlled tests
+def _floor_axes(camera: w3.Camera) -> tuple[np.ndarray, np.ndarray, float]:
+    """The camera's right and forward directions on the floor (unit, z = 0) and the cosine of its downward tilt."""
+    right, _, forward = camera.axes()
+    flat = np.array([forward[0], forward[1], 0.0])
+    return right * (1, 1, 0), flat / np.linalg.norm(flat), float(np.linalg.norm(flat))
+
+
+def _put(obj: w3.Object3D, at: np.ndarray, on: int | None = None, base: w3.Object3D | None = None) -> w3.Object3D:
+    return w3.Object3D(obj.colour, obj.shape, obj.size, obj.material, float(at[0]), float(at[1]),
+                       base.top if base is not None else 0.0, obj.angle, on)
+
+
+def _pair_at(pair: Sequence[w3.Object3D], predicate: str, centre: np.ndarray, right: np.ndarray,
+             forward: np.ndarray, tilt: float, lateral: float, first: int = 0) -> list[w3.Object3D]:
+    """The two objects (indices ``first``, ``first + 1`` in the scene) arranged so that "pair[0] predicate
+    pair[1]" holds, around ``centre`` on the floor."""
+    a, b = pair
+    if predicate in ("on", "under"):
+        top, bottom = (a, b) if predicate == "on" else (b, a)
+        low = _put(bottom, centre)
+        high = _put(top, centre, first + (1 if predicate == "on" else 0), low)
+        return [high, low] if predicate == "on" else [low, high]
+    reach = a.reach + b.reach
+    if predicate in ("left of", "right of"):
+        step = right * (0.6 * reach + 0.2) * (-1 if predicate == "left of" else 1)
+        return [_put(a, centre + step), _put(b, centre - step)]
+    step = forward * (0.65 * reach / tilt + 0.2) * (-1 if predicate == "in front of" else 1)
+    return [_put(a, centre + step + right * lateral), _put(b, centre - step)]
+
+
+def _controlled_set(index: int, settings: Settings3D, test: str, tries: int = 60) -> dict:
+    rng = np.random.default_rng([settings.seed, index, VERSION, ord(test)])
+    predicates = CONTROLLED_A if test == "A" else CONTROLLED_B
+    shapes = w3.FLAT_TOPS if test == "A" else w3.SHAPES
+    for _ in range(tries):
+        camera = w3.random_camera(rng)
+        right, forward, tilt = _floor_axes(camera)
+        size = str(rng.choice(list(w3.SIZES)))
+        colours = rng.choice(list(w3.COLOURS), size=4, replace=False)
+        pair = [w3.Object3D(str(colours[k]), str(rng.choice(shapes)), size, str(rng.choice(w3.MATERIALS)), 0, 0)
+                for k in (0, 1)]
+        clutter = [w3.Object3D(str(colours[k]), str(rng.choice(w3.FLAT_TOPS if k == 3 else w3.SHAPES)), "small",
+                               str(rng.choice(w3.MATERIALS)), 0, 0) for k in (2, 3)]
+        centre = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.4, 0.6), 0.0])
+        beside = centre + right * rng.choice([-1, 1]) * rng.uniform(2.4, 2.9) + forward * rng.uniform(-0.5, 0.5)
+        lateral = rng.uniform(-0.35, 0.35) * (pair[0].reach + pair[1].reach)
+        sun_az, sun_el = rng.uniform(0, 2 * math.pi), math.radians(rng.uniform(35, 70))
+        sun = (-math.cos(sun_el) * math.cos(sun_az), -math.cos(sun_el) * math.sin(sun_az), -math.sin(sun_el))
+        light = (float(rng.uniform(2.5, 3.5)), float(rng.uniform(0.25, 0.4)), float(rng.uniform(0.35, 0.55)))
+        seed = (settings.seed * 1_000_003 + 7 * index + ord(test)) % 2**31
+        scenes = []
+        for predicate in predicates:
+            named_stacked = predicate in STACKED[test]
+            clutter_predicate = "left of" if named_stacked else STACKED[test][0]
+            if clutter_predicate == "on":  # the carrier (clutter[1], flat-topped) under the other
+                placed_clutter = _pair_at([clutter[0], clutter[1]], "on", beside, right, forward, tilt, 0.0, 2)
+            else:
+                placed_clutter = _pair_at(clutter, clutter_predicate, beside, right, forward, tilt, 0.0, 2)
+            objects = _pair_at(pair, predicate, centre, right, forward, tilt, lateral) + placed_clutter
+            scenes.append((predicate, w3.Scene3D(objects, camera, sun, *light, seed=seed)))
+        checked = [_check(s, p, predicates, settings.size) for p, s in scenes]
+        if all(c is not None for c in checked):
+            return _written_set(index, settings, test, pair, clutter, scenes, checked)
+    raise RuntimeError(f"controlled-{test} set {index}: no arrangement in {tries} draws")
+
+
+def _check(scene: w3.Scene3D, predicate: str, predicates: Sequence[str], size: int) -> list[dict] | None:
+    """The image's visibility when it is a fair one: everything inside the frame and shown (hidden at most
+    MAX_HIDDEN), nothing interpenetrating, its caption strictly true and the other three not even leniently."""
+    for k, obj in enumerate(scene.objects):
+        if not w3.clear_of(obj, [o for j, o in enumerate(scene.objects) if j < k], skip=obj.support, gap=0.05):
+            return None
+    if any(min(b) < 0 or max(b) > size for b in (w3.projected_box(scene, k, size)
+                                                  for k in range(len(scene.objects)))):
+        return None
+    strict, lenient = set(w3.relations(scene)), set(w3.relations(scene, lenient=True))
+    if (0, predicate, 1) not in strict or any((0, q, 1) in lenient for q in predicates if q != predicate):
+        return None
+    vis = w3.visibility(scene, size)
+    return vis if all(v["visible"] and v["hidden"] <= w3.MAX_HIDDEN for v in vis) else None
+
+
+def _written_set(index: int, settings: Settings3D, test: str, pair: list, clutter: list, scenes: list,
+                 checked: list) -> dict:
+    records = []
+    struct_objects = [describe(o.to_dict(), False) for o in pair]
+    for (predicate, scene), vis in zip(scenes, checked):
+        struct = {"objects": struct_objects, "relations": [[0, predicate, 1]]}
+        slug = predicate.replace(" ", "-")
+        records.append({"predicate": predicate, "width": settings.size, "height": settings.size,
+                        "file_name": f"images/controlled_{test.lower()}/{test.lower()}{index:04d}-{slug}.png",
+                        "objects": _object_records(scene, vis),
+                        "relations": [list(r) for r in w3.relations(scene)],
+                        "lenient": [list(r) for r in w3.relations(scene, lenient=True)],
+                        "camera": {"origin": list(scene.camera.origin), "target": list(scene.camera.target),
+                                   "fov": scene.camera.fov},
+                        "caption": render(struct), "struct": struct, "_scene": scene})
+    named = [(o.colour, o.shape) for o in pair]
+    return {"id": index, "objects": [describe(o.to_dict(), True) for o in pair],
+            "clutter": [describe(o.to_dict(), True) for o in clutter], "scenes": records,
+            "heldout": bool(settings.holdout.intersection(named))}
+
+
+def _render_set(job: tuple[int, Settings3D, str, str]) -> dict:
+    from PIL import Image
+
+    index, settings, test, out = job
+    entry = _controlled_set(index, settings, test)
+    for record in entry["scenes"]:
+        scene = record.pop("_scene")
+        Image.fromarray(w3.render(scene, settings.size, settings.spp)).save(Path(out) / record["file_name"])
+    return entry
+
+
+def generate_controlled(out: Path, settings: Settings3D, workers: int = 1) -> dict[str, dict]:
+    """Both controlled tests (``controlled_a.json``, ``controlled_b.json``, their images and the What'sUp-layout
+    copy), ``max(1, n // 20)`` sets each; ``{"A": data, "B": data}``."""
+    written = {}
+    for test, file in CONTROLLED_FILES.items():
+        (out / "images" / f"controlled_{test.lower()}").mkdir(parents=True, exist_ok=True)
+        jobs = [(k, settings, test, str(out)) for k in range(max(1, settings.n // SETS_PER))]
+        sets = _map(_render_set, jobs, workers)
+        written[test] = {"version": VERSION, "test": f"controlled-{test}",
+                         "predicates": list(CONTROLLED_A if test == "A" else CONTROLLED_B), "sets": sets}
+        dump_json(out / file, written[test])
+    write_whatsup(out, written, out / WHATSUP_DIR)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------- the world
+def _map(fn, jobs: list, workers: int) -> list:
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:  # a renderer's threads and fork
+        return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+
+
+def _build(job: tuple[int, Settings3D, str]) -> tuple[dict, list[dict]]:
+    index, settings, out = job
+    return build_scene(index, settings, out)
+
+
+def _vocabulary() -> dict:
+    return {"colours": {k: list(v) for k, v in w3.COLOURS.items()}, "shapes": list(w3.SHAPES),
+            "sizes": {k: v for k, v in w3.SIZES.items()}, "materials": list(w3.MATERIALS),
+            "predicates": list(w3.PREDICATES), "words": {p: WORDS[p] for p in w3.PREDICATES},
+            "negative_types": list(NEGATIVE_TYPES), "max_hidden": w3.MAX_HIDDEN,
+            "caption_id": f"image_id * {hardworld.CAPTION_SLOTS} + k"}
+
+
+def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp: int = 32,
+             holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
+             workers: int | None = None) -> dict:
+    """Write ``n`` 3D scenes and both controlled tests to ``out_dir`` in the toy worlds' layout; a summary
+    (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output."""
+    started = time.perf_counter()
+    if n < 1 or seed < 0 or size < 32 or spp < 1:
+        raise ValueError(f"--world 3d needs n >= 1, seed >= 0, size >= 32 and spp >= 1; got n={n}, seed={seed}, "
+                         f"size={size}, spp={spp}")
+    settings = Settings3D(int(n), int(seed), int(size), int(spp), parse_holdout3d(holdout), parse_splits(splits))
+    workers = max(1, int(workers or 1))
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    (out / "objects").mkdir(exist_ok=True)
+    results = _map(_build, [(i, settings, str(out)) for i in range(settings.n)], workers)
+    scenes = [scene for scene, _ in results]
+    items = [item for _, scene_items in results for item in scene_items]
+    core = {"version": VERSION, "world": "3d", "hard": True, "n": settings.n, "seed": settings.seed,
+            "size": settings.size, "spp": settings.spp, "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
+            "splits": list(settings.splits), "vocabulary": {"colours": list(w3.COLOURS), "shapes": list(w3.SHAPES)}}
+    dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary()}, "scenes": scenes})
+    dump_json(out / "negatives.json", {"items": items})
+    for split in SPLITS:
+        write_split(out, split, [s for s in scenes if s["split"] == split], settings.seed, VERSION)
+    counts = count_files(scenes, items, settings.holdout)
+    counts["named_predicates"] = {p: sum(s["named"]["predicate"] == p for s in scenes) for p in w3.PREDICATES}
+    counts["partly_hidden_objects"] = sum(o["visible"] < 0.999 for s in scenes for o in s["objects"])
+    tests = generate_controlled(out, settings, workers)
+    counts["controlled_sets"] = {f"controlled-{k}": len(v["sets"]) for k, v in tests.items()}
+    dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
+    return {**core, "out": str(out), "workers": workers, "counts": counts, "seconds": time.perf_counter() - started}
+
+
+def format_summary(summary: dict) -> str:
+    counts = summary["counts"]
+    return hardworld.format_summary(summary, headline=(
+        f"toyworld (3d): {summary['n']} scenes ({summary['size']}x{summary['size']} px, {summary['spp']} samples a "
+        f"pixel, seed {summary['seed']}, {counts['objects']} objects, {counts['partly_hidden_objects']} partly hidden) "
+        f"-> {summary['out']} in {summary['seconds']:.1f} s with {summary['workers']} worker(s) "
+        f"({summary['n'] / summary['seconds']:.1f} scenes/s, controlled images included)"))

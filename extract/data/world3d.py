@@ -24,7 +24,7 @@ seed, so its bytes depend on (seed, index) alone, not on the worker that made it
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -150,7 +150,6 @@ class Scene3D:
     sky: float = 0.3
     floor: float = 0.45
     seed: int = 0  # the renderer's
-    extra: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -385,22 +385,27 @@ def _make(job: tuple[int, int, int, int, str]) -> dict:
     return scene_record(index, scene, vis, name)
 
 
+def map_jobs(fn, jobs: list, workers: int) -> list:
+    """``[fn(job) for job in jobs]``, in ``workers`` processes when more than one (spawned: a renderer's threads do
+    not survive fork); the results in the jobs' order."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(job) for job in jobs]
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+
+
 def generate(out_dir, n: int, seed: int, size: int = 96, spp: int = 32, workers: int = 1) -> list[dict]:
     """Render ``n`` scenes into ``out_dir/images`` and write ``out_dir/scenes.json``; the same bytes for a seed
     whatever ``workers`` (each scene depends on (seed, index) alone)."""
     import json
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
     from pathlib import Path
 
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    jobs = [(seed, i, size, spp, str(out)) for i in range(n)]
-    if workers > 1:  # spawn: a renderer's threads do not survive fork
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            records = list(pool.map(_make, jobs, chunksize=max(1, n // (4 * workers))))
-    else:
-        records = [_make(job) for job in jobs]
+    records = map_jobs(_make, [(seed, i, size, spp, str(out)) for i in range(n)], workers)
     (out / "scenes.json").write_text(json.dumps({"seed": seed, "size": size, "spp": spp, "scenes": records},
                                                 indent=1) + "\n")
     return records

@@ -7,8 +7,8 @@ Every reader of a toy world reads it (``annotations.json``, ``negatives.json``, 
 it is true (``extract.data.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
 tests are the hard world's two), and names its vocabulary (CLEVR's).
 
-- **Captions** as the hard world's, in What'sUp's form: one per object ("a small red metal..." no: size, colour,
-  shape, as the other worlds), one relation said from either side ("a red cube on a blue cylinder" or "a blue
+- **Captions** as the hard world's (``hardworld.scene_captions``), in What'sUp's form: one per object (size,
+  colour, shape, as the other worlds; the material is not named), one relation said from either side ("a red cube on a blue cylinder" or "a blue
   cylinder under a red cube"), and a long one listing every object with one relation. The named relation is drawn
   predicate first, uniformly among those the scene holds, so the six predicates are as even as the scenes allow.
 - **Hard negatives** of every type from the world's own vocabulary, each false of the scene even by the lenient
@@ -25,9 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -235,7 +233,7 @@ def generate_controlled(out: Path, settings: Settings3D, workers: int = 1) -> di
     for test, file in CONTROLLED_FILES.items():
         (out / "images" / f"controlled_{test.lower()}").mkdir(parents=True, exist_ok=True)
         jobs = [(k, settings, test, str(out)) for k in range(max(1, settings.n // SETS_PER))]
-        sets = _map(_render_set, jobs, workers)
+        sets = w3.map_jobs(_render_set, jobs, workers)
         written[test] = {"version": VERSION, "test": f"controlled-{test}",
                          "predicates": list(CONTROLLED_A if test == "A" else CONTROLLED_B), "sets": sets}
         dump_json(out / file, written[test])
@@ -244,13 +242,6 @@ def generate_controlled(out: Path, settings: Settings3D, workers: int = 1) -> di
 
 
 # ------------------------------------------------------------------------------------------------- the world
-def _map(fn, jobs: list, workers: int) -> list:
-    if workers <= 1 or len(jobs) <= 1:
-        return [fn(job) for job in jobs]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:  # a renderer's threads and fork
-        return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
-
-
 def _build(job: tuple[int, Settings3D, str]) -> tuple[dict, list[dict]]:
     index, settings, out = job
     return build_scene(index, settings, out)
@@ -278,7 +269,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "objects").mkdir(exist_ok=True)
-    results = _map(_build, [(i, settings, str(out)) for i in range(settings.n)], workers)
+    results = w3.map_jobs(_build, [(i, settings, str(out)) for i in range(settings.n)], workers)
     scenes = [scene for scene, _ in results]
     items = [item for _, scene_items in results for item in scene_items]
     core = {"version": VERSION, "world": "3d", "hard": True, "n": settings.n, "seed": settings.seed,

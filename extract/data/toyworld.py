@@ -557,7 +557,7 @@ class ToyWorldOptions:
                         help="which world: version2 (flat shapes on black, the default), hard (as --hard) or 3d "
                              "(CLEVR's objects path-traced by Mitsuba 3, extract/data/world3d.py; the render3d "
                              "extra)")
-    spp: int = option(32, type=positive_int, help="--world 3d: path-tracing samples a pixel")
+    spp: int | None = option(None, type=positive_int, help="--world 3d: path-tracing samples a pixel (default 32)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
@@ -595,6 +595,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
         opts = from_namespace(ToyWorldOptions, ns)
     except ValueError as err:
         parser.error(str(err))
+    if opts.spp is not None and opts.world != "3d":
+        parser.error("--spp sets the 3D world's path tracing: add --world 3d, or drop --spp")
     if opts.world != "version2" and (opts.long_captions or opts.phrases):
         which = "--hard" if opts.world == "hard" else "--world 3d"
         parser.error(f"{which} has its own scenes and predicate words: drop --long-captions / --phrases")
@@ -606,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: ToyWorldOptions) -> None:
         if opts.world == "3d":
             print(world3d_layout.format_summary(world3d_layout.generate(
-                opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp, holdout=opts.holdout,
+                opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp or 32, holdout=opts.holdout,
                 splits=opts.splits, workers=opts.workers)))
             return
         if opts.hard:

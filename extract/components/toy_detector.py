@@ -269,7 +269,7 @@ def match_detections(pred: np.ndarray, scores: np.ndarray, gt: np.ndarray, iou: 
 def detection_report(detector, world: Path, split: str = "val", batch: int = 64) -> dict:
     """What ``detector`` (anything with ``detect(images) -> list[Detections]``: a YoloDetector, RandomBoxes)
     finds on ``world``'s ``split``: ``recall`` (share of objects matched at IoU >= 0.5, and per object size
-    under ``recall_by_size``; on a hard world by how much of the object other objects hide, ``recall_by_hidden``
+    under ``recall_by_size``; on a hard or 3D world by how much of the object other objects hide, ``recall_by_hidden``
     with ``objects_by_hidden``), ``precision`` (share of detections matched), ``mean_iou`` (of the matched pairs),
     ``detections_per_image``, ``objects``, ``images``."""
     from PIL import Image
@@ -292,7 +292,7 @@ def detection_report(detector, world: Path, split: str = "val", batch: int = 64)
             matched += int((m >= 0).sum())
             ious += [float(box_iou(det.boxes[k:k + 1], g[None])[0, 0]) for k, g in zip(m, gt) if k >= 0]
             for obj, k in zip(scene["objects"], m):
-                for table, key in ((by_size, obj.get("size", "all")), (by_hidden, _hidden_bin(obj))):
+                for table, key in ((by_size, obj.get("size", "all")), (by_hidden, hidden_bin(obj))):
                     if key is not None:
                         hit = table.setdefault(key, [0, 0])
                         hit[0] += int(k >= 0)
@@ -302,14 +302,19 @@ def detection_report(detector, world: Path, split: str = "val", batch: int = 64)
             "precision": matched / max(dets, 1), "detections_per_image": dets / max(len(scenes), 1),
             "mean_iou": float(np.mean(ious)) if ious else 0.0,
             "recall_by_size": {k: v[0] / v[1] for k, v in sorted(by_size.items())},
-            **({"recall_by_hidden": {k: v[0] / v[1] for k, v in sorted(by_hidden.items())},
-                "objects_by_hidden": {k: v[1] for k, v in sorted(by_hidden.items())}} if by_hidden else {})}
+            **({"recall_by_hidden": {k: by_hidden[k][0] / by_hidden[k][1] for k in _bins(by_hidden)},
+                "objects_by_hidden": {k: by_hidden[k][1] for k in _bins(by_hidden)}} if by_hidden else {})}
 
 
-HIDDEN_BINS = ((0.001, "whole"), (0.25, "hidden < 25%"), (1.0, "hidden 25-50%"))  # upper bounds of the hidden share
+# upper bounds of the hidden share: the hard world hides at most half of an object, the 3D world three quarters
+HIDDEN_BINS = ((0.001, "whole"), (0.25, "hidden < 25%"), (0.5, "hidden 25-50%"), (1.0, "hidden 50-75%"))
 
 
-def _hidden_bin(obj: dict) -> str | None:
+def _bins(table: dict) -> list[str]:
+    return [name for _, name in HIDDEN_BINS if name in table]  # least hidden first
+
+
+def hidden_bin(obj: dict) -> str | None:
     """The bin of an object's hidden share (a hard world's ``visible``); None where the world does not record it."""
     if "visible" not in obj:
         return None

@@ -40,6 +40,9 @@ from extract.data.sceneparts import (NEGATIVE_TYPES, SPLITS, count_files, descri
 
 VERSION = 1
 SETS_PER = 20  # one controlled set of each test per 20 scenes
+CROP_IDS = 10_000_000  # the pretrain split's crop image ids start here (a world has fewer scenes)
+CENTRE = 0.4  # the named pair's centre on the floor: within this of the world's centre, each axis
+BESIDE = (1.9, 2.3)  # how far to the side of it the clutter pair stands (inside a 7.5-9 unit camera's frame)
 STACKED = {"A": ("on", "under"), "B": ("in front of", "behind")}  # the named pair's non-sideways arrangements
 
 
@@ -99,9 +102,10 @@ def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[
         if negatives:
             items.append({"image_id": index, "caption_id": caption["id"], "split": split,
                           "positive": caption["text"], "negatives": negatives})
-    if split != "train":  # the zero-shot set of its objects (partly hidden ones included): each one's crop
-        for k, obj in enumerate(objects):
-            obj["crop"] = f"objects/{index:06d}-{k}.png"
+    # every object's crop (partly hidden ones included): val / test, the zero-shot set; train, the "pretrain"
+    # split's (write_pretrain)
+    for k, obj in enumerate(objects):
+        obj["crop"] = f"objects/{index:06d}-{k}.png"
     if out_dir is not None:
         image = Image.fromarray(w3.render(scene3d, settings.size, settings.spp))
         image.save(os.path.join(out_dir, scene["file_name"]))
@@ -142,7 +146,7 @@ def _pair_at(pair: Sequence[w3.Object3D], predicate: str, centre: np.ndarray, ri
     return [_put(a, centre + step + right * lateral), _put(b, centre - step)]
 
 
-def _controlled_set(index: int, settings: Settings3D, test: str, tries: int = 60) -> dict:
+def _controlled_set(index: int, settings: Settings3D, test: str, tries: int = 150) -> dict:
     rng = np.random.default_rng([settings.seed, index, VERSION, ord(test)])
     predicates = CONTROLLED_A if test == "A" else CONTROLLED_B
     shapes = w3.FLAT_TOPS if test == "A" else w3.SHAPES
@@ -155,8 +159,8 @@ def _controlled_set(index: int, settings: Settings3D, test: str, tries: int = 60
                 for k in (0, 1)]
         clutter = [w3.Object3D(str(colours[k]), str(rng.choice(w3.FLAT_TOPS if k == 3 else w3.SHAPES)), "small",
                                str(rng.choice(w3.MATERIALS)), 0, 0) for k in (2, 3)]
-        centre = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.4, 0.6), 0.0])
-        beside = centre + right * rng.choice([-1, 1]) * rng.uniform(2.4, 2.9) + forward * rng.uniform(-0.5, 0.5)
+        centre = np.array([rng.uniform(-CENTRE, CENTRE), rng.uniform(-CENTRE, CENTRE), 0.0])
+        beside = centre + right * rng.choice([-1, 1]) * rng.uniform(*BESIDE) + forward * rng.uniform(-0.5, 0.5)
         lateral = rng.uniform(-0.35, 0.35) * (pair[0].reach + pair[1].reach)
         sun_az, sun_el = rng.uniform(0, 2 * math.pi), math.radians(rng.uniform(35, 70))
         sun = (-math.cos(sun_el) * math.cos(sun_az), -math.cos(sun_el) * math.sin(sun_az), -math.sin(sun_el))
@@ -279,6 +283,7 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
     dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
         write_split(out, split, [s for s in scenes if s["split"] == split], settings.seed, VERSION)
+    write_pretrain(out, scenes, settings)
     counts = count_files(scenes, items, settings.holdout)
     counts["named_predicates"] = {p: sum(s["named"]["predicate"] == p for s in scenes) for p in w3.PREDICATES}
     counts["partly_hidden_objects"] = sum(o["visible"] < 0.999 for s in scenes for o in s["objects"])
@@ -286,6 +291,32 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
     counts["controlled_sets"] = {f"controlled-{k}": len(v["sets"]) for k, v in tests.items()}
     dump_json(out / "meta.json", {**core, "workers": workers, "counts": counts})
     return {**core, "out": str(out), "workers": workers, "counts": counts, "seconds": time.perf_counter() - started}
+
+
+def _crop_side(box: Sequence[int]) -> int:
+    return hardworld.CROP_SCALE * max(box[2] - box[0], box[3] - box[1])  # zero_shot_crop's square
+
+
+def crop_records(scene: dict) -> list[dict]:
+    """The scene's object crops as scenes of one caption each, "a {colour} {shape}": no size (a crop is scaled
+    to fill a third of its square, so it cannot show one) and no material (the world's captions never name it).
+    Ids: ``CROP_IDS + image_id * 8 + k`` (8 objects at most), caption id ``image id * CAPTION_SLOTS``, so neither
+    meets a scene's."""
+    return [{"image_id": CROP_IDS + scene["image_id"] * 8 + k, "file_name": obj["crop"],
+             "width": _crop_side(obj["box"]), "height": _crop_side(obj["box"]), "captions": [{"id": (CROP_IDS + scene["image_id"] * 8 + k) * hardworld.CAPTION_SLOTS,
+                                           "text": f"a {obj['colour']} {obj['shape']}"}]}
+            for k, obj in enumerate(scene["objects"]) if "crop" in obj]
+
+
+def write_pretrain(out: Path, scenes: list[dict], settings: Settings3D) -> None:
+    """The ``pretrain`` split (``pretrain.csv``, ``pretrain_coco.json``): the train split's scenes and each of their
+    objects' crops, as the grounded head and the zero-shot set see objects (``hardworld.zero_shot_crop``). A base
+    trained on scenes alone names 3D objects in such crops near chance: an object is a few hundred shaded pixels
+    of a scene, partly hidden, and no caption says which pixels are which (``extract/models/bases/README.md``, the
+    3D bases). ``train.pretrain --split pretrain`` trains on it; every other reader uses ``train``."""
+    train = [s for s in scenes if s["split"] == "train"]
+    write_split(out, "pretrain", train + [c for s in train for c in crop_records(s)], settings.seed,
+                VERSION)
 
 
 def format_summary(summary: dict) -> str:

@@ -180,6 +180,10 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
     assert report["recall_by_hidden"]["whole"] == 1.0
     assert all(report["recall_by_hidden"][k] == 0.0 for k in report["recall_by_hidden"] if k != "whole")
     assert sum(report["objects_by_hidden"].values()) == len(objects)
+    assert list(report["recall_by_hidden"])[0] == "whole"  # least hidden first
+    # the 3D world hides up to three quarters: its own bin past half
+    assert [td.hidden_bin({"visible": v}) for v in (1.0, 0.8, 0.6, 0.5, 0.26)] == [
+        "whole", "hidden < 25%", "hidden 25-50%", "hidden 50-75%", "hidden 50-75%"]
     assert report["recall"] == pytest.approx(1 - len(hidden) / len(objects))
 
 

@@ -77,6 +77,28 @@ def test_the_whatsup_copy_reads_back_through_the_one_reader(world):
     assert len(boxes) == 16 and all(len(b["objects"]) == 4 for b in boxes)
 
 
+def test_the_pretrain_split_is_the_train_scenes_and_their_objects_crops(world):
+    from PIL import Image
+
+    from extract.data.hardworld import zero_shot_crop
+    from extract.data.sources import ToyWorldSource
+
+    scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == "train"]
+    train, pretrain = ToyWorldSource(world, "train"), ToyWorldSource(world, "pretrain")
+    crops = [(s, o) for s in scenes for o in s["objects"]]
+    assert all("crop" in o for _, o in crops) and len(pretrain) == len(train) + len(crops)
+    assert not ToyWorldSource(world, "pretrain").annotations  # no scene of its own: the adapters read "train"
+    captions = {r.source.split("/")[-1]: r.captions for r in pretrain.records() if "objects/" in r.source}
+    held = {"red cube", "blue sphere"}
+    for scene, obj in crops:
+        name = f"{obj['colour']} {obj['shape']}"
+        assert name not in held and [c.text for c in captions[obj["crop"].split("/")[-1]]] == [f"a {name}"]
+        image = Image.open(world / scene["file_name"]).convert("RGB")
+        assert Image.open(world / obj["crop"]).tobytes() == zero_shot_crop(image, obj["box"]).tobytes()
+    ids = [c.id for r in pretrain.records() for c in r.captions]
+    assert len(ids) == len(set(ids))
+
+
 def test_the_same_seed_gives_the_same_bytes_with_one_and_two_workers(world, tmp_path):
     def digest(folder):
         return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -302,10 +302,13 @@ def crop_records(scene: dict) -> list[dict]:
     to fill a third of its square, so it cannot show one) and no material (the world's captions never name it).
     Ids: ``CROP_IDS + image_id * 8 + k`` (8 objects at most), caption id ``image id * CAPTION_SLOTS``, so neither
     meets a scene's."""
-    return [{"image_id": CROP_IDS + scene["image_id"] * 8 + k, "file_name": obj["crop"],
-             "width": _crop_side(obj["box"]), "height": _crop_side(obj["box"]), "captions": [{"id": (CROP_IDS + scene["image_id"] * 8 + k) * hardworld.CAPTION_SLOTS,
-                                           "text": f"a {obj['colour']} {obj['shape']}"}]}
-            for k, obj in enumerate(scene["objects"]) if "crop" in obj]
+    records = []
+    for k, obj in enumerate(scene["objects"]):
+        image_id, side = CROP_IDS + scene["image_id"] * 8 + k, _crop_side(obj["box"])
+        records.append({"image_id": image_id, "file_name": obj["crop"], "width": side, "height": side,
+                        "captions": [{"id": image_id * hardworld.CAPTION_SLOTS,
+                                      "text": f"a {obj['colour']} {obj['shape']}"}]})
+    return records
 
 
 def write_pretrain(out: Path, scenes: list[dict], settings: Settings3D) -> None:
@@ -315,8 +318,7 @@ def write_pretrain(out: Path, scenes: list[dict], settings: Settings3D) -> None:
     of a scene, partly hidden, and no caption says which pixels are which (``extract/models/bases/README.md``, the
     3D bases). ``train.pretrain --split pretrain`` trains on it; every other reader uses ``train``."""
     train = [s for s in scenes if s["split"] == "train"]
-    write_split(out, "pretrain", train + [c for s in train for c in crop_records(s)], settings.seed,
-                VERSION)
+    write_split(out, "pretrain", train + [c for s in train for c in crop_records(s)], settings.seed, VERSION)
 
 
 def format_summary(summary: dict) -> str:

@@ -56,7 +56,7 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
                                    "shards ('shards/{00000..00099}.tar', a folder of .tar); default: the embedded "
                                    "toy world runs/toy, generated on first use")
     split: str = option("train", group="data", help="toy world: the split to train on (a 3D world's 'pretrain': its "
-                                                     "train scenes and one object crop of each, what its bases train on)")
+                                                     "train scenes and their objects' crops, what its base trained on)")
     image_root: str | None = option(None, group="data", help="CSV / COCO: folder of relative image paths")
     train_num_samples: int | None = option(None, type=positive_int, group="data",
                                            help="webdataset: samples per epoch")

@@ -135,6 +135,12 @@ def build_head(meta: dict) -> AdapterHead:
 
 def load_head_state(head: AdapterHead, tensors: dict[str, torch.Tensor], source: str) -> None:
     state = _sub(tensors, "head.")
+    own = head.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (this version: {tuple(own[k].shape)})" for k, v in state.items()
+             if k in own and v.shape != own[k].shape]
+    if wrong:  # a head written by another version of the method: its weights cannot be read into this one
+        raise CheckpointError(f"{source}: head weights do not fit {head.name} as this version of plugvlm builds it "
+                              f"({', '.join(wrong[:3])}): train the adapter again with this version")
     result = head.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{source}: head weights do not fit {head.name} with this config "

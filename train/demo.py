@@ -26,7 +26,9 @@ against CLIP on a hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` s
 long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
 --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut),
 SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
-paper's recipe) and SmartCLIP trained on the short-caption world only.
+paper's recipe) and SmartCLIP trained on the short-caption world only. Last, it renders a path-traced 3D world
+(``--world3d-n`` scenes) and reads its Controlled-A / -B analogues with the grounded head on ``toy-clip-3d``
+(:mod:`train.demo_3d`).
 
 It ends with support and depth in clutter, which the version-2 world has not (:mod:`train.demo_hard`): a hard world
 (``--hard-n`` scenes), the grounded relation head trained on it on a hard base with the world's own boxes, and the
@@ -69,6 +71,7 @@ from adapters.registry import ADAPTERS
 from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
+from train.demo_3d import BASE_3D, WORLD3D_N
 from train.demo_hard import HARD_BASES, HARD_N, example_query, hard_controlled, hard_world, train_head
 from train.demo_pretrain import (HARD_PRETRAIN_JOBS, HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN,
                                   hard_pretraining, tuning_steps)
@@ -125,10 +128,12 @@ class DemoOptions:
                               "analogues) and served (train/demo_hard.py; 0: no hard world, the best version-2 "
                               "adapter is served)")
     hard_epochs: int | None = option(None, type=positive_int,
-                                     help="the hard world's head: training epochs (default: until its held-out score "
+                                     help="the hard world's head (and the 3D world's, --full): training epochs "
+                                          "(default: until its held-out score "
                                           "stops improving, as python -m train.adapter without --epochs)")
     hard_batch_size: int | None = option(None, type=positive_int,
-                                         help="the hard world's head: training batch (default: python -m "
+                                         help="the hard world's head (and the 3D world's): training batch "
+                                              "(default: python -m "
                                               "train.adapter's)")
     hard_pretrain_n: int = option(HARD_PRETRAIN_N, type=nonnegative_int,
                                   help="--full: scenes of the hard world CLIP, FLIP, CLIP-PGS, PowerCLIP-R and, with "
@@ -142,6 +147,11 @@ class DemoOptions:
                                      help="--full: those runs trained at once, each in its own process with its share "
                                           "of the CPU threads (python -m train.pretrain.compare --jobs; 1: one after "
                                           "another in this process)")
+    world3d_n: int = option(WORLD3D_N, type=nonnegative_int,
+                            help=f"--full: scenes of the path-traced 3D world the grounded head is trained on, on "
+                                 f"{BASE_3D} with the world's own boxes, then scored beside the frozen base and the "
+                                 "text-only floor on its Controlled-A / -B analogues (train/demo_3d.py; Mitsuba 3, "
+                                 "the render3d extra, in all; 0: skip)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -452,7 +462,8 @@ def demo(opts: DemoOptions) -> dict:
     if isinstance(methods, str):
         methods = ADAPTERS.names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
     hard_pretrain = opts.full and opts.hard_pretrain_n > 0
-    step = Steps(4 + len(bases) + several + 2 * bool(opts.hard_n) + hard_pretrain
+    in_3d = opts.full and opts.world3d_n > 0
+    step = Steps(4 + len(bases) + several + 2 * bool(opts.hard_n) + hard_pretrain + in_3d
                  + (1 + ("smartclip" in methods) + ("powerclip" in methods) if opts.full else 0))
     # a base without weights of its own (the tiny aliases) is pre-trained on the toy world first
     untrained = [b for b in bases if opts.pretrained is None and resolve_spec(b).pretrained is None]
@@ -467,11 +478,15 @@ def demo(opts: DemoOptions) -> dict:
         say(f"  {b}: {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
             f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
         del backbone
+    if in_3d:  # the renderer is an extra: missing, it must fail now, not after the long run's first hour
+        from extract.data.world3d import require_mitsuba
+
+        require_mitsuba()
     hard_bases = [b for b in HARD_BASES if opts.hard_n and b not in bases]
-    for b in hard_bases:  # the hard world's bases: shipped, checked now all the same
-        infos[b] = load_backbone(b, None, device="cpu").describe()
-        say(f"  {b} (the hard world's): {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, {infos[b]['grid'][0]}x"
-            f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
+    for b, world_name in [(b, "hard") for b in hard_bases] + [(BASE_3D, "3D")] * (in_3d and BASE_3D not in bases):
+        infos[b] = load_backbone(b, None, device="cpu").describe()  # shipped, checked now all the same
+        say(f"  {b} (the {world_name} world's): {infos[b]['model']}, embed dim {infos[b]['embed_dim']}, "
+            f"{infos[b]['grid'][0]}x{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.asdict(opts), out / "config.json")
 
@@ -575,9 +590,19 @@ def demo(opts: DemoOptions) -> dict:
             served = serve_model(opts, results[base]["methods"][method]["checkpoint"], world, out,
                                  out / "adapters" / "cache", EXAMPLE_QUERY)
             served.update(base=base, method=method)
+    world3d = None
+    if in_3d:
+        from train.demo_3d import stage
+
+        step(f"the path-traced 3D world: {opts.world3d_n} scenes, seed {opts.seed}, the grounded head trained on it "
+             f"on the frozen {BASE_3D} with the world's own boxes, scored beside the frozen base and the text-only "
+             "floor on its Controlled-A / -B analogues")
+        world3d = stage(out, opts.world3d_n, opts.seed, holdout=trained_holdout(BASE_3D, None),
+                        epochs=opts.hard_epochs, batch_size=opts.hard_batch_size, workers=opts.workers,
+                        device=opts.device, say=say)
     report = {"backbones": infos, "pretrained": weights, "toyworld": str(world), "holdout": holdout,
               "adapters": results, "bases_compared": versus, "detector": detector, "long_captions": long_result,
-              "powerclip_fine_tune": fine_tune, "hard_world": hard,
+              "powerclip_fine_tune": fine_tune, "hard_world": hard, "world3d": world3d,
               "pretrain_hard": {k: pretrain_hard[k] for k in ("world", "tables")} if pretrain_hard else None,
               "served": served, "markdown": binding_table(tables, versus) if tables else None,
               "markdown_heldout": binding_table(tables, versus, HELDOUT_COLUMNS) if tables else None,
@@ -638,6 +663,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "(four-way caption and image choice, group: a set's four images and captions all right) and the "
                 "test split's swap-obj / replace-rel (%); detected boxes: train/adapter/README, the hard world:", 116))
             print(hard["markdown"])
+        world3d = report.get("world3d")
+        if world3d:
+            print("\n" + textwrap.fill(
+                f"the path-traced 3D world ({world3d['n']} scenes: perspective, light and shadow, objects resting on "
+                f"objects), the grounded head trained on it on the frozen {BASE_3D} with the world's own boxes "
+                f"({world3d['head']['steps']} steps, {world3d['head']['seconds']:.0f} s); the same tests (%); "
+                "detected boxes: train/adapter/README, the 3D world:", 116))
+            print(world3d["markdown"])
         if report.get("served"):
             served = report["served"]
             which = "the head of the hard world" if hard else "the best adapter"
@@ -655,7 +688,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (", long-captions/results.{json,md,png}" if report.get("long_captions") else "")
             + (", powerclip-fine-tune/results.{json,md,png}" if report.get("powerclip_fine_tune") else "")
             + (", pretrain-hard/{plain,hard-negatives}/compare.{md,json}" if report.get("pretrain_hard") else "")
-            + (", hardworld-eval/results.{json,md,png}, hard/grounded/" if report.get("hard_world") else ""))
+            + (", hardworld-eval/results.{json,md,png}, hard/grounded/" if report.get("hard_world") else "")
+            + (", world3d-eval/results.{json,md,png}, 3d/grounded/" if report.get("world3d") else ""))
 
     return run_job(job, parse_args(argv))
 

@@ -51,6 +51,7 @@ detector weights you made or trust.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,7 +93,9 @@ class ToyDetectorOptions:
                                              "ultralytics or a local file)")
     classes: str = option("object", choices=list(CLASS_MODES),
                           help="object: one class (ComAlign uses boxes and objectness only); shape: the 6 shapes")
-    epochs: int = option(12, type=positive_int, group="training", help="passes over the train split")
+    epochs: int | None = option(None, type=positive_int, group="training",
+                                help="passes over the train split (default: 12; 24 on a 3D world, whose objects "
+                                     "hidden past a quarter need them: extract/README, the 3D world)")
     imgsz: int | None = option(None, type=positive_int, group="training",
                                help="training input size in px, a multiple of 32 (default: the world's image size "
                                     "rounded up to one)")
@@ -210,6 +213,16 @@ def training_size(world: Path, imgsz: int | None) -> int:
         return imgsz
     side = int(json.loads((world / "meta.json").read_text())["size"])
     return -(-side // STRIDE) * STRIDE
+
+
+def training_epochs(world: Path, epochs: int | None) -> int:
+    """``epochs``, or the world's default: 12 passes, 24 on a 3D world (``--world 3d``). Measured on a 2,000-scene 3D
+    world: 24 passes lift the validation recall from 96.7 to 97.3% (objects hidden 50-75%: 21.7 -> 26.1) and the
+    grounded head's replace-rel from 94.9 +/- 0.2 to 96.4 +/- 0.3 over 3 seeds (train/adapter/README, the 3D world); a
+    drawn world's detector is done at 12."""
+    if epochs is not None:
+        return epochs
+    return 24 if json.loads((world / "meta.json").read_text()).get("world") == "3d" else 12
 
 
 def _model_description(model: str) -> dict:
@@ -428,6 +441,7 @@ def train_toy_detector(opts: ToyDetectorOptions, announce: bool = True) -> dict:
     check_options(opts, build_parser())
     started = time.perf_counter()
     world = resolve_world(opts.data)
+    opts = dataclasses.replace(opts, epochs=training_epochs(world, opts.epochs))
     values = settings(opts, world)
     fp = fingerprint(values)
     run = Path(opts.out) / fp[:16]

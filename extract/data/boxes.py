@@ -243,10 +243,14 @@ def _from_path(path: Path) -> BoxAnnotations:
 
 def _toy_world(path: Path, data: dict) -> BoxAnnotations:
     from extract.common.json_memo import read_json
+    from extract.data.hardworld import crop_entry
 
     out = BoxAnnotations(str(path.parent if path.name == "annotations.json" else path), "toy world")
     for scene in data["scenes"]:
         out.add(scene["image_id"], scene)
+        for obj in scene.get("objects", []):
+            if isinstance(obj, dict) and isinstance(obj.get("crop"), str):  # a hard / 3D world's zero-shot crops
+                out.add(None, crop_entry(obj))
     for name in ("controlled.json", *CONTROLLED_FILES.values()):  # version 2's test, the hard world's two
         controlled = path.parent / name
         if controlled.is_file():  # the controlled tests' scenes have no id: found by file name

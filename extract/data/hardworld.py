@@ -561,6 +561,16 @@ def zero_shot_crop(image: Image.Image, box: Sequence[int]) -> Image.Image:
     return canvas
 
 
+def crop_entry(obj: dict) -> dict:
+    """A box entry for an object's crop file (``obj["crop"]``): the crop's size and the object's box where
+    :func:`zero_shot_crop` pasted it, so a head that reads boxes scores the zero-shot crops too."""
+    x0, y0, x1, y1 = (int(v) for v in obj["box"])
+    side = CROP_SCALE * max(x1 - x0, y1 - y0)
+    left, top = (side - (x1 - x0)) // 2, (side - (y1 - y0)) // 2
+    return {"file_name": obj["crop"], "width": side, "height": side,
+            "objects": [{**obj, "box": [left, top, left + x1 - x0, top + y1 - y0]}]}
+
+
 def _build_chunk(job: tuple[int, int, HardSettings, str]) -> list[tuple[dict, list[dict]]]:
     start, stop, settings, out_dir = job
     return [build_scene(i, settings, out_dir) for i in range(start, stop)]

@@ -48,7 +48,8 @@ MAX_HIDDEN = 0.75  # a named object may be hidden up to three quarters of its pi
 ARENA = 2.5
 
 
-def _need_mitsuba():
+def require_mitsuba():
+    """Mitsuba 3 on its CPU variant; ImportError naming the extra when it is not installed."""
     try:
         import mitsuba as mi
     except ImportError as err:  # the extra, named
@@ -289,7 +290,7 @@ def _sensor(mi, camera: Camera, width: int, height: int, spp: int) -> dict:
 
 def render(scene: Scene3D, size: int = 96, spp: int = 32) -> np.ndarray:
     """The path-traced image, [size, size, 3] uint8 sRGB."""
-    mi = _need_mitsuba()
+    mi = require_mitsuba()
     spec = {"type": "scene", "integrator": {"type": "path", "max_depth": 4},
             "sensor": _sensor(mi, scene.camera, size, size, spp),
             "sun": {"type": "directional", "direction": list(scene.sun),
@@ -305,7 +306,7 @@ def render(scene: Scene3D, size: int = 96, spp: int = 32) -> np.ndarray:
 
 def id_pass(scene: Scene3D, size: int = 96, only: int | None = None) -> np.ndarray:
     """Which object each pixel shows: [size, size] int, -1 for the floor or the sky (``only``: that object alone)."""
-    mi = _need_mitsuba()
+    mi = require_mitsuba()
     spec = {"type": "scene", "integrator": {"type": "aov", "aovs": "id:shape_index"},
             "sensor": _sensor(mi, scene.camera, size, size, 1)}
     for k, obj in enumerate(scene.objects):

@@ -121,6 +121,16 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
         ck.load_adapter(path)
 
 
+def test_weights_of_another_shape_name_the_tensor_and_say_retrain(tmp_path):
+    head = _head()
+    state = head.state_dict()
+    name = next(k for k, v in state.items() if v.ndim == 2)
+    state[name] = torch.zeros(state[name].shape[0] + 1, state[name].shape[1])  # as an older version wrote it
+    path = ck.write(tmp_path / "old.safetensors", {f"head.{k}": v for k, v in state.items()}, ck.describe_head(head))
+    with pytest.raises(ck.CheckpointError, match=f"{name} .*this version.*train the adapter again"):
+        ck.load_adapter(path)
+
+
 def test_an_inference_checkpoint_cannot_be_resumed(tmp_path):
     head = _head()
     path = ck.save_adapter(tmp_path / "a.safetensors", head, {})

@@ -224,6 +224,23 @@ def test_the_toy_world_box_reader_finds_every_controlled_scene_by_file_name(worl
             assert [(o["colour"], o["shape"]) for o in found] == [(o["colour"], o["shape"]) for o in scene["objects"]]
 
 
+def test_the_box_reader_gives_each_zero_shot_crop_its_objects_box_in_the_crops_frame(world):
+    from extract.data.boxes import read_boxes
+
+    out, _, annotations, _ = world
+    boxes = read_boxes(str(out))
+    crops = [(s, o) for s in annotations["scenes"] for o in s["objects"] if "crop" in o]
+    assert crops
+    for scene, obj in crops:  # the crop's pixels inside its box are the scene's pixels inside the object's box
+        found = boxes.entry(str(out / obj["crop"]))
+        assert [(o["colour"], o["shape"]) for o in found["objects"]] == [(obj["colour"], obj["shape"])]
+        crop = Image.open(out / obj["crop"]).convert("RGB")
+        assert crop.size == (found["width"], found["height"])
+        inside = np.asarray(crop.crop(tuple(found["objects"][0]["box"])))
+        assert np.array_equal(inside, np.asarray(Image.open(out / scene["file_name"]).convert("RGB").crop(
+            tuple(obj["box"])))), obj["crop"]
+
+
 # --------------------------------------------------------------------------- command line
 
 

@@ -7,6 +7,7 @@ One world of 24 scenes (64 px; about 19 train, 3 val, 2 test) and one training o
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -140,6 +141,23 @@ def test_detector_boxes_reach_the_extraction_cache(trained, world, tmp_path):
     rows = np.arange(len(cache.image_ids()))
     valid, boxes = cache.gather("ventity_valid", rows), cache.gather("ventity_boxes", rows)
     assert valid.any() and (boxes[valid] >= 0).all() and (boxes[valid] <= 64).all()
+
+
+def test_a_3d_world_trains_its_detector_twice_as_long_unless_told(tmp_path):
+    drawn, solid = tmp_path / "drawn", tmp_path / "solid"
+    for folder, meta in ((drawn, {"size": 96, "hard": True}), (solid, {"size": 96, "hard": True, "world": "3d"})):
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps(meta))
+        (folder / "annotations.json").write_text("{}")
+    assert (td.training_epochs(drawn, None), td.training_epochs(solid, None), td.training_epochs(solid, 5)) == (12, 24, 5)
+    # the default is resolved before the fingerprint: no --epochs finds the 24-pass detector trained before
+    opts = td.ToyDetectorOptions(data=str(solid), out=str(tmp_path / "runs"))
+    fp = td.fingerprint(td.settings(dataclasses.replace(opts, epochs=24), solid))
+    run = tmp_path / "runs" / fp[:16]
+    run.mkdir(parents=True)
+    (run / "best.pt").write_bytes(b"weights")
+    (run / "detector.json").write_text(json.dumps({"fingerprint": fp}))
+    assert td.train_toy_detector(opts)["reused"]
 
 
 def test_a_missing_world_is_one_error_line(tmp_path, capsys):

@@ -180,9 +180,10 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     out = tmp_path / "demo"
     assert main(["--out", str(out), *SMALL, "--base", "tiny", "--full", "--detector-epochs", "1", "--methods",
                  "comalign,smartclip,powerclip", "--hard-pretrain-n", "40",
-                 "--hard-pretrain-steps", "2", "--hard-pretrain-jobs", "1"]) == 0
+                 "--hard-pretrain-steps", "2", "--hard-pretrain-jobs", "1", "--world3d-n", "20", "--hard-epochs",
+                 "1", "--hard-batch-size", "8"]) == 0
     printed = capsys.readouterr().out
-    assert "[9/9]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
+    assert "[10/10]" in printed and printed.count("frozen base vs base + adapter, every figure") == 1
     report = json.loads((out / "demo_report.json").read_text())
     assert Path(report["detector"]["weights"]).is_file()
     columns = list(json.loads((out / "adapters" / "results.json").read_text())["results"])
@@ -233,3 +234,11 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
                                              "tiny + smartclip (trained on short captions)"]
     assert json.loads((out / "long-captions" / "toyworld" / "meta.json").read_text())["long_captions"] is True
     assert printed.count("SmartCLIP on long captions (") == 1 and printed.count("| metric |") == 2
+    # the 3D world: rendered, the head trained on toy-clip-3d with its own boxes, scored beside the frozen base and
+    # the floor on both controlled tests (one set each from 20 scenes)
+    meta = json.loads((out / "world3d" / "meta.json").read_text())
+    assert (meta["world"], meta["n"], meta["holdout"]) == ("3d", 20, sorted(trained_holdout("toy-clip-3d", None)))
+    world3d = report["world3d"]
+    assert [r["model"] for r in world3d["rows"]] == ["toy-clip-3d", "text only (toy-clip-3d)", "toy-clip-3d + grounded"]
+    assert all(r["toyworld-controlled-B"]["sets"] == 1 for r in world3d["rows"])
+    assert printed.count(world3d["markdown"]) == 1 and (out / "3d" / "grounded" / "adapter.safetensors").is_file()

@@ -8,8 +8,8 @@ boxes and the head's defaults, and scores the frozen base, the text-only floor a
 Controlled-A / -B analogues and its test split (``train.demo_hard.hard_controlled``: the same table as the hard
 world's).
 
-It runs with ``--full`` only: rendering :data:`WORLD3D_N` scenes and their controlled images takes about 3 minutes on
-two cores and the head 2-3 more, past the demo's 7 minutes. Detected boxes need the world's detector first (minutes
+It runs with ``--full`` only: rendering :data:`WORLD3D_N` scenes and their controlled images and training the head
+took 10.5 minutes on two cores with other work beside them (the head 4.7 of them), past the demo's 7 minutes. Detected boxes need the world's detector first (minutes
 more): ``python -m train.adapter --method grounded --base toy-clip-3d --data W --boxes yolo`` (train/adapter/README,
 "The 3D world").
 """

@@ -389,16 +389,20 @@ def _make(job: tuple[int, int, int, int, str]) -> dict:
     return scene_record(index, scene, vis, name)
 
 
-def map_jobs(fn, jobs: list, workers: int) -> list:
+def map_jobs(fn, jobs: list, workers: int, desc: str = "rendering", unit: str = "scene") -> list:
     """``[fn(job) for job in jobs]``, in ``workers`` processes when more than one (spawned: a renderer's threads do
-    not survive fork); the results in the jobs' order."""
+    not survive fork); the results in the jobs' order, with a progress line (``extract.common.cli.progress``: a bar
+    on a terminal, a line every 30 s in a log)."""
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from extract.common.cli import progress
+
     if workers <= 1 or len(jobs) <= 1:
-        return [fn(job) for job in jobs]
+        return [fn(job) for job in progress(jobs, total=len(jobs), desc=desc, unit=unit)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers))))
+        results = pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers)))
+        return list(progress(results, total=len(jobs), desc=desc, unit=unit))
 
 
 def generate(out_dir, n: int, seed: int, size: int = 96, spp: int = 32, workers: int = 1) -> list[dict]:

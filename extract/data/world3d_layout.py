@@ -237,7 +237,7 @@ def generate_controlled(out: Path, settings: Settings3D, workers: int = 1) -> di
     for test, file in CONTROLLED_FILES.items():
         (out / "images" / f"controlled_{test.lower()}").mkdir(parents=True, exist_ok=True)
         jobs = [(k, settings, test, str(out)) for k in range(max(1, settings.n // SETS_PER))]
-        sets = w3.map_jobs(_render_set, jobs, workers)
+        sets = w3.map_jobs(_render_set, jobs, workers, desc=f"controlled-{test}", unit="set")
         written[test] = {"version": VERSION, "test": f"controlled-{test}",
                          "predicates": list(CONTROLLED_A if test == "A" else CONTROLLED_B), "sets": sets}
         dump_json(out / file, written[test])

@@ -70,16 +70,13 @@ def crop_features(backbone, world: Path, pairs: list[tuple[dict, dict]], batch: 
 
 
 def fit_and_score(xtr: np.ndarray, ytr: list[str], xte: np.ndarray, yte: list[str], held: np.ndarray) -> dict:
-    """A logistic-regression probe fitted on (xtr, ytr); its accuracy (%) on the test rows of seen combinations and
-    on those of held-out ones (None where there are none)."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
+    """``train.eval.shape_probe.probe`` (a logistic-regression probe fitted on (xtr, ytr); deterministic) scored on
+    the test rows of seen combinations and on those of held-out ones, in % (None where there are none)."""
+    from train.eval.shape_probe import probe
 
-    scaler = StandardScaler().fit(xtr)
-    right = LogisticRegression(max_iter=3000).fit(scaler.transform(xtr), ytr).predict(scaler.transform(xte)) == \
-        np.asarray(yte)
-    return {"seen": 100.0 * float(right[~held].mean()) if (~held).any() else None,
-            "held out": 100.0 * float(right[held].mean()) if held.any() else None}
+    labels = np.asarray(yte)
+    return {name: probe(xtr, ytr, xte[rows], list(labels[rows])) if rows.any() else None
+            for name, rows in (("seen", ~held), ("held out", held))}
 
 
 def load(model: str, device: str):

@@ -558,6 +558,9 @@ class ToyWorldOptions:
                              "(CLEVR's objects path-traced by Mitsuba 3, extract/data/world3d.py; the render3d "
                              "extra)")
     spp: int | None = option(None, type=positive_int, help="--world 3d: path-tracing samples a pixel (default 32)")
+    palette: str = option("clevr", choices=("clevr", "wide"),
+                          help="--world 3d: the scenes' colours, CLEVR's eight (the default) or 24 (wide: sixteen "
+                               "more, for pre-training a base; the controlled tests keep CLEVR's)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
@@ -597,6 +600,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
         parser.error(str(err))
     if opts.spp is not None and opts.world != "3d":
         parser.error("--spp sets the 3D world's path tracing: add --world 3d, or drop --spp")
+    if opts.palette != "clevr" and opts.world != "3d":
+        parser.error("--palette sets the 3D world's colours: add --world 3d, or drop --palette")
     if opts.world != "version2" and (opts.long_captions or opts.phrases):
         which = "--hard" if opts.world == "hard" else "--world 3d"
         parser.error(f"{which} has its own scenes and predicate words: drop --long-captions / --phrases")
@@ -609,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.world == "3d":
             print(world3d_layout.format_summary(world3d_layout.generate(
                 opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp or 32, holdout=opts.holdout,
-                splits=opts.splits, workers=opts.workers)))
+                splits=opts.splits, workers=opts.workers, palette=opts.palette)))
             return
         if opts.hard:
             print(hardworld.format_summary(hardworld.generate(

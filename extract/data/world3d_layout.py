@@ -5,7 +5,8 @@ Every reader of a toy world reads it (``annotations.json``, ``negatives.json``, 
 ``meta.json``, ``controlled_a.json``, ``controlled_b.json``, ``whatsup/``): each scene carries its own relation tables
 (``relations`` strict, ``lenient``), so a caption is judged by the 3D world's rules wherever the project asks whether
 it is true (``extract.data.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
-tests are the hard world's two), and names its vocabulary (CLEVR's).
+tests are the hard world's two), and names its vocabulary (CLEVR's; with ``palette="wide"``, for pre-training a
+base, 24 colours in the scenes, ``world3d.PALETTES``, and ``"palette": "wide"``).
 
 - **Captions** as the hard world's (``hardworld.scene_captions``), in What'sUp's form: one per object (size,
   colour, shape, as the other worlds; the material is not named), one relation said from either side ("a red cube on a blue cylinder" or "a blue
@@ -54,6 +55,11 @@ class Settings3D:
     spp: int = 32
     holdout: frozenset = frozenset()
     splits: tuple = (0.8, 0.1, 0.1)
+    palette: str = "clevr"  # the scenes' colours (world3d.PALETTES); the controlled tests keep CLEVR's
+
+    @property
+    def colours(self) -> dict:
+        return w3.PALETTES[self.palette]
 
 
 def parse_holdout3d(spec: str | Iterable) -> frozenset:
@@ -84,7 +90,7 @@ def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[
     from PIL import Image
 
     split = split_of(index, settings.splits)
-    allowed = [(c, s) for c in w3.COLOURS for s in w3.SHAPES
+    allowed = [(c, s) for c in settings.colours for s in w3.SHAPES
                if split != "train" or (c, s) not in settings.holdout]
     scene3d, vis = w3.build_scene(settings.seed, index, settings.size, allowed=allowed, need_relation=True)
     rng = np.random.default_rng([settings.seed, index, VERSION, 1])  # the words' own generator
@@ -98,7 +104,7 @@ def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[
     scene["captions"] = scene_captions(scene, scene["named"], rng)
     items = []
     for caption in scene["captions"]:
-        negatives = scene_negatives(scene, caption, rng, settings.holdout, w3.PREDICATES, w3.COLOURS, w3.SHAPES)
+        negatives = scene_negatives(scene, caption, rng, settings.holdout, w3.PREDICATES, settings.colours, w3.SHAPES)
         if negatives:
             items.append({"image_id": index, "caption_id": caption["id"], "split": split,
                           "positive": caption["text"], "negatives": negatives})
@@ -251,8 +257,8 @@ def _build(job: tuple[int, Settings3D, str]) -> tuple[dict, list[dict]]:
     return build_scene(index, settings, out)
 
 
-def _vocabulary() -> dict:
-    return {"colours": {k: list(v) for k, v in w3.COLOURS.items()}, "shapes": list(w3.SHAPES),
+def _vocabulary(settings: Settings3D) -> dict:
+    return {"colours": {k: list(v) for k, v in settings.colours.items()}, "shapes": list(w3.SHAPES),
             "sizes": {k: v for k, v in w3.SIZES.items()}, "materials": list(w3.MATERIALS),
             "predicates": list(w3.PREDICATES), "words": {p: WORDS[p] for p in w3.PREDICATES},
             "negative_types": list(NEGATIVE_TYPES), "max_hidden": w3.MAX_HIDDEN,
@@ -261,14 +267,18 @@ def _vocabulary() -> dict:
 
 def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp: int = 32,
              holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
-             workers: int | None = None) -> dict:
+             workers: int | None = None, palette: str = "clevr") -> dict:
     """Write ``n`` 3D scenes and both controlled tests to ``out_dir`` in the toy worlds' layout; a summary
-    (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output."""
+    (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output; ``palette``: the
+    scenes' colours (``"wide"``: CLEVR's and :data:`world3d.EXTRA_COLOURS`, for pre-training a base)."""
     started = time.perf_counter()
     if n < 1 or seed < 0 or size < 32 or spp < 1:
         raise ValueError(f"--world 3d needs n >= 1, seed >= 0, size >= 32 and spp >= 1; got n={n}, seed={seed}, "
                          f"size={size}, spp={spp}")
-    settings = Settings3D(int(n), int(seed), int(size), int(spp), parse_holdout3d(holdout), parse_splits(splits))
+    if palette not in w3.PALETTES:
+        raise ValueError(f"--palette {palette!r}: choose one of {', '.join(w3.PALETTES)}")
+    settings = Settings3D(int(n), int(seed), int(size), int(spp), parse_holdout3d(holdout), parse_splits(splits),
+                          palette)
     workers = max(1, int(workers or 1))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -278,8 +288,11 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
     items = [item for _, scene_items in results for item in scene_items]
     core = {"version": VERSION, "world": "3d", "hard": True, "n": settings.n, "seed": settings.seed,
             "size": settings.size, "spp": settings.spp, "holdout": sorted(f"{c} {s}" for c, s in settings.holdout),
-            "splits": list(settings.splits), "vocabulary": {"colours": list(w3.COLOURS), "shapes": list(w3.SHAPES)}}
-    dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary()}, "scenes": scenes})
+            "splits": list(settings.splits), "vocabulary": {"colours": list(settings.colours),
+                                                            "shapes": list(w3.SHAPES)}}
+    if palette != "clevr":  # absent for CLEVR's: the worlds made before the option keep their bytes
+        core["palette"] = palette
+    dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)}, "scenes": scenes})
     dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
         write_split(out, split, [s for s in scenes if s["split"] == split], settings.seed, VERSION)

@@ -73,3 +73,21 @@ def test_a_seed_gives_the_same_bytes_with_one_and_two_workers(tmp_path):
     assert one == two and digest(tmp_path / "one") == digest(tmp_path / "two")
     assert all(0 < len(r["objects"]) <= 8 and all(o["hidden"] <= world3d.MAX_HIDDEN for o in r["objects"])
                for r in one)
+
+
+def test_the_wide_palettes_colours_are_as_far_apart_as_clevrs_closest_two():
+    """``--palette wide`` adds colours for pre-training a base; none may be a held-out colour renamed, so every pair
+    of the 24 lies at least as far apart (CIE L*a*b*) as CLEVR's closest pair, blue and purple."""
+    assert np.allclose(world3d.lab((255, 255, 255)), (100, 0, 0), atol=0.1)
+    assert np.allclose(world3d.lab((0, 0, 0)), (0, 0, 0), atol=1e-6)
+
+    def closest(colours):
+        names = list(colours)
+        return min(float(np.linalg.norm(world3d.lab(colours[a]) - world3d.lab(colours[b])))
+                   for i, a in enumerate(names) for b in names[i + 1:])
+
+    clevr = closest(world3d.COLOURS)
+    assert 26 < clevr < 27  # blue / purple
+    wide = world3d.PALETTES["wide"]
+    assert len(wide) == 24 and list(wide)[:8] == list(world3d.COLOURS)
+    assert closest(wide) >= clevr

@@ -27,6 +27,8 @@ def test_it_is_a_toy_world_with_its_own_vocabulary(world):
     meta = json.loads((world / "meta.json").read_text())
     assert is_toyworld(world) and meta["world"] == "3d" and meta["hard"] is True
     assert heldout_of(world) == {("red", "cube"), ("blue", "sphere")}
+    assert "palette" not in meta and set(json.loads((world / "annotations.json").read_text())["meta"]["colours"]) == \
+        set(world3d.COLOURS)
     assert meta["counts"]["controlled_sets"] == {"controlled-A": 2, "controlled-B": 2}
     assert sum(meta["counts"]["named_predicates"].values()) == 40
     with pytest.raises(ValueError, match="cube, sphere, cylinder"):
@@ -112,14 +114,26 @@ def test_the_toy_world_command_writes_it_with_world_3d_and_refuses_what_it_canno
     from extract.data.toyworld import main
 
     assert main(["--out", str(tmp_path / "w"), "--n", "20", "--world", "3d", "--size", "32", "--spp", "2",
-                 "--holdout", "red cube"]) == 0
+                 "--holdout", "red cube", "--palette", "wide"]) == 0
     printed = capsys.readouterr().out
     assert "toyworld (3d): 20 scenes" in printed and "controlled-A 1 sets" in printed
-    assert json.loads((tmp_path / "w" / "meta.json").read_text())["holdout"] == ["red cube"]
+    meta = json.loads((tmp_path / "w" / "meta.json").read_text())
+    assert meta["holdout"] == ["red cube"] and meta["palette"] == "wide"
+    # the wide palette: its scenes draw on 24 colours (the train split still never shows a held-out
+    # combination), its controlled tests on CLEVR's eight; a CLEVR world's files do not name a palette
+    annotations = json.loads((tmp_path / "w" / "annotations.json").read_text())
+    objects = [(s["split"], o["colour"], o["shape"]) for s in annotations["scenes"] for o in s["objects"]]
+    assert {c for _, c, _ in objects} & set(world3d.EXTRA_COLOURS)
+    assert ("train", "red", "cube") not in objects
+    assert set(annotations["meta"]["colours"]) == set(world3d.PALETTES["wide"])
+    controlled = json.loads((tmp_path / "w" / "controlled_a.json").read_text())
+    assert {o["colour"] for st in controlled["sets"] for im in st["scenes"] for o in im["objects"]} <= \
+        set(world3d.COLOURS)
     for argv, said in ((["--world", "3d", "--hard"], "--hard is --world hard"),
                        (["--world", "3d", "--long-captions"], "--world 3d has its own scenes"),
                        (["--world", "3d", "--holdout", "red circle"], "shape in cube, sphere, cylinder"),
-                       (["--hard", "--spp", "8"], "--spp sets the 3D world's path tracing")):
+                       (["--hard", "--spp", "8"], "--spp sets the 3D world's path tracing"),
+                       (["--hard", "--palette", "wide"], "--palette sets the 3D world's colours")):
         with pytest.raises(SystemExit):
             main(["--out", str(tmp_path / "x"), *argv])
         assert said in capsys.readouterr().err

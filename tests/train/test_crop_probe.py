@@ -32,8 +32,15 @@ def test_a_base_trained_on_the_world_keeps_shape_apart_from_colour_and_a_random_
     # random features read a seen combination's shape as well (a flat drawing's outline is easy), but they file a
     # held-out object under the shape its colour came with; the trained base does not (measured 100 against 0)
     assert seen["shape"]["held out"] >= 60 and random["shape"]["held out"] <= 40
+    # the second shape probe fits only colours shown with every shape: never the held-out ones' (red, blue), so it
+    # cannot learn that red is evidence against a circle; the trained base reads held-out shapes there too
+    complete = result["complete colours"]
+    assert complete and "red" not in complete and "blue" not in complete
+    assert seen["shape, complete colours"]["held out"] >= 60
     printed = capsys.readouterr().out
-    assert f"| toy-clip-hard | {seen['shape']['seen']:.1f} / {seen['shape']['held out']:.1f} |" in printed
+    assert (f"| toy-clip-hard | {seen['shape']['seen']:.1f} / {seen['shape']['held out']:.1f} | "
+            f"{seen['shape, complete colours']['seen']:.1f} / {seen['shape, complete colours']['held out']:.1f} |") \
+        in printed
     assert f"scored on {n['seen']} val / test objects of seen combinations and {n['held out']} of held-out" in printed
 
 
@@ -52,3 +59,12 @@ def test_a_world_without_held_out_combinations_says_what_to_make(tmp_path, capsy
     assert "--holdout" in capsys.readouterr().err
     assert cp.main(["--model", "tiny"]) == 2
     assert "--data WORLD is required" in capsys.readouterr().err
+
+
+def test_the_complete_colours_are_those_shown_with_every_shape():
+    def obj(colour, shape):
+        return {}, {"colour": colour, "shape": shape}
+
+    train = [obj("red", "cube"), obj("blue", "cube"), obj("red", "sphere"), obj("blue", "cube"), obj("gray", "cube")]
+    assert cp.complete_colours(train, ["cube", "sphere"]) == ["red"]
+    assert cp.complete_colours(train, ["cube"]) == ["red", "blue", "gray"]

@@ -40,7 +40,8 @@ COLOURS = {"gray": (87, 87, 87), "red": (173, 35, 35), "blue": (42, 75, 215), "g
 # the palette (CIE L*a*b*, D65) as CLEVR's two closest, blue and purple (26.4), so none is a held-out colour
 # renamed. CLEVR-CoGenT's lesson is that a model meets held-out colour-shape combinations with the shapes its colours
 # came with; a base that has seen twenty-four colours on every shape, not eight, has more reason to keep shape apart
-# from colour (extract/models/bases/README.md, the 3D bases). Tests and zero-shot sets stay CLEVR's.
+# from colour (extract/models/bases/README.md, the 3D bases). A wide world's controlled tests stay CLEVR's, and the
+# bases are scored on CLEVR worlds.
 EXTRA_COLOURS = {"orange": (255, 128, 0), "pink": (255, 130, 200), "white": (225, 225, 225), "black": (22, 22, 22),
                  "lime": (150, 235, 30), "navy": (20, 25, 105), "teal": (0, 120, 120), "magenta": (225, 30, 190),
                  "maroon": (105, 10, 40), "olive": (120, 125, 0), "beige": (215, 190, 140), "salmon": (250, 128, 114),

@@ -132,6 +132,7 @@ from extract.data.sceneparts import (COLOURS, COUNT_WORDS, NEGATIVE_TYPES, SHAPE
                                      count_files, describe, draw_shape, dump_json, heldout_of, is_toyworld,
                                      join_words, mutations, noun, parse_holdout, parse_splits, render_struct,
                                      split_of, write_split)
+from extract.data.world3d import PALETTES as PALETTES_3D
 from extract.data.world3d_layout import parse_holdout3d
 
 # the rules (extract/data/toyrules.py), also this module's public names as before
@@ -558,7 +559,7 @@ class ToyWorldOptions:
                              "(CLEVR's objects path-traced by Mitsuba 3, extract/data/world3d.py; the render3d "
                              "extra)")
     spp: int | None = option(None, type=positive_int, help="--world 3d: path-tracing samples a pixel (default 32)")
-    palette: str = option("clevr", choices=("clevr", "wide"),
+    palette: str = option("clevr", choices=tuple(PALETTES_3D),
                           help="--world 3d: the scenes' colours, CLEVR's eight (the default) or 24 (wide: sixteen "
                                "more, for pre-training a base; the controlled tests keep CLEVR's)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",

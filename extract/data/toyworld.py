@@ -561,7 +561,8 @@ class ToyWorldOptions:
     spp: int | None = option(None, type=positive_int, help="--world 3d: path-tracing samples a pixel (default 32)")
     palette: str = option("clevr", choices=tuple(PALETTES_3D),
                           help="--world 3d: the scenes' colours, CLEVR's eight (the default) or 24 (wide: sixteen "
-                               "more, for pre-training a base; the controlled tests keep CLEVR's)")
+                               "more, for pre-training a base; mixed: the same 24, CLEVR's drawn twice as often; "
+                               "the controlled tests keep CLEVR's)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '

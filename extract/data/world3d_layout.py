@@ -85,14 +85,21 @@ def _named(rng: np.random.Generator, strict: list) -> dict:
     return {"subject": i, "predicate": predicate, "object": j}
 
 
+def allowed_pairs(settings: Settings3D, split: str) -> list[tuple[str, str]]:
+    """The (colour, shape) pairs a scene of ``split`` draws its objects from, uniformly: a pair listed twice is drawn
+    twice as often (``world3d.DRAWS``); the train split never draws a held-out one."""
+    draws = w3.DRAWS.get(settings.palette, {})
+    return [(c, s) for c in settings.colours for s in w3.SHAPES for _ in range(draws.get(c, 1))
+            if split != "train" or (c, s) not in settings.holdout]
+
+
 def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[dict, list[dict]]:
     """Scene ``index`` (and its negatives' items), rendered and saved under ``out_dir`` when given."""
     from PIL import Image
 
     split = split_of(index, settings.splits)
-    allowed = [(c, s) for c in settings.colours for s in w3.SHAPES
-               if split != "train" or (c, s) not in settings.holdout]
-    scene3d, vis = w3.build_scene(settings.seed, index, settings.size, allowed=allowed, need_relation=True)
+    scene3d, vis = w3.build_scene(settings.seed, index, settings.size, allowed=allowed_pairs(settings, split),
+                                  need_relation=True)
     rng = np.random.default_rng([settings.seed, index, VERSION, 1])  # the words' own generator
     objects = _object_records(scene3d, vis)
     strict = [list(r) for r in w3.relations(scene3d)]

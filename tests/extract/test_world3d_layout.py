@@ -137,3 +137,19 @@ def test_the_toy_world_command_writes_it_with_world_3d_and_refuses_what_it_canno
         with pytest.raises(SystemExit):
             main(["--out", str(tmp_path / "x"), *argv])
         assert said in capsys.readouterr().err
+
+
+def test_the_mixed_palette_draws_clevrs_colours_twice_as_often_and_never_a_held_out_pair_in_train():
+    """``--palette mixed``: the wide palette's 24 colours, CLEVR's eight listed twice in the uniform draw, so they
+    are about half a train split's objects (a third in ``wide``)."""
+    def share(palette, split):
+        settings = world3d_layout.Settings3D(10, 0, holdout=world3d_layout.parse_holdout3d(HOLDOUT), palette=palette)
+        pairs = world3d_layout.allowed_pairs(settings, split)
+        return sum(c in world3d.COLOURS for c, _ in pairs) / len(pairs), pairs
+
+    assert share("clevr", "train")[0] == 1
+    assert share("wide", "train")[0] == pytest.approx(22 / 70) and share("wide", "test")[0] == pytest.approx(1 / 3)
+    assert share("mixed", "train")[0] == pytest.approx(44 / 92) and share("mixed", "test")[0] == pytest.approx(1 / 2)
+    for palette in world3d.PALETTES:
+        assert not {("red", "cube"), ("blue", "sphere")} & set(share(palette, "train")[1])
+        assert {("red", "cube"), ("blue", "sphere")} <= set(share(palette, "val")[1])

@@ -24,6 +24,7 @@ seed, so its bytes depend on (seed, index) alone, not on the worker that made it
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -414,6 +415,24 @@ def _make(job: tuple[int, int, int, int, str]) -> dict:
     return scene_record(index, scene, vis, name)
 
 
+def _die_with_parent(parent: int) -> None:
+    """In a render worker: end when the process that started it ends. A parent killed by a signal (``kill``, a
+    scheduler's time limit) runs no clean-up, and its workers would render their chunk of scenes on, for nobody (an
+    8,000-scene world's ran 1.5 h). Linux's PR_SET_PDEATHSIG sends SIGTERM then; elsewhere nothing changes."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: the old behaviour
+        return
+    if os.getppid() != parent:  # the parent ended before the request took effect
+        os._exit(1)
+
+
 def map_jobs(fn, jobs: list, workers: int, desc: str = "rendering", unit: str = "scene") -> list:
     """``[fn(job) for job in jobs]``, in ``workers`` processes when more than one (spawned: a renderer's threads do
     not survive fork); the results in the jobs' order, with a progress line (``extract.common.cli.progress``: a bar
@@ -425,7 +444,8 @@ def map_jobs(fn, jobs: list, workers: int, desc: str = "rendering", unit: str = 
 
     if workers <= 1 or len(jobs) <= 1:
         return [fn(job) for job in progress(jobs, total=len(jobs), desc=desc, unit=unit)]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         results = pool.map(fn, jobs, chunksize=max(1, len(jobs) // (4 * workers)))
         return list(progress(results, total=len(jobs), desc=desc, unit=unit))
 

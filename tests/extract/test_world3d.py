@@ -91,3 +91,46 @@ def test_the_wide_palettes_colours_are_as_far_apart_as_clevrs_closest_two():
     wide = world3d.PALETTES["wide"]
     assert len(wide) == 24 and list(wide)[:8] == list(world3d.COLOURS)
     assert closest(wide) >= clevr
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_render_workers_end_when_their_parent_is_killed(tmp_path):
+    """A render's parent killed by SIGKILL runs no clean-up: its spawned workers must not render on for nobody."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "napper.py").write_text(
+        "import os, time\n"
+        "def nap(folder):\n"
+        "    open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
+        "    time.sleep(120)\n")
+    script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+              "from napper import nap\nfrom extract.data.world3d import map_jobs\n"
+              f"map_jobs(nap, [{str(tmp_path)!r}] * 4, 2)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(world3d.__file__).rsplit("/extract/", 1)[0],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the workers' start, not waiting for an effect
+    workers = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(workers) == 2, "the workers did not start"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has ended
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"render workers {left} outlived their killed parent"

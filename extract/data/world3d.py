@@ -47,7 +47,8 @@ EXTRA_COLOURS = {"orange": (255, 128, 0), "pink": (255, 130, 200), "white": (225
                  "lime": (150, 235, 30), "navy": (20, 25, 105), "teal": (0, 120, 120), "magenta": (225, 30, 190),
                  "maroon": (105, 10, 40), "olive": (120, 125, 0), "beige": (215, 190, 140), "salmon": (250, 128, 114),
                  "lavender": (190, 170, 240), "mint": (160, 240, 180), "rose": (230, 70, 120), "plum": (120, 50, 100)}
-PALETTES = {"clevr": COLOURS, "wide": {**COLOURS, **EXTRA_COLOURS}, "mixed": {**COLOURS, **EXTRA_COLOURS}}
+WIDE = {**COLOURS, **EXTRA_COLOURS}
+PALETTES = {"clevr": COLOURS, "wide": WIDE, "mixed": WIDE}
 # How many times each colour's (colour, shape) pairs enter the draw (absent: once). ``mixed`` is ``wide`` with CLEVR's
 # colours twice as likely, so they are about half a train split's objects (a third in ``wide``): a base fine-tuned
 # on ``wide`` names held-out combinations better but seen ones worse (extract/models/bases/README.md).
@@ -285,7 +286,7 @@ def _linear(rgb: Sequence[int]) -> list[float]:
 
 
 def _bsdf(obj: Object3D) -> dict:
-    colour = {"type": "rgb", "value": _linear(PALETTES["wide"][obj.colour])}
+    colour = {"type": "rgb", "value": _linear(WIDE[obj.colour])}
     if obj.material == "metal":
         return {"type": "roughconductor", "material": "none", "alpha": 0.15, "specular_reflectance": colour}
     return {"type": "diffuse", "reflectance": colour}

@@ -5,8 +5,8 @@ Every reader of a toy world reads it (``annotations.json``, ``negatives.json``, 
 ``meta.json``, ``controlled_a.json``, ``controlled_b.json``, ``whatsup/``): each scene carries its own relation tables
 (``relations`` strict, ``lenient``), so a caption is judged by the 3D world's rules wherever the project asks whether
 it is true (``extract.data.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
-tests are the hard world's two), and names its vocabulary (CLEVR's; with ``palette="wide"``, for pre-training a
-base, 24 colours in the scenes, ``world3d.PALETTES``, and ``"palette": "wide"``).
+tests are the hard world's two), and names its vocabulary (CLEVR's; with ``palette="wide"`` or ``"mixed"``, for
+pre-training a base, 24 colours in the scenes, ``world3d.PALETTES``, and ``"palette"`` naming it).
 
 - **Captions** as the hard world's (``hardworld.scene_captions``), in What'sUp's form: one per object (size,
   colour, shape, as the other worlds; the material is not named), one relation said from either side ("a red cube on a blue cylinder" or "a blue
@@ -277,7 +277,8 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
              workers: int | None = None, palette: str = "clevr") -> dict:
     """Write ``n`` 3D scenes and both controlled tests to ``out_dir`` in the toy worlds' layout; a summary
     (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output; ``palette``: the
-    scenes' colours (``"wide"``: CLEVR's and :data:`world3d.EXTRA_COLOURS`, for pre-training a base)."""
+    scenes' colours (``"wide"``: CLEVR's and :data:`world3d.EXTRA_COLOURS`, for pre-training a base; ``"mixed"``:
+    the same, CLEVR's drawn twice as often, :func:`allowed_pairs`)."""
     started = time.perf_counter()
     if n < 1 or seed < 0 or size < 32 or spp < 1:
         raise ValueError(f"--world 3d needs n >= 1, seed >= 0, size >= 32 and spp >= 1; got n={n}, seed={seed}, "

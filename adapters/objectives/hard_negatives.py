@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from adapters.losses.contrastive import extra_columns_loss, gather_any
 from adapters.objectives.base import Features, PretrainObjective, StepContext
+from extract.components.hard_negatives import fill_slots
 
 PREFIX = "hn:"  # feature names of the negatives' text side
 
@@ -74,10 +75,10 @@ class WithHardNegatives(PretrainObjective):
         types = self.generator.types
         texts, valid = [], torch.zeros(len(captions), self.slots, dtype=torch.bool)
         for b, negs in enumerate(drawn):
-            by_type = dict(negs)
-            for k, kind in enumerate(types):
-                valid[b, k] = kind in by_type
-                texts.append(by_type.get(kind, ""))
+            by_slot = fill_slots(types, negs)
+            for k in range(len(types)):
+                valid[b, k] = k in by_slot
+                texts.append(by_slot.get(k, ""))
         tokens = tokenizer(texts)
         out["hn_text"] = tokens.view(len(captions), self.slots, -1)
         out["hn_valid"] = valid

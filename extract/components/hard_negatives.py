@@ -39,7 +39,7 @@ Dropped candidates
     - any naming a forbidden (attribute, noun) pair (``forbid``: the held-out combinations of a toy world).
     A text-only generator cannot see the image: "above" for a pair that is also above is proposed (the toy
     world, which sees the scene, drops it). :func:`candidates` lists every candidate; :meth:`HardNegatives.draw`
-    picks at most one per type.
+    picks at most one per type (``TYPE*N`` in the types: up to N, distinct; :func:`parse_types`).
 
 Vocabulary
     :meth:`Vocabulary.build` collects head nouns, attribute words per category and predicates from the
@@ -100,7 +100,8 @@ class HardNegativeOptions:
     hard_negatives: object = option("none", group="hard negatives",
                                     help="NegCLIP's hard negatives as extra image->text columns, drawn per training "
                                          "caption from its parse: none, all, or a comma list from replace-att, "
-                                         "replace-obj, replace-rel, swap-att, swap-obj (extract/components/hard_negatives.py)")
+                                         "replace-obj, replace-rel, swap-att, swap-obj, each TYPE*N for N of it "
+                                         "per caption ('all,replace-rel*3'; extract/components/hard_negatives.py)")
     hard_negative_weight: float = option(1.0, type=nonnegative_float, group="hard negatives",
                                          help="weight of the hard-negative term added to the loss")
 
@@ -381,20 +382,57 @@ class _Candidates:
 
 
 def parse_types(spec: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``"none"`` / ``""`` -> (); ``"all"`` -> every type; else a comma list (or sequence) of known types."""
+    """The negatives' slots, a type once per negative of it drawn for each caption, in :data:`NEGATIVE_TYPES` order:
+    ``"none"`` / ``""`` -> (); ``"all"`` -> every type once; else a comma list (or sequence) of known types, each
+    ``TYPE`` (one) or ``TYPE*N`` (N distinct negatives of it per caption, where the caption has that many), with
+    ``all`` giving one of every type not listed: ``"all,replace-rel*3"``. A type listed twice is an error, except
+    as :func:`format_types` writes the slots back (``"replace-rel,replace-rel"``: two)."""
     if spec is None:
         return ()
     items = [t.strip() for t in spec.split(",")] if isinstance(spec, str) else [str(t).strip() for t in spec]
     items = [t for t in items if t]
     if items in ([], ["none"]):
         return ()
-    if items == ["all"]:
-        return NEGATIVE_TYPES
-    bad = [t for t in items if t not in NEGATIVE_TYPES]
-    if bad:
-        raise ValueError(f"unknown hard-negative type {bad[0]!r}: use none, all or a comma list from "
-                         f"{', '.join(NEGATIVE_TYPES)}")
-    return tuple(t for t in NEGATIVE_TYPES if t in items)
+    counts: dict[str, int] = {}
+    starred: set[str] = set()
+    for item in items:
+        if item == "all":
+            continue
+        kind, star, n = item.partition("*")
+        kind = kind.strip()
+        if kind not in NEGATIVE_TYPES:
+            raise ValueError(f"unknown hard-negative type {kind!r}: use none, all or a comma list from "
+                             f"{', '.join(NEGATIVE_TYPES)} (each TYPE or TYPE*N)")
+        if star and not (n.strip().isdigit() and int(n) >= 1):
+            raise ValueError(f"hard negatives {item!r}: the count after '*' must be a whole number >= 1")
+        if kind in starred or (star and kind in counts):
+            raise ValueError(f"hard negatives: {kind} is listed twice; give its count once ({kind}*N)")
+        if star:
+            starred.add(kind)
+        counts[kind] = int(n) if star else counts.get(kind, 0) + 1
+    if "all" in items:
+        counts = {kind: counts.get(kind, 1) for kind in NEGATIVE_TYPES}
+    return tuple(kind for kind in NEGATIVE_TYPES for _ in range(counts.get(kind, 0)))
+
+
+def format_types(types: Sequence[str]) -> str:
+    """The slots of :func:`parse_types` as the flag writes them: ``"replace-att,replace-rel*3"``, ``"none"``."""
+    counts = Counter(types)
+    return ",".join(kind if counts[kind] == 1 else f"{kind}*{counts[kind]}"
+                    for kind in NEGATIVE_TYPES if counts[kind]) or "none"
+
+
+def fill_slots(types: Sequence[str], found: Iterable[tuple[str, str]]) -> dict[int, str]:
+    """{slot: text} for one caption's drawn (type, text) pairs: the k-th negative of a type in that type's k-th slot
+    of ``types`` (the slots of :func:`parse_types`); slots left empty are absent."""
+    free: dict[str, list[int]] = {}
+    for slot, kind in enumerate(types):
+        free.setdefault(kind, []).append(slot)
+    out = {}
+    for kind, text in found:
+        if free.get(kind):
+            out[free[kind].pop(0)] = text
+    return out
 
 
 def candidates(s: Structure, vocab: Vocabulary, types: Sequence[str] = NEGATIVE_TYPES,
@@ -422,9 +460,10 @@ def render(text: str, edit: Edit) -> str:
 
 
 # --------------------------------------------------------------------------------------------- drawing
-def first_acceptable(c: _Candidates, kind: str, rng: np.random.Generator) -> Edit | None:
-    """One candidate of ``kind``, uniform over the acceptable ones: proposals in a random order, the first that
-    makes an :class:`Edit` (replace-rel: the converse ones first, CONVERSE_SHARE of the time)."""
+def first_acceptable(c: _Candidates, kind: str, rng: np.random.Generator, count: int = 1) -> list[Edit]:
+    """Up to ``count`` candidates of ``kind`` with distinct texts, uniform over the acceptable ones: proposals in a
+    random order, the first that make an :class:`Edit` (replace-rel: the converse ones first, CONVERSE_SHARE of the
+    time). One draw takes the same random numbers whatever ``count``: a run asking one per type draws what it did."""
     proposals = c.proposals(kind)
     converse = [p for p in proposals if kind == "replace-rel" and CONVERSES.get(c.s.relations[p[0]].predicate) == p[1]]
     if converse and rng.random() < CONVERSE_SHARE:
@@ -433,18 +472,21 @@ def first_acceptable(c: _Candidates, kind: str, rng: np.random.Generator) -> Edi
         order = list(rng.permutation(len(converse))) + [len(converse) + k for k in rng.permutation(len(rest))]
     else:
         order = rng.permutation(len(proposals))
+    found: list[Edit] = []
     for k in order:
         edit = c.make(kind, proposals[k])
-        if edit is not None:
-            return edit
-    return None
+        if edit is not None and all(edit.replacements != e.replacements for e in found):
+            found.append(edit)
+            if len(found) == count:
+                break
+    return found
 
 
 @dataclass
 class HardNegatives:
     """Draws hard negatives for training captions: ``HardNegatives(vocab, types).draw(captions, rng)``.
 
-    types: a subset of :data:`NEGATIVE_TYPES` (``parse_types`` reads the flag); forbid: (attribute, noun) pairs
+    types: the slots, types of :data:`NEGATIVE_TYPES` each once per negative of it (``parse_types`` reads the flag); forbid: (attribute, noun) pairs
     no negative may name (a toy world's held-out combinations). The spaCy extractor is loaded on first use, so
     an instance pickles into data-loader workers without it (the parsed structures go along).
     """
@@ -477,17 +519,16 @@ class HardNegatives:
         return [cache[c] for c in captions]
 
     def draw(self, captions: Sequence[str], rng: np.random.Generator) -> list[list[tuple[str, str]]]:
-        """For each caption, at most one (type, text) per type, in :attr:`types` order."""
+        """For each caption, at most as many (type, text) of a type as :attr:`types` has slots of it (distinct
+        texts), in :attr:`types` order; :func:`fill_slots` puts them in their slots."""
+        counts = Counter(self.types)
         out = []
         for s in self.structures(captions):
             c = _Candidates(s, self.vocab, self.forbid)
             found = []
-            for kind in self.types:
-                edit = first_acceptable(c, kind, rng)
-                if edit is not None:
-                    text = render(s.text, edit)
-                    if text.lower() != s.text.lower():
-                        found.append((kind, text))
+            for kind in dict.fromkeys(self.types):
+                texts = dict.fromkeys(render(s.text, edit) for edit in first_acceptable(c, kind, rng, counts[kind]))
+                found += [(kind, text) for text in texts if text.lower() != s.text.lower()]
             out.append(found)
         return out
 

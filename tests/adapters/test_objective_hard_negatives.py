@@ -71,6 +71,18 @@ def test_the_softmax_holds_the_negatives_as_extra_columns(model, generator):
     assert valid_slot.requires_grad
 
 
+def test_a_counted_type_fills_its_slots(model, generator):
+    """'replace-rel*3' in pre-training: three slots of the type, filled with distinct texts where the vocabulary's
+    predicates allow (a caption without a relation gets none)."""
+    _, _, _, tokenizer = model
+    counted = HardNegatives(generator.vocab, ("replace-rel",) * 3)
+    objective = WithHardNegatives(PRETRAIN.get("clip")(), counted, seed=1)
+    batch = objective.prepare(CAPTIONS[:3], ["a", "b", "c"], tokenizer)
+    assert batch["hn_valid"].tolist() == [[True] * 3, [False] * 3, [True] * 3]
+    for row in (0, 2):
+        assert len({tuple(t.tolist()) for t in batch["hn_text"][row]}) == 3
+
+
 def test_negatives_are_drawn_reproducibly_per_batch(model, generator):
     _, _, _, tokenizer = model
     objective = WithHardNegatives(PRETRAIN.get("clip")(), generator, seed=3)

@@ -108,6 +108,16 @@ def test_types_flag():
     assert hn.parse_types("swap-obj,replace-att") == ("replace-att", "swap-obj")
     with pytest.raises(ValueError, match="unknown hard-negative type 'add-obj'"):
         hn.parse_types("add-obj")
+    # counts: TYPE*N gives a type N slots; "all" one of every type not counted; the flag's text round-trips
+    rel3 = hn.parse_types("all,replace-rel*3")
+    assert rel3 == ("replace-att", "replace-obj", "replace-rel", "replace-rel", "replace-rel", "swap-att", "swap-obj")
+    assert hn.format_types(rel3) == "replace-att,replace-obj,replace-rel*3,swap-att,swap-obj"
+    assert hn.parse_types(hn.format_types(rel3)) == rel3 == hn.parse_types(",".join(rel3))
+    assert hn.format_types(()) == "none" and hn.format_types(hn.NEGATIVE_TYPES) == ",".join(hn.NEGATIVE_TYPES)
+    for bad, says in (("replace-rel*0", "whole number >= 1"), ("replace-rel*x", "whole number"),
+                      ("replace-rel*2,replace-rel", "listed twice"), ("swap*2", "unknown hard-negative type 'swap'")):
+        with pytest.raises(ValueError, match=says):
+            hn.parse_types(bad)
 
 
 def test_draw_is_one_per_type_and_reproducible(gen):
@@ -117,6 +127,27 @@ def test_draw_is_one_per_type_and_reproducible(gen):
     assert one == gen.draw([caption], np.random.default_rng(3))[0]
     every = all_negatives(gen, caption)
     assert all(text in every[kind] for kind, text in one)
+
+
+def test_draw_counts_give_distinct_negatives_and_one_draws_as_before(gen):
+    """replace-rel*3: up to three distinct predicates per relation caption, each false by the parse, filling the
+    type's slots in order; with one slot per type the random stream is the same as before (a run's negatives are
+    those it drew before counts existed), and every caption keeps its other types."""
+    caption = "a red circle to the left of a blue square"
+    slots = hn.parse_types("all,replace-rel*3")
+    counted = hn.HardNegatives(gen.vocab, slots)
+    counted.__dict__["_structures"] = gen.__dict__["_structures"]  # the parses the fixture made
+    drawn = counted.draw([caption], np.random.default_rng(3))[0]
+    rels = [text for kind, text in drawn if kind == "replace-rel"]
+    assert len(rels) == len(set(rels)) == 3 and set(rels) <= all_negatives(gen, caption)["replace-rel"]
+    assert [k for k, _ in drawn if k != "replace-rel"] == [k for k in hn.NEGATIVE_TYPES if k != "replace-rel"]
+    filled = hn.fill_slots(slots, drawn)
+    assert [filled[k] for k in (2, 3, 4)] == rels and len(filled) == len(slots)
+    one = gen.draw([caption], np.random.default_rng(3))[0]
+    first = [text for kind, text in one if kind == "replace-rel"]
+    # the first of the three is the one a single slot draws: the same order, read further
+    assert rels[0] == first[0]
+    assert hn.fill_slots(("replace-rel", "swap-obj"), [("swap-obj", "x")]) == {1: "x"}
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ pytest.importorskip("spacy")
 from adapters.registry import ADAPTERS  # noqa: E402
 from fixtures.toy import toy_root  # noqa: E402
 from train.adapter.engine import AdapterOptions, AdapterRun, compute_gradients, resolve, train  # noqa: E402
-from train.adapter.negatives import NegativeLoss, build_negatives  # noqa: E402
+from train.adapter.negatives import NegativeLoss, build_negatives, draw_negatives  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,21 @@ def test_negatives_are_drawn_from_training_captions_and_encoded_once():
     assert neg.rows[0].tolist() != [-1, -1, -1] and neg.rows[1, 1] == -1  # one object: nothing to swap
     batch = neg.batch(np.array([1, 0]), ["text_embed"])
     assert batch["neg:text_embed"].shape == (2, 3, 4) and batch["neg_valid"].tolist()[1] == (neg.rows[0] >= 0).tolist()
+
+
+def test_a_type_counted_twice_fills_two_slots_with_distinct_negatives():
+    """--hard-negatives 'replace-rel*2': two slots of the type, two different predicates in them where the vocabulary
+    has them, counted together in the run's summary; the flag's text as the run records it."""
+    texts = ["a red circle to the left of a blue square", "a green star above a red circle",
+             "a blue square below a green star", "a red circle on a green star"]
+    neg = build_negatives(texts, np.arange(4), ("replace-rel", "replace-rel"),
+                          lambda batch: {"text_embed": np.ones((len(batch), 4), dtype=np.float32)}, seed=0,
+                          say=lambda *a: None)
+    assert (neg.rows >= 0).all() and all(a != b for a, b in neg.rows.tolist())
+    drawn = draw_negatives(texts, np.arange(4), ("replace-rel", "replace-rel"), seed=0)
+    assert drawn.summary(4).endswith("(replace-rel 8)")
+    assert resolve(AdapterOptions(method="grounded", hard_negatives="all,replace-rel*2")).hard_negatives == \
+        "replace-att,replace-obj,replace-rel*2,swap-att,swap-obj"
 
 
 @pytest.mark.slow

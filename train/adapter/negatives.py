@@ -1,6 +1,6 @@
 """Hard negatives for adapter training (``python -m train.adapter --hard-negatives all``): NegCLIP's extra columns.
 
-For every training caption, at most one negative per type is drawn from its parse (:mod:`extract.components.hard_negatives`,
+For every training caption, at most one negative per type (``TYPE*N``: N) is drawn from its parse (:mod:`extract.components.hard_negatives`,
 the vocabulary from the training captions only; on a toy world no negative names a held-out combination) and
 encoded once, before training, by the same live extraction that scores queries (``LiveExtractor.text_arrays``:
 the frozen backbone's global and component embeddings). Each step then adds to the head's own loss
@@ -65,14 +65,17 @@ class DrawnNegatives:
     types: tuple[str, ...]
 
     def summary(self, captions: int) -> str:
+        counts = {t: sum(int((self.rows[:, k] >= 0).sum()) for k, s in enumerate(self.types) if s == t)
+                  for t in dict.fromkeys(self.types)}
         return (f"hard negatives: {len(self.texts)} texts for {captions} training captions ("
-                + ", ".join(f"{t} {int((self.rows[:, k] >= 0).sum())}" for k, t in enumerate(self.types)) + ")")
+                + ", ".join(f"{t} {n}" for t, n in counts.items()) + ")")
 
 
 def draw_negatives(texts: list[str], train_rows: np.ndarray, types, *, seed: int, forbid=()) -> DrawnNegatives:
-    """The training captions' negatives, at most one per type each, the vocabulary that of ``texts[train_rows]``;
-    each distinct text once."""
-    from extract.components.hard_negatives import HardNegatives
+    """The training captions' negatives, at most one per slot of ``types`` each (a type's slots: how many of it,
+    ``extract.components.hard_negatives.parse_types``), the vocabulary that of ``texts[train_rows]``; each distinct
+    text once."""
+    from extract.components.hard_negatives import HardNegatives, fill_slots
 
     train_texts = [texts[int(r)] for r in train_rows]
     gen = HardNegatives.for_captions(train_texts, types, forbid=forbid)
@@ -80,8 +83,8 @@ def draw_negatives(texts: list[str], train_rows: np.ndarray, types, *, seed: int
     rows = np.full((len(texts), len(gen.types)), -1, dtype=np.int64)
     unique: dict[str, int] = {}
     for r, negs in zip(train_rows, drawn):
-        for kind, text in negs:
-            rows[int(r), gen.types.index(kind)] = unique.setdefault(text, len(unique))
+        for slot, text in fill_slots(gen.types, negs).items():
+            rows[int(r), slot] = unique.setdefault(text, len(unique))
     return DrawnNegatives(rows, list(unique), gen.types)
 
 

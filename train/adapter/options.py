@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from adapters.heads.base import AdapterHead
 from adapters.registry import ADAPTERS
-from extract.components.hard_negatives import HardNegativeOptions, parse_types
+from extract.components.hard_negatives import HardNegativeOptions, format_types, parse_types
 from extract.common.cli import Parser, check_options, from_namespace, option
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import (config_file, fraction, nonnegative_float, nonnegative_int, parse_with_config,
@@ -55,8 +55,8 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
     hard_negatives: object = option(None, group="hard negatives",
                                     help="NegCLIP's hard negatives as extra image->text columns, drawn per training "
                                          "caption from its parse: none, all, or a comma list from replace-att, "
-                                         "replace-obj, replace-rel, swap-att, swap-obj "
-                                         "(extract/components/hard_negatives.py; default: the method's own, "
+                                         "replace-obj, replace-rel, swap-att, swap-obj, each TYPE*N for N of "
+                                         "it per caption (extract/components/hard_negatives.py; default: the method's own, "
                                          "its head class's hard_negatives: all for grounded, none for the others)")
     base: str = option("tiny", help="backbone alias or open_clip model name (ViT-B-32, ViT-L-14, ...)")
     pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
@@ -347,7 +347,7 @@ def resolve(opts: AdapterOptions, parser: Parser | None = None) -> AdapterOption
     if opts.epochs is None and not opts.cooldown > 0:
         raise ValueError("--cooldown must be above 0 without --epochs (the run ends when its cool-down does)")
     spec = opts.hard_negatives if opts.hard_negatives is not None else getattr(head_cls, "hard_negatives", "none")
-    hard = ",".join(parse_types(spec)) or "none"
+    hard = format_types(parse_types(spec))
     resolved = dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components,
                                    backbone_lr=backbone_lr, hard_negatives=hard)
     object.__setattr__(resolved, "_resolved", True)  # not a field: dataclasses.replace of it starts unresolved

@@ -20,7 +20,7 @@ from extract.common.cli import Parser, from_namespace, option
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import (config_value, fraction, nonnegative_float, nonnegative_int, parse_with_config,
                                    positive_float, positive_int)
-from extract.components.hard_negatives import HardNegativeOptions, parse_types
+from extract.components.hard_negatives import HardNegativeOptions, format_types, parse_types
 from extract.common.source_args import SourceOptions
 from train.bad_steps import MAX_BAD_STEPS
 
@@ -157,7 +157,7 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
             raise ValueError(f"--debug-nan-steps: expected comma-separated step numbers, got "
                              f"{self.debug_nan_steps!r}") from None
         self.method_options = {str(k).replace("-", "_"): v for k, v in dict(self.method_options or {}).items()}
-        self.hard_negatives = ",".join(parse_types(self.hard_negatives)) or "none"
+        self.hard_negatives = format_types(parse_types(self.hard_negatives))
 
 
 def method_flags() -> dict[str, tuple[argparse.ArgumentParser, dict[str, argparse.Action]]]:

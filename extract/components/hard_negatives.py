@@ -486,9 +486,10 @@ def first_acceptable(c: _Candidates, kind: str, rng: np.random.Generator, count:
 class HardNegatives:
     """Draws hard negatives for training captions: ``HardNegatives(vocab, types).draw(captions, rng)``.
 
-    types: the slots, types of :data:`NEGATIVE_TYPES` each once per negative of it (``parse_types`` reads the flag); forbid: (attribute, noun) pairs
-    no negative may name (a toy world's held-out combinations). The spaCy extractor is loaded on first use, so
-    an instance pickles into data-loader workers without it (the parsed structures go along).
+    types: the slots, each type of :data:`NEGATIVE_TYPES` once per negative of it drawn (``parse_types`` reads the
+    flag); forbid: (attribute, noun) pairs no negative may name (a toy world's held-out combinations). The spaCy
+    extractor is loaded on first use, so an instance pickles into data-loader workers without it (the parsed
+    structures go along).
     """
 
     vocab: Vocabulary

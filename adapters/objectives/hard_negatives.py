@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from adapters.losses.contrastive import extra_columns_loss, gather_any
 from adapters.objectives.base import Features, PretrainObjective, StepContext
-from extract.components.hard_negatives import fill_slots
+from extract.components.hard_negatives import fill_slots, format_types
 
 PREFIX = "hn:"  # feature names of the negatives' text side
 
@@ -61,8 +61,8 @@ class WithHardNegatives(PretrainObjective):
                                              **{k: len(w) for k, w in v.attributes.items()}}}
 
     def describe(self) -> str:
-        return (f"{self.inner.describe()} + hard negatives ({', '.join(self.generator.types)}; weight "
-                f"{self.weight:g})")
+        types = format_types(self.generator.types).replace(",", ", ")  # replace-rel*3, not replace-rel three times
+        return f"{self.inner.describe()} + hard negatives ({types}; weight {self.weight:g})"
 
     def setup(self, model: nn.Module, data_info) -> None:
         self.inner.setup(model, data_info)

@@ -449,7 +449,7 @@ def map_jobs(fn, jobs: list, workers: int, desc: str = "rendering", unit: str = 
                              initargs=(os.getpid(),)) as pool:
         # small chunks: results come back in order, so a chunk of a quarter of a worker's share held the first
         # progress line back for minutes (2,000 scenes: "1/2000 in 150 s, about 299612 s left"); a scene takes
-        # ~0.3 s to render, so sending 16 at a time costs nothing
+        # well under a second to render, so sending 16 at a time costs nothing
         results = pool.map(fn, jobs, chunksize=max(1, min(16, len(jobs) // (4 * workers))))
         return list(progress(results, total=len(jobs), desc=desc, unit=unit))
 

@@ -59,6 +59,8 @@ class LiveExtractor:
         args.workers, args.annotations = 0, None
         if args.crop_scale is None:  # a cache from before --crop-scale existed: its crops were tight
             args.crop_scale = 1.0
+        if args.phrase_prompt is None:  # a cache from before --phrase-prompt: phrases as parsed
+            args.phrase_prompt = "{}"
         if isinstance(args.components, str):
             args.components = [c for c in args.components.split(",") if c]
         if use_annotations and detector is not None:

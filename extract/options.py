@@ -69,6 +69,12 @@ class ExtractOptions(SourceOptions):
                                            "crop as objects do in the images the backbone was trained on (1: the "
                                            "tight crop, ComAlign's; default: the backbone's, 1 for open_clip models, "
                                            "3 for the toy-world bases, extract/models/backbones.json)")
+    phrase_prompt: str | None = option(None, group="components",
+                                       help="how an entity, subject or object phrase is written before the text tower "
+                                            "embeds it, {} standing for the phrase: the parse gives 'brown cube', a "
+                                            "tower trained on captions reads 'a brown cube' (default: the backbone's, "
+                                            "'a {}' for the toy-world bases, '{}' as parsed for the rest, "
+                                            "extract/models/backbones.json)")
     max_entities: int = option(10, type=positive_int, group="components",
                                help="entity components per image and per caption (ComAlign: 10)")
     max_relations: int = option(10, type=positive_int, group="components",
@@ -91,6 +97,9 @@ class ExtractOptions(SourceOptions):
         if isinstance(self.components, str):
             self.components = [c.strip() for c in self.components.split(",")]
         self.components = sorted({str(c).strip() for c in self.components if str(c).strip()})
+        if self.phrase_prompt is not None and self.phrase_prompt.count("{}") != 1:
+            raise ValueError(f"--phrase-prompt {self.phrase_prompt!r}: write the phrase's place as {{}} once, "
+                             "e.g. 'a {}' or 'a photo of a {}'")
         unknown = set(self.components) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"unknown component(s) {', '.join(sorted(unknown))}; choose from {', '.join(COMPONENTS)}")

@@ -234,6 +234,8 @@ class ExtractionComponents:
                           "nodes": a.max_nodes}}
         if self.text is not None:
             out["text"] = self.text.settings()
+            if a.phrase_prompt != "{}":  # as parsed: no key, so caches from before the option keep their fingerprint
+                out["text"]["phrase_prompt"] = a.phrase_prompt
         if self.annotations_file and self.reads_boxes:
             from extract.models.weights import file_sha256
 
@@ -395,14 +397,19 @@ class ShardBuilder:
             comps = self.c.text.extract(texts, tok)
             packed = pack(comps, self.bb.context_length, a.max_entities, a.max_relations, a.max_leaves, a.max_nodes)
             stats["phrases_cut"] = int(packed["phrases_cut"].sum())
-            for kind, component, cap in (("entity", "entities", a.max_entities),
-                                         ("relation", "relations", a.max_relations)):
+            # a noun phrase as a caption writes it ("a brown cube", --phrase-prompt), the predicate and the relation as
+            # parsed: a phrase cut out of its caption is not a text the tower was trained on
+            nouns = lambda rows: [[a.phrase_prompt.replace("{}", t) for t in row] for row in rows]  # noqa: E731
+            for kind, component, cap, write in (("entity", "entities", a.max_entities, nouns),
+                                                ("relation", "relations", a.max_relations, list)):
                 if component in self.want:
-                    out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(packed[f"{kind}_text"], cap)
+                    out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(write(packed[f"{kind}_text"]),
+                                                                                     cap)
             if "roles" in self.want:  # each relation's subject, predicate and object embedded on its own
                 for k, role in enumerate(("subject", "predicate", "object")):
+                    rows = [[triple[k] for triple in row] for row in packed["role_text"]]
                     out[f"role_{role}_embed"], out["role_valid"] = self._embed_phrases(
-                        [[triple[k] for triple in row] for row in packed["role_text"]], a.max_relations)
+                        rows if role == "predicate" else nouns(rows), a.max_relations)
             if "tree" in self.want:
                 out.update(_tree(packed, length))
         return out, stats
@@ -555,6 +562,8 @@ def run(args: ExtractOptions, backbone: FrozenBackbone | None = None) -> dict:
         backbone = load_backbone(args.base, args.pretrained, device=ranks.device, precision=args.precision)
     if args.crop_scale is None:  # the backbone's own (how large objects are in the images it was trained on)
         args.crop_scale = backbone.spec.crop_scale
+    if args.phrase_prompt is None:  # the backbone's own (how the captions it was trained on write a noun phrase)
+        args.phrase_prompt = backbone.spec.phrase_prompt
     data = data_fingerprint(source)
     settings = {"pipeline": PIPELINE_VERSION, "backbone": backbone.describe(hash_weights=True), "data": data,
                 "shard_size": args.shard_size if isinstance(source, IndexedSource) else "per-input-shard",

@@ -99,6 +99,7 @@ class BackboneSpec:
     requires_file: bool = False
     hint: str | None = None
     crop_scale: float = 1.0  # entity crops: the square's side / the object's (backbones.json "crop_scale")
+    phrase_prompt: str = "{}"  # entity / subject / object phrases as the text tower reads them ("phrase_prompt")
 
 
 def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
@@ -119,7 +120,8 @@ def resolve_spec(base: str, pretrained: str | None = None) -> BackboneSpec:
     return BackboneSpec(base=base, model=alias["model"], pretrained=tag,
                         quick_gelu=bool(alias.get("quick_gelu", False)),
                         requires_file=bool(alias.get("requires_file", False)), hint=alias.get("weights_hint"),
-                        crop_scale=float(alias.get("crop_scale", 1.0)))
+                        crop_scale=float(alias.get("crop_scale", 1.0)),
+                        phrase_prompt=str(alias.get("phrase_prompt", "{}")))
 
 
 def trained_holdout(base: str, pretrained: str | None = None) -> list[str]:

@@ -52,6 +52,30 @@ def test_live_extraction_reproduces_the_cached_arrays(run):
                                cache.gather("entity_embed", caption_rows).astype(np.float32), atol=2e-3)
 
 
+def test_live_extraction_writes_the_phrases_as_the_cache_did(run):
+    """The noun-phrase prompt comes from the cache's arguments: 'a {}' embeds 'a red circle' where the parse gives
+    'red circle'; the arguments of a cache from before the option (no key) embed the phrases as parsed, as it did."""
+    from extract.components.text import TextComponentExtractor
+
+    root, out = run
+    meta = read_meta(out / "adapter.safetensors")
+    cache = FeatureCache.open(meta["extraction"]["path"])
+    args = {k: v for k, v in meta["extraction"]["args"].items() if k != "phrase_prompt"}
+    bb = load_backbone("tiny")
+    text_of = {str(c["id"]): c["text"] for sc in json.loads((root / "world" / "annotations.json").read_text())["scenes"]
+               for c in sc["captions"]}
+    picked = [text_of[cid] for cid in cache.caption_ids()[:3]]
+    old = LiveExtractor(bb, args, box_source="gt", annotations=root / "world").text_arrays(picked)
+    np.testing.assert_allclose(old["entity_embed"].astype(np.float32),
+                               cache.gather("entity_embed", np.arange(3)).astype(np.float32), atol=2e-3)
+    written = LiveExtractor(bb, {**args, "phrase_prompt": "a {}"}, box_source="gt",
+                            annotations=root / "world").text_arrays(picked)
+    first = TextComponentExtractor().extract(picked[:1], bb.tokenize(picked[:1]))[0].entities[0].text
+    np.testing.assert_allclose(written["entity_embed"][0, 0].astype(np.float32),
+                               bb.encode_each([f"a {first}"])[0].numpy(), atol=2e-3)
+    assert not np.allclose(written["entity_embed"][0, 0], old["entity_embed"][0, 0], atol=2e-3)
+
+
 def test_load_scorer_rebuilds_adapters_and_still_loads_backbones(run):
     root, out = run
     assert is_adapter_path(str(out)) and is_adapter_path(str(out / "adapter.safetensors"))

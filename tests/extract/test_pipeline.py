@@ -146,6 +146,42 @@ def test_toyworld_cache_matches_direct_computation(world, reference):
     assert (cache.path / "config.json").is_file() and (cache.path / "report.json").is_file()
 
 
+def test_a_phrase_prompt_writes_the_noun_phrases_and_nothing_else(world, reference, tmp_path):
+    """--phrase-prompt 'a {}': entity, subject and object phrases are embedded as 'a brown cube' (what a tower
+    trained on captions reads), the predicate and the relation as parsed; the prompt is in the fingerprint. The
+    default ('{}' for the tiny base) embeds each phrase as parsed and leaves the settings as they were."""
+    from extract.components.text import TextComponentExtractor
+
+    out = tmp_path / "prompted"
+    assert main(_argv(world, out, "--components", "entities,relations,roles", "--phrase-prompt", "a {}")) == 0
+    cache, plain = FeatureCache.open(out), FeatureCache(reference)
+    assert cache.settings["text"]["phrase_prompt"] == "a {}" and "phrase_prompt" not in plain.settings["text"]
+    bb = load_backbone("tiny", None)
+    texts = {c.id: c.text for r in ToyWorldSource(world).records() for c in r.captions}
+    assert plain.caption_ids() == cache.caption_ids()
+    every = [texts[c] for c in cache.caption_ids()]
+    parsed = TextComponentExtractor().extract(every, bb.tokenize(every))
+    rows = [i for i, c in enumerate(parsed) if c.relations][:2] + [0]  # two captions naming relations, the first
+    comps = [parsed[i] for i in rows]
+    got, was = cache.batch(np.array(rows)), plain.batch(np.array(rows))
+    checked = 0
+    for b, c in enumerate(comps):
+        for j, e in enumerate(c.entities[:10]):
+            for arrays, text in ((got, f"a {e.text}"), (was, e.text)):
+                np.testing.assert_allclose(arrays["entity_embed"][b, j], bb.encode_each([text])[0].half().numpy(),
+                                           atol=2e-3)
+        for j, r in enumerate(c.relations[:10]):
+            for role, text in (("subject", f"a {r.subject.text}"), ("object", f"a {r.object.text}"),
+                               ("predicate", r.predicate.text)):
+                np.testing.assert_allclose(got[f"role_{role}_embed"][b, j], bb.encode_each([text])[0].half().numpy(),
+                                           atol=2e-3, err_msg=role)
+            np.testing.assert_array_equal(got["relation_embed"][b, j], was["relation_embed"][b, j])
+            checked += 1
+    assert checked  # the chosen captions name relations
+    with pytest.raises(ValueError, match="once"):
+        ExtractOptions(phrase_prompt="a photo")
+
+
 def test_a_hard_worlds_cache_holds_the_overlap_code_of_its_pixels_where_boxes_overlap(tmp_path_factory):
     """``ventity_overlap`` as the pipeline writes it, read back from a small hard world's cache: each image's array is
     the overlap component's (extract/components/overlap.py) on its own pixels and cached boxes, non-zero for every

@@ -1,17 +1,20 @@
 """``python -m train.eval.grounding``: can a frozen base find the object a phrase names, from box crops? At which crop
-scale?
+scale, with the phrase written how?
 
     python -m train.eval.grounding --data runs/demo/toyworld --base toy-negclip
     python -m train.eval.grounding --data runs/demo/toyworld --base toy-negclip --crop-scale 1,2,3,4
+    python -m train.eval.grounding --data W --base toy-clip-3d-mixed --crop-scale 3 --phrase-prompt "{},a {}"
 
 The grounded relation head (``adapters/heads/grounded.py``) scores "A left of B" by finding A and B among the
 image's boxes first: each box is cropped, the backbone embeds the crop, and a phrase goes to the box whose crop
 embedding is nearest its text embedding. Nothing it learns about predicates helps when that step fails, so this
 measures it alone, untrained: for every object of the split's scenes (at most ``--n`` scenes of two or more objects),
 its "colour shape" phrase against every box of its scene, by the base's cosine, for each crop scale (the square the
-crop is centred on, this many times the box's longer side: ``python -m extract --crop-scale``). Accuracy is the share
-of objects whose own box wins (chance: 1 / the scene's objects); errors are split into confusions with an object of
-the same colour, of the same shape, or of neither.
+crop is centred on, this many times the box's longer side: ``python -m extract --crop-scale``) and each way of writing
+the phrase (``--phrase-prompt``, {} standing for it: "{}" as the parse gives it, "a {}" as a caption writes it;
+``python -m extract --phrase-prompt``). Accuracy is the share of objects whose own box wins (chance: 1 / the scene's
+objects), also over the objects of combinations the world held out of training; errors are split into confusions
+with an object of the same colour, of the same shape, or of neither.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ class GroundingOptions:
     base: str = option("toy-negclip", help="backbone alias or open_clip model name")
     pretrained: str | None = option(None, help="its weights (default: the alias's)")
     crop_scale: Any = option("1,2,3,4", help="crop scales to compare, comma list of numbers >= 1")
+    phrase_prompt: Any = option("{},a {}", help="ways of writing the phrase to compare, comma list, {} standing for "
+                                                "'colour shape' ('{}': as the parse gives it)")
     split: str = option("test", choices=["train", "val", "test"], help="toy-world split")
     n: int = option(300, type=positive_int, help="scenes of two or more objects to use, at most")
     device: str = option("cpu", help="torch device")
@@ -49,15 +54,23 @@ class GroundingOptions:
         self.crop_scale = [float(v) for v in self.crop_scale]
         if not self.crop_scale or min(self.crop_scale) < 1:
             raise ValueError("--crop-scale: give numbers >= 1 (1: the tight crop)")
+        if isinstance(self.phrase_prompt, str):
+            self.phrase_prompt = [v.strip() for v in self.phrase_prompt.split(",") if v.strip()]
+        if not self.phrase_prompt or any(p.count("{}") != 1 for p in self.phrase_prompt):
+            raise ValueError(f"--phrase-prompt {self.phrase_prompt!r}: each form writes the phrase's place as {{}} "
+                             "once, e.g. '{},a {}'")
 
 
 @torch.no_grad()
-def grounding(opts: GroundingOptions) -> dict[float, dict]:
-    """{crop scale: {"accuracy", "objects", "errors": {"same colour", "same shape", "neither"}}} (module docstring)."""
+def grounding(opts: GroundingOptions) -> dict[tuple[float, str], dict]:
+    """{(crop scale, phrase prompt): {"accuracy", "objects", "chance", "held_out" (accuracy over the held-out
+    combinations' objects, None without any), "held_out_objects", "errors": {"same colour", "same shape",
+    "neither"}}} (module docstring)."""
     from PIL import Image
 
     from extract.components.regions import crop_regions
     from extract.data import toyworld
+    from extract.data.sceneparts import heldout_of
     from extract.models.backbone import load_backbone
 
     backbone = load_backbone(opts.base, opts.pretrained, device=opts.device)
@@ -65,38 +78,49 @@ def grounding(opts: GroundingOptions) -> dict[float, dict]:
     scenes = [s for s in world["scenes"] if s["split"] == opts.split and len(s["objects"]) >= 2][:opts.n]
     if not scenes:
         raise ValueError(f"{opts.data}: no {opts.split} scene with two or more objects")
+    held = heldout_of(opts.data)
     names = sorted({f"{o['colour']} {o['shape']}" for s in scenes for o in s["objects"]})
-    text = dict(zip(names, F.normalize(backbone.encode_texts(names).embedding.float(), dim=-1)))
+    text = {(prompt, name): F.normalize(e.float(), dim=-1) for prompt in opts.phrase_prompt for name, e in
+            zip(names, backbone.encode_texts([prompt.replace("{}", name) for name in names]).embedding)}
+    n = sum(len(s["objects"]) for s in scenes)
+    chance = 100 * float(np.mean([1 / len(s["objects"]) for s in scenes for _ in s["objects"]]))
     out = {}
     for scale in opts.crop_scale:
-        right, errors = 0, Counter()
+        right, held_right, held_n, errors = Counter(), Counter(), 0, {p: Counter() for p in opts.phrase_prompt}
         for scene in progress(scenes, desc=f"crop scale {scale:g}", unit="scene"):
             image = Image.open(f"{opts.data}/{scene['file_name']}").convert("RGB")
             objects = scene["objects"]
             crops = crop_regions(image, [o["box"] for o in objects], backbone.preprocess, scale=scale)
             emb = F.normalize(backbone.encode_images(crops.to(backbone.device)).embedding.float(), dim=-1)
-            phrases = torch.stack([text[f"{o['colour']} {o['shape']}"] for o in objects]).to(emb.device)
-            for k, j in enumerate((phrases @ emb.T).argmax(1).tolist()):
-                if j == k:
-                    right += 1
-                else:
-                    a, b = objects[k], objects[j]
-                    errors["same colour" if a["colour"] == b["colour"] else
-                           "same shape" if a["shape"] == b["shape"] else "neither"] += 1
-        n = sum(len(s["objects"]) for s in scenes)
-        out[scale] = {"accuracy": 100 * right / n, "objects": n,
-                      "chance": 100 * float(np.mean([1 / len(s["objects"]) for s in scenes for _ in s["objects"]])),
-                      "errors": {k: errors.get(k, 0) for k in ("same colour", "same shape", "neither")}}
+            is_held = [(o["colour"], o["shape"]) in held for o in objects]
+            held_n += sum(is_held)
+            for prompt in opts.phrase_prompt:
+                phrases = torch.stack([text[prompt, f"{o['colour']} {o['shape']}"] for o in objects]).to(emb.device)
+                for k, j in enumerate((phrases @ emb.T).argmax(1).tolist()):
+                    if j == k:
+                        right[prompt] += 1
+                        held_right[prompt] += is_held[k]
+                    else:
+                        a, b = objects[k], objects[j]
+                        errors[prompt]["same colour" if a["colour"] == b["colour"] else
+                                       "same shape" if a["shape"] == b["shape"] else "neither"] += 1
+        for prompt in opts.phrase_prompt:
+            out[scale, prompt] = {
+                "accuracy": 100 * right[prompt] / n, "objects": n, "chance": chance,
+                "held_out": 100 * held_right[prompt] / held_n if held_n else None, "held_out_objects": held_n,
+                "errors": {k: errors[prompt].get(k, 0) for k in ("same colour", "same shape", "neither")}}
     return out
 
 
-def table(results: dict[float, dict]) -> str:
-    lines = ["| crop scale | phrase finds its own box (%) | chance (%) | confused with: same colour | same shape | "
-             "neither |", "|---|---|---|---|---|---|"]
-    for scale, r in results.items():
+def table(results: dict[tuple[float, str], dict]) -> str:
+    lines = ["| crop scale | phrase written | phrase finds its own box (%) | held-out combinations (%) | chance (%) | "
+             "confused with: same colour | same shape | neither |", "|---|---|---|---|---|---|---|---|"]
+    for (scale, prompt), r in results.items():
         e = r["errors"]
-        lines.append(f"| {scale:g} | {r['accuracy']:.1f} ({r['objects']} objects) | {r['chance']:.1f} | "
-                     f"{e['same colour']} | {e['same shape']} | {e['neither']} |")
+        k = r["held_out_objects"]
+        held = "–" if r["held_out"] is None else f"{r['held_out']:.1f} ({k} object{'s' * (k != 1)})"
+        lines.append(f"| {scale:g} | \"{prompt}\" | {r['accuracy']:.1f} ({r['objects']} objects) | {held} | "
+                     f"{r['chance']:.1f} | {e['same colour']} | {e['same shape']} | {e['neither']} |")
     return "\n".join(lines)
 
 

@@ -73,7 +73,7 @@ class ExtractOptions(SourceOptions):
                                        help="how an entity, subject or object phrase is written before the text tower "
                                             "embeds it, {} standing for the phrase: the parse gives 'brown cube', a "
                                             "tower trained on captions reads 'a brown cube' (default: the backbone's, "
-                                            "'a {}' for the toy-world bases, '{}' as parsed for the rest, "
+                                            "'a {}' for toy-clip-3d-mixed, '{}' as parsed for the rest, "
                                             "extract/models/backbones.json)")
     max_entities: int = option(10, type=positive_int, group="components",
                                help="entity components per image and per caption (ComAlign: 10)")

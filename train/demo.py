@@ -27,7 +27,7 @@ long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``ext
 --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut),
 SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
 paper's recipe) and SmartCLIP trained on the short-caption world only. Last, it renders a path-traced 3D world
-(``--world3d-n`` scenes) and reads its Controlled-A / -B analogues with the grounded head on ``toy-clip-3d``
+(``--world3d-n`` scenes) and reads its Controlled-A / -B analogues with the grounded head on ``toy-clip-3d-mixed``
 (:mod:`train.demo_3d`).
 
 It ends with support and depth in clutter, which the version-2 world has not (:mod:`train.demo_hard`): a hard world

@@ -9,9 +9,9 @@ Controlled-A / -B analogues and its test split (``train.demo_hard.hard_controlle
 world's).
 
 It runs with ``--full`` only: rendering :data:`WORLD3D_N` scenes and their controlled images and training the head
-took 10.5 minutes on two cores with other work beside them (the head 4.7 of them), past the demo's 7 minutes. Detected boxes need the world's detector first (minutes
-more): ``python -m train.adapter --method grounded --base toy-clip-3d --data W --boxes yolo`` (train/adapter/README,
-"The 3D world").
+took 13 minutes on two cores with nothing else running (the head 4.4 of them), past the demo's 7 minutes.
+Detected boxes need the world's detector first (minutes more): ``python -m train.adapter --method grounded --base
+toy-clip-3d-mixed --data W --boxes yolo`` (train/adapter/README, "The 3D world").
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Sequence
 from train.demo_hard import hard_controlled, train_head
 
 WORLD3D_N = 1000  # scenes: 50 sets per controlled test (one per 20 scenes), 800 training scenes
-BASE_3D = "toy-clip-3d"
+BASE_3D = "toy-clip-3d-mixed"  # the base of the 3D world's best model (train/adapter/README, "The 3D world")
 
 
 def world3d(out: Path, n: int, seed: int, holdout: Sequence[str] = (), say=print) -> Path:

@@ -234,11 +234,12 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
                                              "tiny + smartclip (trained on short captions)"]
     assert json.loads((out / "long-captions" / "toyworld" / "meta.json").read_text())["long_captions"] is True
     assert printed.count("SmartCLIP on long captions (") == 1 and printed.count("| metric |") == 2
-    # the 3D world: rendered, the head trained on toy-clip-3d with its own boxes, scored beside the frozen base and
-    # the floor on both controlled tests (one set each from 20 scenes)
+    # the 3D world: rendered, the head trained on the mixed 3D base with its own boxes, scored beside the frozen base
+    # and the floor on both controlled tests (one set each from 20 scenes)
     meta = json.loads((out / "world3d" / "meta.json").read_text())
-    assert (meta["world"], meta["n"], meta["holdout"]) == ("3d", 20, sorted(trained_holdout("toy-clip-3d", None)))
+    base = "toy-clip-3d-mixed"
+    assert (meta["world"], meta["n"], meta["holdout"]) == ("3d", 20, sorted(trained_holdout(base, None)))
     world3d = report["world3d"]
-    assert [r["model"] for r in world3d["rows"]] == ["toy-clip-3d", "text only (toy-clip-3d)", "toy-clip-3d + grounded"]
+    assert [r["model"] for r in world3d["rows"]] == [base, f"text only ({base})", f"{base} + grounded"]
     assert all(r["toyworld-controlled-B"]["sets"] == 1 for r in world3d["rows"])
     assert printed.count(world3d["markdown"]) == 1 and (out / "3d" / "grounded" / "adapter.safetensors").is_file()

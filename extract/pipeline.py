@@ -281,6 +281,9 @@ class ShardBuilder:
 
         self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
         self._phrases: dict[str, np.ndarray] = {}  # phrase -> its text-tower embedding (_embed_phrases)
+        # how a noun phrase is written before the text tower reads it: the run's (run() resolves it before the
+        # settings are fingerprinted), else the backbone's own, as run() would have resolved it
+        self.phrase_prompt = backbone.spec.phrase_prompt if args.phrase_prompt is None else args.phrase_prompt
 
     def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str], missing_boxes: str = "error"
                     ) -> dict[str, np.ndarray]:
@@ -399,7 +402,7 @@ class ShardBuilder:
             stats["phrases_cut"] = int(packed["phrases_cut"].sum())
             # a noun phrase as a caption writes it ("a brown cube", --phrase-prompt), the predicate and the relation as
             # parsed: a phrase cut out of its caption is not a text the tower was trained on
-            nouns = lambda rows: [[a.phrase_prompt.replace("{}", t) for t in row] for row in rows]  # noqa: E731
+            nouns = lambda rows: [[self.phrase_prompt.replace("{}", t) for t in row] for row in rows]  # noqa: E731
             for kind, component, cap, write in (("entity", "entities", a.max_entities, nouns),
                                                 ("relation", "relations", a.max_relations, list)):
                 if component in self.want:

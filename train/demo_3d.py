@@ -9,7 +9,8 @@ Controlled-A / -B analogues and its test split (``train.demo_hard.hard_controlle
 world's).
 
 It runs with ``--full`` only: rendering :data:`WORLD3D_N` scenes and their controlled images and training the head
-took 13 minutes on two cores with nothing else running (the head 4.4 of them), past the demo's 7 minutes.
+took 13 minutes on two cores with nothing else running, on a day they ran 1.7x slower than usual (the rendering 7
+of them, the head 4.4), past the demo's 7 minutes.
 Detected boxes need the world's detector first (minutes more): ``python -m train.adapter --method grounded --base
 toy-clip-3d-mixed --data W --boxes yolo`` (train/adapter/README, "The 3D world").
 """

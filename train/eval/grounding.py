@@ -80,8 +80,9 @@ def grounding(opts: GroundingOptions) -> dict[tuple[float, str], dict]:
         raise ValueError(f"{opts.data}: no {opts.split} scene with two or more objects")
     held = heldout_of(opts.data)
     names = sorted({f"{o['colour']} {o['shape']}" for s in scenes for o in s["objects"]})
-    text = {(prompt, name): F.normalize(e.float(), dim=-1) for prompt in opts.phrase_prompt for name, e in
-            zip(names, backbone.encode_texts([prompt.replace("{}", name) for name in names]).embedding)}
+    # each phrase alone, as the cache embeds its phrases (encode_each): its value does not depend on the others
+    text = {(prompt, name): e.float() for prompt in opts.phrase_prompt for name, e in
+            zip(names, backbone.encode_each([prompt.replace("{}", name) for name in names]))}
     n = sum(len(s["objects"]) for s in scenes)
     chance = 100 * float(np.mean([1 / len(s["objects"]) for s in scenes for _ in s["objects"]]))
     out = {}

@@ -86,6 +86,13 @@ def step_numpy_rng(ctx: StepContext, purpose: str) -> np.random.Generator:
     return np.random.default_rng(_seed_of(ctx.seed, ctx.step, purpose))
 
 
+def runs_ahead(device: torch.device) -> bool:
+    """Whether the host queues work ahead of ``device`` (CUDA), so that reading a tensor's value there (``int``,
+    ``bool``, ``.item()``) stalls the step until the device catches up; an objective avoids such reads where this
+    holds (tests/train/test_pretrain_host_reads.py)."""
+    return device.type == "cuda"
+
+
 def batch_random(ctx: StepContext, purpose: str, b: int, *shape: int, device=None) -> Tensor:
     """U[0, 1) noise [b, *shape] for this local batch: rows ``offset .. offset + b`` of the noise of the whole
     global batch, so each sample's draw does not depend on how the batch is split over ranks."""

@@ -24,9 +24,9 @@ Per image, before the image transformer (the steps of §3.2, "Gradual Process wi
    ``0.5 0.5`` is CLIP-PGS_0.5 (a fixed ratio, as FLIP's).
 
 The paper gives no values for the thresholds, eps or the iteration count; ours are flags with the defaults
-above. Images of one batch may keep different numbers of patches: rows are padded to the batch's largest
-count and the padding is hidden from attention (it changes no output), so the compute is that of the least
-masked image of the batch. All of this is a few batched tensor ops on [B, N, N] -- N^2 d flops per image
+above. Images of one batch may keep different numbers of patches: rows are padded to the most an image may keep
+(``--pgs-min-ratio``'s count, so the step never waits to learn the batch's largest) and the padding is hidden
+from attention (it changes no output). All of this is a few batched tensor ops on [B, N, N] -- N^2 d flops per image
 against the ViT's ~N d^2 L -- which is how the paper keeps the overhead over FLIP under 3%.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from adapters.objectives.base import StepContext, batch_random
+from adapters.objectives.base import StepContext, batch_random, runs_ahead
 from adapters.objectives.towers import encode_image, encode_text, keep_count, normalize, patch_embed
 from adapters.objectives.clip import CLIPObjective
 from adapters.registry import PRETRAIN
@@ -114,12 +114,14 @@ class PGSConfig:
 
 
 def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSConfig, alpha: float,
-               grid: tuple[int, int], patch: tuple[int, int]) -> tuple[Tensor, Tensor | None, Tensor]:
+               grid: tuple[int, int], patch: tuple[int, int], pad_to_bound: bool = False
+               ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Choose the patches that enter the transformer.
 
     images [B, 3, H, W]; features [B, N, d] the patch features (no gradient needed); seed_noise U[0,1) [B, N]
-    (the seeds are the patches with the smallest noise). Returns (keep [B, K] long, key_padding [B, K] bool or
-    None when every image keeps K patches, n_masked [B] long).
+    (the seeds are the patches with the smallest noise). Returns (keep [B, K] long; key_padding [B, K] bool, True
+    past an image's own count, or None when every image keeps K; n_masked [B] long). K is the batch's largest
+    count, or with ``pad_to_bound`` the most an image may keep: then nothing is read back to the host.
     """
     b, n = seed_noise.shape
     with torch.no_grad(), torch.autocast(device_type=images.device.type, enabled=False):
@@ -138,10 +140,16 @@ def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSCon
         rank_key = torch.where(protected, big + edges, -score)
         order = rank_key.argsort(dim=1, descending=True)  # patches to keep first
         n_keep = n - n_masked
-        k = int(n_keep.max())
+        if lo == hi:  # one ratio (CLIP-PGS_0.5): every image keeps the same count, nothing to hide
+            return order[:, :n - lo], None, n_masked
+        # Padded to the batch's largest count, which the host must read from the device, or to the most an image
+        # may keep (the lower bound's count), which it knows: the choice of pad_to_bound (see CLIPPGSObjective)
+        k = n - lo if pad_to_bound else int(n_keep.max())
         keep = order[:, :k]
         padding = torch.arange(k, device=keep.device)[None, :] >= n_keep[:, None]
-        return keep, (padding if bool(padding.any()) else None), n_masked
+        if not pad_to_bound and not bool(padding.any()):
+            padding = None
+        return keep, padding, n_masked
 
 
 @PRETRAIN.register("clip-pgs")
@@ -186,8 +194,13 @@ class CLIPPGSObjective(CLIPObjective):
         embedded = patch_embed(model, images)
         n = embedded.shape[1]
         noise = batch_random(ctx, "pgs-seeds", len(images), n, device=images.device)
+        # On CUDA the host queues the step ahead of the device, and reading the batch's largest kept count would
+        # stop it until the selection is done; padding to the bound costs tokens only in a batch where no image
+        # keeps that many, which grows rarer with the batch (one image with few mask candidates is enough). On a
+        # CPU nothing runs ahead, so the batch's largest.
         keep, padding, n_masked = pgs_select(images, embedded.detach(), noise, self.cfg, self.cfg.alpha_at(ctx.progress),
-                                             tuple(visual.grid_size), tuple(visual.patch_size))
+                                             tuple(visual.grid_size), tuple(visual.patch_size),
+                                             pad_to_bound=runs_ahead(images.device))
         image = encode_image(model, embedded=embedded, keep=keep, key_padding=padding)
         text = encode_text(model, batch["text"])
         return {"image_features": normalize(image.pooled), "text_features": normalize(text.pooled),

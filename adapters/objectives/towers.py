@@ -110,7 +110,7 @@ def encode_image(model: nn.Module, images: Tensor | None = None, *, keep: Tensor
     cls = (visual.class_embedding.to(x.dtype) + pos[0]).expand(x.shape[0], 1, -1)
     x = visual.ln_pre(torch.cat([cls, x], dim=1))
     attn_mask = None
-    if key_padding is not None and bool(key_padding.any()):
+    if key_padding is not None:  # not asked whether any is True: that would wait for the device
         heads = visual.transformer.resblocks[0].attn.num_heads
         attn_mask = _padding_mask(key_padding, heads, x.dtype)
     x = visual.transformer(x, attn_mask=attn_mask)

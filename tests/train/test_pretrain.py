@@ -206,8 +206,9 @@ def test_two_processes_give_one_process_loss_and_gradients(ddp_steps, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), COMPILED], ids=["eager", "compiled"])
+@pytest.mark.parametrize("extra", [(), (*COMPILED, "--fused-adamw", "on")], ids=["eager", "compiled-fused"])
 def test_kill9_then_resume_latest_equals_an_uninterrupted_run(toy, tmp_path, extra):
+    """compiled-fused: the GPU's step (compiled towers, fused AdamW, metrics read every few steps)."""
     from train.pretrain.engine import main
 
     args = ["--epochs", "2", "--save-every-n-steps", "2", "--keep-checkpoints", "0", "--method", "flip", *extra]

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from adapters.objectives.base import runs_ahead
 from adapters.objectives.clip_pgs import PGSConfig, cosine_matrix, pgs_select, pixel_patches, sinkhorn, \
     sobel_patch_edges
 from extract.common.cli import Parser, help_description, run_job
@@ -56,7 +57,8 @@ def measure(b: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         "feature cosine": lambda: cosine_matrix(features),
         "sinkhorn": lambda: sinkhorn(s, cfg.sinkhorn_eps, cfg.sinkhorn_iters),
         "sobel edges": lambda: sobel_patch_edges(images, grid, patch),
-        "selection": lambda: pgs_select(images, features, noise, cfg, 0.5, grid, patch),
+        "selection": lambda: pgs_select(images, features, noise, cfg, 0.5, grid, patch,
+                                        pad_to_bound=runs_ahead(device)),  # as the objective calls it
     }
     with torch.no_grad():
         out = {k: 1e3 * time_call(fn, device, repeats=args.repeats) for k, fn in parts.items()}

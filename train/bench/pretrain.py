@@ -170,16 +170,24 @@ def _sync(device: torch.device) -> None:
 
 
 def _ours(setup: _Setup, name: str, batches: list[dict], steps: int, start: int) -> float:
-    from train.pretrain.trainer import DDPForward
+    """``steps`` of ``Trainer.step_async``, their metrics read as the engine reads them: all at the end of the round
+    where the step never waits for the device (``Trainer.defers``; the engine reads every min(--log-every-n-steps,
+    --max-bad-steps) = 5 steps by default), else after every step."""
+    from train.pretrain.trainer import DDPForward, read_steps
 
     trainer, obj = setup.trainer, setup.objectives[name]
     trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
     b = len(batches[0]["image"])
     _sync(setup.device)
     t0 = time.perf_counter()
+    pending = []
     for k in range(steps):
         ctx = trainer.context(start + k, 0, 1).with_batch(0, b)
-        trainer.step([batches[k % len(batches)]], ctx, 1e-4)
+        pending.append(trainer.step_async([batches[k % len(batches)]], ctx, 1e-4))
+        if not trainer.defers:
+            read_steps(pending)
+            pending = []
+    read_steps(pending)
     _sync(setup.device)
     return (time.perf_counter() - t0) / steps
 

@@ -341,12 +341,13 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
                      tokenizer, objective, transform: SeededTransform, workers: int, split: str = "train",
                      image_root: str | None = None, source_options: dict[str, Any] | None = None,
                      train_num_samples: int | None = None, resampled: bool = True, shuffle_buffer: int = 1000,
-                     resume_state: dict[str, Any] | None = None) -> TrainData:
+                     resume_state: dict[str, Any] | None = None, pin_memory: bool = False) -> TrainData:
     """Open ``data`` and build its loader (see the module docstring).
 
     ``source_options``: CSV/TSV reading options (:func:`extract.common.source_args.source_options`). ``resume_state``: the
     state of the checkpoint being resumed (its ``"step"`` and the ``"data_state"`` that
-    :meth:`TrainData.resume_state` gave); a stream then continues where that run stopped."""
+    :meth:`TrainData.resume_state` gave); a stream then continues where that run stopped. ``pin_memory``: the
+    loader gives page-locked batches, whose copy to a CUDA device can run beside compute (train.pretrain.prefetch)."""
     spec_is_stream = _is_stream(data)
     if not spec_is_stream:
         options: dict[str, Any] = {}
@@ -358,7 +359,7 @@ def build_train_data(data: str, *, batch_size: int, rank: int, world_size: int, 
         if not isinstance(source, IndexedSource):
             raise ValueError(f"{data}: not an indexed source")
     collate = Collate(tokenizer, objective)
-    loader_kw = dict(num_workers=workers, collate_fn=collate, persistent_workers=workers > 0)
+    loader_kw = dict(num_workers=workers, collate_fn=collate, persistent_workers=workers > 0, pin_memory=pin_memory)
     if spec_is_stream:
         shards = expand_shards(data)
         if not shards:

@@ -38,14 +38,19 @@ extra forward pass per micro-batch.
 Reliability: ``--resume latest`` continues exactly where the run stopped (weights, optimizer, scheduler, data
 position; tested against an uninterrupted run after kill -9); a non-finite loss or gradient skips the step
 (logged), and ``--max-bad-steps`` of them in a row stop the run (exit status 3) with a message naming the last
-good checkpoint, the checkpoints already written untouched. Checkpoints are open_clip's safetensors plus JSON
+good checkpoint, the checkpoints already written untouched. With fused AdamW (CUDA's default) the step needs nothing
+from the host, and the metrics of several steps are read at once (:meth:`PretrainRun.read_pending`): every
+min(``--log-every-n-steps``, ``--max-bad-steps``) steps and before anything that needs them, so a diverging run
+stops within twice ``--max-bad-steps`` steps, with the same log and checkpoints. Checkpoints are open_clip's safetensors plus JSON
 (``train/pretrain/checkpoint.py``); ``--keep-checkpoints N`` keeps the N newest, the best evaluated one and the
 one ``latest`` names.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+from dataclasses import dataclass
 import os
 import time
 from pathlib import Path
@@ -55,7 +60,6 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # MKL rounding independent of 
 
 import torch  # noqa: E402
 
-from adapters.objectives.phases import phase  # noqa: E402
 from extract.models.backbone import image_grid  # noqa: E402
 from extract.common.cli import check_options, progress, run_job, say  # noqa: E402
 from extract.common.config import save_config  # noqa: E402
@@ -65,12 +69,14 @@ from extract.common.tensorfile import first_nonfinite  # noqa: E402
 from extract.data.toyworld import is_toyworld  # noqa: E402
 from train.bad_steps import BadSteps, TrainingDiverged  # noqa: E402
 from train.pretrain import checkpoint as ckpt  # noqa: E402
-from train.pretrain.data import SeededTransform, build_train_data, to_device  # noqa: E402
+from train.pretrain.data import SeededTransform, build_train_data  # noqa: E402
+from train.pretrain.prefetch import to_device_ahead  # noqa: E402
 from train.pretrain.dist import Dist, init_distributed  # noqa: E402
 from train.pretrain.logs import RunLog  # noqa: E402
 from train.pretrain.options import (EPOCHS, TOY_EPOCHS, PretrainOptions, build_objective, build_parser,  # noqa: E402
                                     parse_args, resolve_method_options, run_config)
-from train.pretrain.trainer import Trainer, cosine_lr, create_model, resolve_architecture  # noqa: E402
+from train.pretrain.trainer import (Readout, Trainer, cosine_lr, create_model, read_steps,  # noqa: E402
+                                   resolve_architecture)
 from extract.common.run_dir import claim, default_out  # noqa: E402
 
 # --------------------------------------------------------------------------------------------- evaluation hook
@@ -205,6 +211,17 @@ def fill_vocabulary(generator, opts: PretrainOptions, data) -> str:
             + ", ".join(f"{len(w)} {c}" for c, w in sorted(v.attributes.items())) + f", {len(v.predicates)} predicates")
 
 
+@dataclass(frozen=True)
+class PendingStep:
+    """A step done on the device whose metrics the host has not read yet (:meth:`PretrainRun.read_pending`)."""
+
+    step: int
+    epoch: float
+    lr: float
+    data_time: float
+    readout: Readout
+
+
 class PretrainRun:
     """One pre-training run, in the order :func:`pretrain` calls its steps: ``__init__`` (model, objective,
     :meth:`open_data`, optimizer), :meth:`resume`, :meth:`start`, then per epoch :meth:`train_epoch` (each step:
@@ -253,6 +270,8 @@ class PretrainRun:
         self.evals: dict[str, dict] = {}  # checkpoint name -> its evaluation (OUT/eval/<name>.json)
         self.log: RunLog | None = None
         self.pbar = None
+        self.pending: list[PendingStep] = []  # steps whose metrics are still on the device (read_pending)
+        self.read_every = 1
 
     # -- data
     def open_data(self, tokenizer, transform: SeededTransform):
@@ -264,7 +283,7 @@ class PretrainRun:
                                 transform=transform, workers=o.workers, split=o.split, image_root=o.image_root,
                                 source_options=source_options(o), train_num_samples=o.train_num_samples,
                                 resampled=o.dataset_resampled, shuffle_buffer=o.shuffle_buffer,
-                                resume_state=resume_state)
+                                resume_state=resume_state, pin_memory=dist.device.type == "cuda")
 
     # -- resume
     def resume(self) -> None:
@@ -316,6 +335,10 @@ class PretrainRun:
         self.say(f"writing {self.out}: checkpoints {kept}, {evaluation}")
         self.pbar = progress(total=self.total_steps, initial=self.step, desc=o.method, unit="step",
                              disable=not self.dist.is_main)
+        # With a step that never waits for the device (fused AdamW), the host reads the metrics every few steps
+        # instead of every step, so it queues the next step while the device finishes this one (open_clip reads
+        # only at log steps). Bounded by --max-bad-steps, so a diverging run stops within twice that many steps.
+        self.read_every = min(o.log_every_n_steps, o.max_bad_steps) if self.trainer.defers else 1
         self.t_last = time.perf_counter()
 
     # -- one epoch, one step
@@ -325,50 +348,72 @@ class PretrainRun:
     def train_epoch(self) -> bool:
         """The current epoch's steps from where the run stands, up to its end or the step budget. Returns True
         when the epoch was completed."""
+        todo = max(0, min(self.data.steps_per_epoch - self.in_epoch, self.total_steps - self.step))
+        # never a batch past the steps that run: the data report counts only what trained
+        batches = itertools.islice(self.data.epoch_batches(self.epoch, self.in_epoch), todo)
         t_data = time.perf_counter()
-        for micro in self.data.epoch_batches(self.epoch, self.in_epoch):
-            if self.step >= self.total_steps:
-                break
-            with phase("data"):
-                micro = [to_device(m, self.dist.device) for m in micro]
+        for micro in to_device_ahead(batches, self.dist.device):  # the next copy overlaps this step
             self.train_step(micro, data_time=time.perf_counter() - t_data)
             t_data = time.perf_counter()
         return self.in_epoch >= self.data.steps_per_epoch
 
     def train_step(self, micro: list[dict], data_time: float) -> None:
-        """One optimizer step, its log row, the bad-step count (raises TrainingDiverged) and step checkpoints."""
+        """One optimizer step; its metrics are read (log rows, the bad-step count, which raises TrainingDiverged)
+        when :meth:`read_due`; then a step checkpoint if one is due."""
         o = self.opts
         ctx = self.trainer.context(self.step, self.epoch, o.epochs)
         lr = cosine_lr(o.lr, self.warmup, self.total_steps, self.step)
-        metrics, ok = self.trainer.step(micro, ctx, lr)
+        readout = self.trainer.step_async(micro, ctx, lr)
         self.step += 1
         self.in_epoch += 1
         self.samples += self.global_batch
-        now = time.perf_counter()
-        batch_time, self.t_last = now - self.t_last, now
         # Steps are numbered from 1 everywhere (console, log.csv, checkpoint names): step k is the k-th update.
-        # The row is written before a possible abort, so the last bad step is in the log too.
-        if self.dist.is_main and (self.step % o.log_every_n_steps == 0 or self.step == 1 or not ok):
-            skipped = sum(sum(v.values()) for k, v in self.data.report.counts().items() if k != "converted")
-            epoch = self.epoch + self.in_epoch / self.data.steps_per_epoch
-            self.log.write(self.step, {"step": self.step, "epoch": epoch, "lr": lr, **metrics,
-                                       "skipped_step": int(not ok),
-                                       "samples_per_second": self.global_batch / max(batch_time, 1e-9),
-                                       "batch_time": batch_time, "data_time": data_time, "data_skipped": skipped})
-            self.pbar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{lr:.2e}")
+        self.pending.append(PendingStep(self.step, self.epoch + self.in_epoch / self.data.steps_per_epoch, lr,
+                                        data_time, readout))
         self.pbar.update(1)
-        self.count_bad(ok, metrics)
+        if self.read_due():
+            self.read_pending()
         if o.save_every_n_steps and self.step % o.save_every_n_steps == 0 and self.in_epoch < self.data.steps_per_epoch:
             self.checkpoint(f"step_{self.step:08d}")
             self.dist.barrier()
 
-    def count_bad(self, ok: bool, metrics: dict) -> None:
+    def read_due(self) -> bool:
+        """Whether the steps not yet read must be read now: every ``read_every`` steps (:meth:`start`), at the
+        first step, a log step, a checkpoint or the end of an epoch or of the run."""
+        o, s = self.opts, self.step
+        return (len(self.pending) >= self.read_every or s == 1 or s % o.log_every_n_steps == 0
+                or s >= self.total_steps or self.in_epoch >= self.data.steps_per_epoch
+                or bool(o.save_every_n_steps and s % o.save_every_n_steps == 0))
+
+    def read_pending(self) -> None:
+        """Read the steps not yet read with one synchronisation; in step order, their log rows (the first step,
+        log steps and every skipped one) and the bad-step count. A row's ``batch_time`` is the mean over the steps
+        read together: the host queues them ahead of the device, so only their sum is measured."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        results = read_steps([p.readout for p in pending])
+        now = time.perf_counter()
+        batch_time, self.t_last = (now - self.t_last) / len(pending), now
+        every = self.opts.log_every_n_steps
+        for p, (metrics, ok) in zip(pending, results):
+            # the row is written before a possible abort, so the last bad step is in the log too
+            if self.dist.is_main and (p.step % every == 0 or p.step == 1 or not ok):
+                skipped = sum(sum(v.values()) for k, v in self.data.report.counts().items() if k != "converted")
+                self.log.write(p.step, {"step": p.step, "epoch": p.epoch, "lr": p.lr, **metrics,
+                                        "skipped_step": int(not ok),
+                                        "samples_per_second": self.global_batch / max(batch_time, 1e-9),
+                                        "batch_time": batch_time, "data_time": p.data_time, "data_skipped": skipped})
+                self.pbar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{p.lr:.2e}")
+            self.count_bad(p.step, ok, metrics)
+
+    def count_bad(self, step: int, ok: bool, metrics: dict) -> None:
         """Skipped (non-finite) steps in a row; ``--max-bad-steps`` of them stop the run (train.bad_steps)."""
         if ok:
             self.bad.good()
             return
-        stop = self.bad.bad(self.step)
-        self.warn(self.bad.warning(self.step, f"non-finite loss or gradient: loss {metrics.get('loss')}"))
+        stop = self.bad.bad(step)
+        self.warn(self.bad.warning(step, f"non-finite loss or gradient: loss {metrics.get('loss')}"))
         if stop:
             raise self.bad.stopped(str(self.last_ckpt) if self.last_ckpt else None, resume="--resume latest",
                                    advice="lowering --lr, setting --grad-clip-norm 1.0, or switching --precision to "
@@ -379,6 +424,7 @@ class PretrainRun:
         """Checkpoint ``name`` at the current position, only from a good state: after a step that was not
         skipped, with finite weights (a run of skipped steps, or weights blown up to inf, must never overwrite
         what --resume would use). Then the old ones beyond ``--keep-checkpoints`` go."""
+        self.read_pending()  # the bad-step count must be current
         t = self.trainer
         if not self.bad.clean or first_nonfinite(t.model.state_dict()) is not None:
             self.warn(f"warning: not writing checkpoint {name}: " + (
@@ -451,6 +497,7 @@ class PretrainRun:
 
     def finish(self) -> dict:
         """The final weights (``OUT/model.safetensors`` + ``model.json``) and data report; returns the summary."""
+        self.read_pending()
         last_eval = self.evals[max(self.evals)] if self.evals else {}
         if first_nonfinite(self.trainer.model.state_dict()) is not None:  # a "good" last step can overflow to inf
             raise TrainingDiverged("stopped: the final weights are not finite, so they were not saved; "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -77,6 +79,27 @@ class DDPForward(torch.nn.Module):
 
     def forward(self, batch: dict, ctx: StepContext) -> dict:
         return self.objective.features(self.model, batch, ctx)
+
+
+@dataclass(frozen=True)
+class Readout:
+    """One step's metrics, still on the device: ``values`` holds the ``names``' values, then ok (1 or 0)."""
+
+    names: tuple[str, ...]
+    values: torch.Tensor
+
+
+def read_steps(readouts: Sequence[Readout]) -> list[tuple[dict[str, float], bool]]:
+    """(metrics, ok) of each step, read with one copy to the host: the one synchronisation for all of them."""
+    if not readouts:
+        return []
+    flat = torch.cat([r.values for r in readouts]).tolist()
+    out, i = [], 0
+    for r in readouts:
+        n = len(r.names)
+        out.append((dict(zip(r.names, flat[i:i + n])), bool(flat[i + n])))
+        i += n + 1
+    return out
 
 
 class Trainer:
@@ -153,8 +176,21 @@ class Trainer:
                 self._backward(loss)
         return {k: v.detach() for k, v in {**losses, "loss": loss}.items()}
 
+    @property
+    def defers(self) -> bool:
+        """True when a step needs nothing from the host: fused AdamW skips a bad step on the device (no loss
+        scaler), so its metrics may be read later, several steps at once (the engine's read window). Asked of the
+        optimizer itself, since a resumed one keeps its checkpoint's kernel."""
+        return self.scaler is None and bool(self.optimizer.param_groups[0].get("fused"))
+
     def step(self, micro: list[dict], ctx: StepContext, lr: float) -> tuple[dict[str, float], bool]:
-        """One optimizer step. Returns (metrics, ok); not ok = non-finite loss or gradient, step skipped."""
+        """One optimizer step, its metrics read at once. Returns (metrics, ok); not ok = non-finite loss or
+        gradient, step skipped."""
+        return read_steps([self.step_async(micro, ctx, lr)])[0]
+
+    def step_async(self, micro: list[dict], ctx: StepContext, lr: float) -> Readout:
+        """One optimizer step; its metrics stay on the device until :func:`read_steps` (with :attr:`defers`, the
+        step never waits for the device)."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -162,9 +198,9 @@ class Trainer:
         with phase("optimizer"):
             return self._update(losses)
 
-    def _update(self, losses: dict[str, torch.Tensor]) -> tuple[dict[str, float], bool]:
-        """Check, clip and apply the gradients; the step's one host synchronisation is reading the metrics at the
-        end (with fused AdamW: before that, the check, the skip and the update all stay on the device)."""
+    def _update(self, losses: dict[str, torch.Tensor]) -> Readout:
+        """Check, clip and apply the gradients. With fused AdamW the check, the skip and the update all stay on the
+        device; the foreach kernel and the fp16 scaler ask the host whether to step."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.scaler is not None:
             # fp16: inf gradients are the loss scaler's business (it skips those steps and lowers the scale)
@@ -198,7 +234,5 @@ class Trainer:
         if norm is not None:
             named["grad_norm"] = norm
         values = torch.stack([v.detach().float().reshape(()).to(ok.device) for v in named.values()]
-                             + [ok.float().reshape(())]).tolist()  # the one synchronisation
-        if not values[-1]:
-            self.optimizer.zero_grad(set_to_none=True)
-        return dict(zip(named, values[:-1])), bool(values[-1])
+                             + [ok.float().reshape(())])
+        return Readout(tuple(named), values)

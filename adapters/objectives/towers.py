@@ -160,6 +160,16 @@ def token_mask(ids: Tensor, *, include_sot: bool = True) -> Tensor:
     return mask
 
 
+#: torch.compile's modes (``--compile-mode``): True where inductor replays each compiled block as CUDA graphs
+COMPILE_MODES = {"default": False, "reduce-overhead": True, "max-autotune": True, "max-autotune-no-cudagraphs": False}
+
+
+def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
+    """Whether towers compiled in ``mode`` run as CUDA graphs on ``device``: then every step must begin with
+    ``torch.compiler.cudagraph_mark_step_begin()`` (the graphs replay into the same memory)."""
+    return COMPILE_MODES[mode] and device.type == "cuda"
+
+
 def compile_towers(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> None:
     """``torch.compile``, in place, the blocks that hold nearly all of a step's FLOPs: the image tower's transformer
     (a ModifiedResNet's four stages and attention pool) and the text transformer. ``nn.Module.compile`` keeps the
@@ -172,7 +182,7 @@ def compile_towers(model: nn.Module, backend: str = "inductor", mode: str | None
     blocks = [visual.transformer] if is_vit(visual) else [visual.layer1, visual.layer2, visual.layer3,
                                                            visual.layer4, visual.attnpool]
     for block in (*blocks, model.transformer):
-        block.compile(backend=backend, mode=mode)
+        block.compile(backend=backend, mode=None if mode == "default" else mode)
 
 
 def keep_count(n: int, mask_ratio: float) -> int:

@@ -18,7 +18,8 @@ from typing import Iterable
 NEUTRAL = frozenset({"device", "workers", "quiet", "verbose", "resume", "out", "config", "stop_after_steps",
                      "eval_batch_size", "extract_batch_size", "keep_checkpoints", "log_every_n_steps",
                      "tensorboard", "dist_url", "save_every", "save_every_n_steps", "save_frequency",
-                     "eval_every_n_epochs", "max_bad_steps", "compile", "compile_backend", "fused_adamw", "jobs"})
+                     "eval_every_n_epochs", "max_bad_steps", "compile", "compile_backend", "compile_mode", "fused_adamw",
+                     "jobs"})
 
 
 def default_out(*parts: str) -> Path:

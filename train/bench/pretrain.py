@@ -45,6 +45,7 @@ from typing import Any, Sequence
 
 import torch
 
+from adapters.objectives.towers import COMPILE_MODES, uses_cuda_graphs
 from extract.common.cli import Parser, check_options, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int
@@ -79,6 +80,9 @@ class BenchmarkOptions:
     precision: str = option("fp32", choices=["fp32", "amp", "amp_bf16"], help="fp32 or autocast")
     compile: bool = option(False, action="store_true", help="torch.compile our steps' towers (train.pretrain "
                                                            "--compile); open_clip's loop stays eager")
+    compile_mode: str = option("default", choices=list(COMPILE_MODES),
+                               help="torch.compile mode with --compile, as train.pretrain's (reduce-overhead: CUDA "
+                                    "graphs)")
     fused_adamw: str = option("auto", choices=["auto", "on", "off"], help="AdamW kernel, as train.pretrain's")
     peak_tflops: float | None = option(None, type=float, help="the device's dense peak TFLOP/s at --precision "
                                                               "(default: train.bench.mfu's table; none on CPU)")
@@ -89,6 +93,8 @@ class BenchmarkOptions:
 
     def __post_init__(self):
         self.batch_size = batch_sizes(self.batch_size)
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"--compile-mode {self.compile_mode} needs --compile")
 
 
 def build_parser() -> Parser:
@@ -359,10 +365,11 @@ def benchmark(args: BenchmarkOptions) -> dict:
     if args.compile:
         from adapters.objectives.towers import compile_towers
 
-        compile_towers(setup.model)  # ours alone: open_clip's loop has its own copy of the weights
+        compile_towers(setup.model, mode=args.compile_mode)  # ours alone: open_clip's loop has its own weights
+        setup.trainer.graphs = uses_cuda_graphs(args.compile_mode, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     say(f"{setup.arch}, {args.precision} on {device} ({name}); batch {', '.join(map(str, args.batch_size))}"
-        f"{'; towers compiled' if args.compile else ''}")
+        f"{f'; towers compiled (mode {args.compile_mode})' if args.compile else ''}")
     runs = []
     deadline = t0 + 60 * args.time_limit if args.time_limit else float("inf")
     for b in args.batch_size:
@@ -371,7 +378,7 @@ def benchmark(args: BenchmarkOptions) -> dict:
             continue
         runs.append(_measure(setup, b, flops[b], deadline))
     result = {"model": setup.arch, "batch_sizes": args.batch_size, "device": str(device), "device_name": name,
-              "precision": args.precision, "compile": args.compile, "threads": torch.get_num_threads(), "runs": runs,
+              "precision": args.precision, "compile": args.compile, "compile_mode": args.compile_mode, "threads": torch.get_num_threads(), "runs": runs,
               "markdown": "\n".join(markdown(r) for r in runs)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

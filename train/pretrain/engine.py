@@ -36,14 +36,14 @@ per-micro-batch accumulation would instead optimise a different (smaller-batch) 
 extra forward pass per micro-batch.
 
 Reliability: ``--resume latest`` continues exactly where the run stopped (weights, optimizer, scheduler, data
-position; tested against an uninterrupted run after kill -9); a non-finite loss or gradient skips the step
-(logged), and ``--max-bad-steps`` of them in a row stop the run (exit status 3) with a message naming the last
-good checkpoint, the checkpoints already written untouched. With fused AdamW (CUDA's default) the step needs nothing
-from the host, and the metrics of several steps are read at once (:meth:`PretrainRun.read_pending`): every
+position; tested against an uninterrupted run after kill -9); a non-finite loss or gradient skips the step (logged),
+and ``--max-bad-steps`` of them in a row stop the run (exit status 3) with a message naming the last good
+checkpoint, the checkpoints already written untouched. With fused AdamW (CUDA's default) the step needs nothing from
+the host, and the metrics of several steps are read at once (:meth:`PretrainRun.read_pending`): every
 min(``--log-every-n-steps``, ``--max-bad-steps``) steps and before anything that needs them, so a diverging run
-stops within twice ``--max-bad-steps`` steps, with the same log and checkpoints. Checkpoints are open_clip's safetensors plus JSON
-(``train/pretrain/checkpoint.py``); ``--keep-checkpoints N`` keeps the N newest, the best evaluated one and the
-one ``latest`` names.
+stops within twice ``--max-bad-steps`` steps, with the same log and checkpoints. Checkpoints are open_clip's
+safetensors plus JSON (``train/pretrain/checkpoint.py``); ``--keep-checkpoints N`` keeps the N newest, the best
+evaluated one and the one ``latest`` names.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from adapters.objectives.towers import COMPILE_MODES
 from adapters.registry import PRETRAIN
 from extract.common.cli import Parser, from_namespace, option
 from extract.common.cli import build_parser as build_cli
@@ -96,6 +97,10 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
     compile_backend: str = option("inductor", choices=["inductor", "aot_eager", "eager"], group="optimisation",
                                   help="torch.compile backend for --compile (aot_eager / eager: to tell a compiler "
                                        "problem from a model one)")
+    compile_mode: str = option("default", choices=list(COMPILE_MODES), group="optimisation",
+                               help="torch.compile mode for --compile (inductor): reduce-overhead and max-autotune "
+                                    "replay the towers as CUDA graphs (on CUDA; one graph set per input shape), "
+                                    "max-autotune-no-cudagraphs tunes kernels only")
     fused_adamw: str = option("auto", choices=["auto", "on", "off"], group="optimisation",
                               help="AdamW's fused kernel, one launch for every tensor (auto: on CUDA; off: the "
                                    "foreach kernel open_clip uses; a resumed run keeps its checkpoint's)")
@@ -156,6 +161,9 @@ class PretrainOptions(SourceOptions, HardNegativeOptions):
         except ValueError:
             raise ValueError(f"--debug-nan-steps: expected comma-separated step numbers, got "
                              f"{self.debug_nan_steps!r}") from None
+        if self.compile_mode != "default" and not (self.compile and self.compile_backend == "inductor"):
+            raise ValueError(f"--compile-mode {self.compile_mode} is a mode of inductor: add --compile (and leave "
+                             "--compile-backend at inductor), or drop --compile-mode")
         self.method_options = {str(k).replace("-", "_"): v for k, v in dict(self.method_options or {}).items()}
         self.hard_negatives = format_types(parse_types(self.hard_negatives))
 

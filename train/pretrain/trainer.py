@@ -13,6 +13,7 @@ import torch
 
 from adapters.objectives.base import StepContext, split_features
 from adapters.objectives.phases import phase
+from adapters.objectives.towers import uses_cuda_graphs
 from extract.models.tokens import tokenizer_for
 from train.pretrain.dist import Dist
 from train.pretrain.options import PRECISIONS, PretrainOptions
@@ -113,7 +114,8 @@ class Trainer:
         if args.compile:
             from adapters.objectives.towers import compile_towers
 
-            compile_towers(self.model, backend=args.compile_backend)
+            compile_towers(self.model, backend=args.compile_backend, mode=args.compile_mode)
+        self.graphs = bool(args.compile) and uses_cuda_graphs(args.compile_mode, dist.device)
         groups, self.param_names = param_groups(self.model, args.wd)
         self.params = [p for g in groups for p in g["params"]]
         fused = {"on": True, "off": False, "auto": dist.device.type == "cuda"}[args.fused_adamw]
@@ -191,6 +193,8 @@ class Trainer:
     def step_async(self, micro: list[dict], ctx: StepContext, lr: float) -> Readout:
         """One optimizer step; its metrics stay on the device until :func:`read_steps` (with :attr:`defers`, the
         step never waits for the device)."""
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)

@@ -132,6 +132,10 @@ class PretrainObjective:
         """Checks before training (``data_info``: ``source`` (the data source), ``image_ids`` (a set or
         None for streams), ``grid`` (rows, cols)). Raise ValueError / FileNotFoundError with advice."""
 
+    def compile(self, backend: str, mode: str) -> None:
+        """``--compile``: compile the objective's own tensor work, if it has some worth it (the towers are compiled
+        apart, ``towers.compile_towers``). Keep only picklable state: the objective goes to the data workers."""
+
     def prepare(self, captions: list[str], image_ids: list[str], tokenizer) -> dict[str, Tensor]:
         """Worker-side extras for one local batch (must be picklable; build heavy state lazily)."""
         return {}

@@ -32,6 +32,7 @@ against the ViT's ~N d^2 L -- which is how the paper keeps the overhead over FLI
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import ClassVar
 
 import torch
@@ -113,16 +114,10 @@ class PGSConfig:
         return min(1.0, max(0.0, progress)) if self.alpha == "linear" else self.alpha
 
 
-def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSConfig, alpha: float,
-               grid: tuple[int, int], patch: tuple[int, int], pad_to_bound: bool = False
-               ) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Choose the patches that enter the transformer.
-
-    images [B, 3, H, W]; features [B, N, d] the patch features (no gradient needed); seed_noise U[0,1) [B, N]
-    (the seeds are the patches with the smallest noise). Returns (keep [B, K] long; key_padding [B, K] bool, True
-    past an image's own count, or None when every image keeps K; n_masked [B] long). K is the batch's largest
-    count, or with ``pad_to_bound`` the most an image may keep: then nothing is read back to the host.
-    """
+def pgs_order(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSConfig, alpha: float | Tensor,
+              grid: tuple[int, int], patch: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """Steps (1)-(5) of the module docstring: (order [B, N] long, the patches to keep first; n_masked [B] long).
+    Tensor work only, shapes fixed by the inputs: what ``--compile`` compiles (:func:`compiled_order`)."""
     b, n = seed_noise.shape
     with torch.no_grad(), torch.autocast(device_type=images.device.type, enabled=False):
         n_seed = max(1, int(round(cfg.seed_ratio * n)))
@@ -132,24 +127,55 @@ def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSCon
         score = torch.gather(s2, 1, seeds[..., None].expand(-1, -1, n)).amax(dim=1)  # [B, N] best seed
         edges = sobel_patch_edges(images, grid, patch)  # (4)
         protected = edges >= cfg.edge_threshold
-        lo, hi = n - keep_count(n, cfg.min_ratio), n - keep_count(n, cfg.max_ratio)
+        lo, hi = bounds(n, cfg)
         candidates = (score >= cfg.sim_threshold) & ~protected
         n_masked = candidates.sum(dim=1).clamp(lo, hi)  # (5) the ratio bounds
         # rank to mask: unprotected by decreasing score, then protected by increasing edge strength
         big = 4.0 + 2.0 * n  # above any -score (S' <= 1 + n)
         rank_key = torch.where(protected, big + edges, -score)
-        order = rank_key.argsort(dim=1, descending=True)  # patches to keep first
-        n_keep = n - n_masked
-        if lo == hi:  # one ratio (CLIP-PGS_0.5): every image keeps the same count, nothing to hide
-            return order[:, :n - lo], None, n_masked
-        # Padded to the batch's largest count, which the host must read from the device, or to the most an image
-        # may keep (the lower bound's count), which it knows: the choice of pad_to_bound (see CLIPPGSObjective)
-        k = n - lo if pad_to_bound else int(n_keep.max())
-        keep = order[:, :k]
-        padding = torch.arange(k, device=keep.device)[None, :] >= n_keep[:, None]
-        if not pad_to_bound and not bool(padding.any()):
-            padding = None
-        return keep, padding, n_masked
+        return rank_key.argsort(dim=1, descending=True), n_masked
+
+
+def bounds(n: int, cfg: PGSConfig) -> tuple[int, int]:
+    """(fewest, most) patches an image of ``n`` loses: the ratio bounds as counts."""
+    return n - keep_count(n, cfg.min_ratio), n - keep_count(n, cfg.max_ratio)
+
+
+@functools.cache
+def compiled_order(backend: str, mode: str):
+    """:func:`pgs_order` through ``torch.compile`` (one per backend and mode, shared by every objective: an
+    objective holds only the names, so it still pickles to the data workers). ``alpha`` must come as a tensor, or
+    each epoch's new value would be a new graph."""
+    return torch.compile(pgs_order, backend=backend, mode=None if mode == "default" else mode)
+
+
+def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSConfig, alpha: float,
+               grid: tuple[int, int], patch: tuple[int, int], pad_to_bound: bool = False, order_fn=pgs_order
+               ) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Choose the patches that enter the transformer.
+
+    images [B, 3, H, W]; features [B, N, d] the patch features (no gradient needed); seed_noise U[0,1) [B, N]
+    (the seeds are the patches with the smallest noise). Returns (keep [B, K] long; key_padding [B, K] bool, True
+    past an image's own count, or None when every image keeps K; n_masked [B] long). K is the batch's largest
+    count, or with ``pad_to_bound`` the most an image may keep: then nothing is read back to the host.
+    ``order_fn``: :func:`pgs_order` or its compiled form.
+    """
+    n = seed_noise.shape[1]
+    if order_fn is not pgs_order:
+        alpha = torch.tensor(float(alpha), device=images.device)  # a value, not a constant of the graph
+    order, n_masked = order_fn(images, features, seed_noise, cfg, alpha, grid, patch)
+    lo, hi = bounds(n, cfg)
+    n_keep = n - n_masked
+    if lo == hi:  # one ratio (CLIP-PGS_0.5): every image keeps the same count, nothing to hide
+        return order[:, :n - lo], None, n_masked
+    # Padded to the batch's largest count, which the host must read from the device, or to the most an image
+    # may keep (the lower bound's count), which it knows: the choice of pad_to_bound (see CLIPPGSObjective)
+    k = n - lo if pad_to_bound else int(n_keep.max())
+    keep = order[:, :k]
+    padding = torch.arange(k, device=keep.device)[None, :] >= n_keep[:, None]
+    if not pad_to_bound and not bool(padding.any()):
+        padding = None
+    return keep, padding, n_masked
 
 
 @PRETRAIN.register("clip-pgs")
@@ -160,6 +186,12 @@ class CLIPPGSObjective(CLIPObjective):
 
     def __init__(self, cfg: PGSConfig = PGSConfig()):
         self.cfg = cfg
+        self.compiled: tuple[str, str] | None = None  # (backend, mode) of the selection, set by compile()
+
+    def compile(self, backend: str, mode: str) -> None:
+        """The selection's tensor work (:func:`pgs_order`: two cosine matrices, Sinkhorn, Sobel, the ranking)
+        compiled: on the H200 its eager kernels were most of CLIP-PGS's overhead over FLIP (README, Speed)."""
+        self.compiled = (backend, mode)
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -200,7 +232,8 @@ class CLIPPGSObjective(CLIPObjective):
         # CPU nothing runs ahead, so the batch's largest.
         keep, padding, n_masked = pgs_select(images, embedded.detach(), noise, self.cfg, self.cfg.alpha_at(ctx.progress),
                                              tuple(visual.grid_size), tuple(visual.patch_size),
-                                             pad_to_bound=runs_ahead(images.device))
+                                             pad_to_bound=runs_ahead(images.device),
+                                             order_fn=compiled_order(*self.compiled) if self.compiled else pgs_order)
         image = encode_image(model, embedded=embedded, keep=keep, key_padding=padding)
         text = encode_text(model, batch["text"])
         return {"image_features": normalize(image.pooled), "text_features": normalize(text.pooled),

@@ -67,6 +67,9 @@ class WithHardNegatives(PretrainObjective):
     def setup(self, model: nn.Module, data_info) -> None:
         self.inner.setup(model, data_info)
 
+    def compile(self, backend: str, mode: str) -> None:
+        self.inner.compile(backend, mode)
+
     # -- data (workers)
     def prepare(self, captions: list[str], image_ids: list[str], tokenizer) -> dict[str, Tensor]:
         out = self.inner.prepare(captions, image_ids, tokenizer)

@@ -98,3 +98,37 @@ def test_objective_trains_on_selected_patches():
     assert 0.29 <= float(out["mask_ratio"]) <= 0.5 and model.visual.conv1.weight.grad is not None
     with pytest.raises(ValueError, match="pgs-min-ratio"):
         PGSConfig(0.6, 0.5)
+
+
+def test_the_compiled_selection_chooses_as_the_eager_one_and_compiles_once_for_every_alpha():
+    """--compile compiles the selection (pgs_order); aot_eager runs its captured graph without inductor's C++, so
+    the choice must be the same patches; alpha, a new value every epoch, must not make a new graph."""
+    from adapters.objectives.clip_pgs import compiled_order
+
+    g = torch.Generator().manual_seed(4)
+    images = torch.nn.functional.interpolate(torch.randn(6, 3, 2, 2, generator=g), size=64, mode="nearest")
+    feats, noise = torch.randn(6, 64, 16, generator=g), torch.rand(6, 64, generator=g)
+    torch._dynamo.reset()
+    fn = compiled_order("aot_eager", "default")
+    counts = set()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for alpha in (0.0, 0.25, 0.5, 1.0):
+            eager = pgs_select(images, feats, noise, PGSConfig(0.3, 0.5), alpha, GRID, PATCH, pad_to_bound=True)
+            fast = pgs_select(images, feats, noise, PGSConfig(0.3, 0.5), alpha, GRID, PATCH, pad_to_bound=True,
+                              order_fn=fn)
+            assert all(torch.equal(a, b) for a, b in zip(eager, fast)), alpha
+            counts |= set((64 - eager[2]).tolist())
+    assert len(counts) > 2  # images keep different counts: the padding is exercised too
+
+
+def test_compile_reaches_the_selection_through_the_trainer_and_hard_negatives():
+    from train.pretrain.options import PretrainOptions
+    from train.pretrain.engine import with_hard_negatives
+
+    obj = with_hard_negatives(PRETRAIN.get("clip-pgs")(PGSConfig()), PretrainOptions(data="unused",
+                                                                                     hard_negatives="all"))
+    obj.compile("aot_eager", "reduce-overhead")
+    assert obj.inner.compiled == ("aot_eager", "reduce-overhead")
+    import pickle
+
+    assert pickle.loads(pickle.dumps(obj.inner)).compiled == ("aot_eager", "reduce-overhead")  # workers get it

@@ -5,8 +5,8 @@ CLIP-PGS pays for its selection on every step (CLIP-PGS §3.2: seeds, feature an
 transport normalisation, Sobel edges); its claim is that this costs under 3% of FLIP's step (§4). The pre-training
 benchmark (``python -m train.bench.pretrain``) gives the step and the selection's share ("method" phase); this one
 splits the selection so a slow part can be found and fixed: each part is timed alone (medians, synchronised on a
-GPU), then ``pgs_select`` whole, on random bf16 images and patch features. ``--profile`` adds a
-``torch.profiler`` table of the whole selection, sorted by device time (CPU time on a CPU).
+GPU), then ``pgs_select`` whole (and compiled, with ``--compile``), on random bf16 images and patch features.
+``--profile`` adds a ``torch.profiler`` table of the whole selection, sorted by device time (CPU time on a CPU).
 """
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ from typing import Sequence
 import torch
 
 from adapters.objectives.base import runs_ahead
-from adapters.objectives.clip_pgs import PGSConfig, cosine_matrix, pgs_select, pixel_patches, sinkhorn, \
-    sobel_patch_edges
+from adapters.objectives.clip_pgs import PGSConfig, compiled_order, cosine_matrix, pgs_select, pixel_patches, \
+    sinkhorn, sobel_patch_edges
 from extract.common.cli import Parser, help_description, run_job
 from extract.common.config import positive_int
 from train.measure import batch_sizes, load_warning, machine_load, sync, time_call
+
+
+DIFFER = "compiled, kept patches differing (%)"
 
 
 def build_parser() -> Parser:
@@ -33,6 +36,9 @@ def build_parser() -> Parser:
     p.add_argument("--dim", type=positive_int, default=768, help="width of the patch features")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed calls per figure (the median is kept)")
     p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of the selection")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the selection compiled, as train.pretrain --compile runs it (inductor; the first "
+                        "call of each batch size compiles, untimed)")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures to this JSON file")
@@ -60,8 +66,15 @@ def measure(b: int, args: argparse.Namespace, device: torch.device) -> dict[str,
         "selection": lambda: pgs_select(images, features, noise, cfg, 0.5, grid, patch,
                                         pad_to_bound=runs_ahead(device)),  # as the objective calls it
     }
+    if args.compile:
+        fast = compiled_order("inductor", "default")
+        parts["selection, compiled"] = lambda: pgs_select(images, features, noise, cfg, 0.5, grid, patch,
+                                                          pad_to_bound=runs_ahead(device), order_fn=fast)
     with torch.no_grad():
         out = {k: 1e3 * time_call(fn, device, repeats=args.repeats) for k, fn in parts.items()}
+        if args.compile:  # the fast path against its reference: the share of (image, slot) choices that differ
+            a, b = parts["selection"](), parts["selection, compiled"]()
+            out[DIFFER] = 100 * float((a[0] != b[0]).float().mean())
         if args.profile:
             print(_profile(parts["selection"], device))
     return out
@@ -94,8 +107,9 @@ def run(args: argparse.Namespace) -> dict:
     figures = {}
     for b in sizes:
         ms = figures[b] = measure(b, args, device)
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if k != "selection")
-        print(f"batch {b}: selection {ms['selection']:.2f} ms ({parts})")
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if k != "selection" and "%" not in k)
+        print(f"batch {b}: selection {ms['selection']:.2f} ms ({parts})" + (
+            f"; compiled, kept patches differing from eager: {ms[DIFFER]:.2f}%" if DIFFER in ms else ""))
     out = {"device": str(device), "torch": torch.__version__, "load_before": load, "image_size": args.image_size,
            "patch": args.patch, "dim": args.dim, "ms": {str(b): v for b, v in figures.items()}}
     if args.json:

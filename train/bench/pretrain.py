@@ -366,6 +366,8 @@ def benchmark(args: BenchmarkOptions) -> dict:
         from adapters.objectives.towers import compile_towers
 
         compile_towers(setup.model, mode=args.compile_mode)  # ours alone: open_clip's loop has its own weights
+        for obj in setup.objectives.values():  # CLIP-PGS's selection, as train.pretrain --compile does
+            obj.compile("inductor", args.compile_mode)
         setup.trainer.graphs = uses_cuda_graphs(args.compile_mode, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     say(f"{setup.arch}, {args.precision} on {device} ({name}); batch {', '.join(map(str, args.batch_size))}"

@@ -115,6 +115,7 @@ class Trainer:
             from adapters.objectives.towers import compile_towers
 
             compile_towers(self.model, backend=args.compile_backend, mode=args.compile_mode)
+            objective.compile(args.compile_backend, args.compile_mode)
         self.graphs = bool(args.compile) and uses_cuda_graphs(args.compile_mode, dist.device)
         groups, self.param_names = param_groups(self.model, args.wd)
         self.params = [p for g in groups for p in g["params"]]

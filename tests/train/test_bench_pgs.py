@@ -35,3 +35,14 @@ def test_batch_size_lists_shared_by_the_benchmarks():
     for bad in ("", "8,x", "0", [0], "-2"):
         with pytest.raises(ValueError, match="128,256"):
             batch_sizes(bad)
+
+
+def test_compile_times_the_compiled_selection_and_says_how_many_patches_differ(capsys, monkeypatch, tmp_path):
+    """Wiring only: aot_eager stands in for inductor (no C++ build), so no patch may differ."""
+    from adapters.objectives.clip_pgs import compiled_order
+
+    monkeypatch.setattr(pgs, "compiled_order", lambda backend, mode: compiled_order("aot_eager", mode))
+    assert pgs.main([*TOY, "--batch-size", "3", "--compile", "--json", str(tmp_path / "p.json")]) == 0
+    ms = json.loads((tmp_path / "p.json").read_text())["ms"]["3"]
+    assert ms["selection, compiled"] > 0 and ms[pgs.DIFFER] == 0.0
+    assert "compiled, kept patches differing from eager: 0.00%" in capsys.readouterr().out

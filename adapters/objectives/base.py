@@ -98,7 +98,8 @@ def batch_random(ctx: StepContext, purpose: str, b: int, *shape: int, device=Non
     global batch, so each sample's draw does not depend on how the batch is split over ranks."""
     total = max(ctx.global_batch, ctx.offset + b)
     noise = torch.rand((total, *shape), generator=step_generator(ctx, purpose))
-    return noise[ctx.offset:ctx.offset + b].to(device)
+    # non_blocking: a blocking copy to a GPU waits for everything queued before it (a cudaStreamSynchronize)
+    return noise[ctx.offset:ctx.offset + b].to(device, non_blocking=True)
 
 
 class PretrainObjective:

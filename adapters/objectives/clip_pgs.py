@@ -51,7 +51,7 @@ def sobel_patch_edges(images: Tensor, grid: tuple[int, int], patch: tuple[int, i
     """Edge strength per patch [B, N] in [0, 1]: Sobel gradient magnitude of the grey image (mean of the
     channels, border replicated), averaged over each patch's pixels, divided by the image's largest patch value."""
     gray = images.float().mean(dim=1, keepdim=True)
-    kx = torch.tensor(_SOBEL_X, dtype=gray.dtype, device=gray.device)
+    kx = torch.tensor(_SOBEL_X, dtype=gray.dtype).to(gray.device, non_blocking=True)  # a blocking copy would wait
     # replicate the border: the image's edge is not an object's (zero padding would outline every image)
     g = F.conv2d(F.pad(gray, (1, 1, 1, 1), mode="replicate"), torch.stack([kx, kx.T])[:, None])
     mag = g.pow(2).sum(dim=1, keepdim=True).sqrt()
@@ -162,7 +162,8 @@ def pgs_select(images: Tensor, features: Tensor, seed_noise: Tensor, cfg: PGSCon
     """
     n = seed_noise.shape[1]
     if order_fn is not pgs_order:
-        alpha = torch.tensor(float(alpha), device=images.device)  # a value, not a constant of the graph
+        # a value, not a constant of the graph; copied without waiting for the device
+        alpha = torch.tensor(float(alpha)).to(images.device, non_blocking=True)
     order, n_masked = order_fn(images, features, seed_noise, cfg, alpha, grid, patch)
     lo, hi = bounds(n, cfg)
     n_keep = n - n_masked

@@ -254,7 +254,8 @@ class PowerCLIPObjective(CLIPObjective):
         b = len(batch["image"])
         device = batch["image"].device
         if self.masks == "random":
-            return random_region_masks(ctx, b, image_grid(model.visual), self.num_masks).to(device)
+            masks = random_region_masks(ctx, b, image_grid(model.visual), self.num_masks)
+            return masks.to(device, non_blocking=True)  # a blocking copy would wait for the device
         noise = batch_random(ctx, "powerclip-sam2", b, batch["cached_masks"].shape[1], device=device)
         masks, _ = sample_masks(batch["cached_masks"].bool(), batch["cached_valid"].bool(), self.num_masks, noise)
         return masks

@@ -31,6 +31,7 @@ def test_benchmark_measures_every_configuration_at_every_batch_size(tmp_path):
         for c, phases in run["profile_seconds"].items():
             assert list(phases) == list(PHASES) and phases["image tower"] > 0 and phases["backward"] > 0
         assert run["peak_memory_gib"]["clip"] is None  # CPU: no device memory to report
+        assert run["host_syncs_per_step"]["clip"] is None  # CPU: nothing runs ahead to be stopped
     assert large["flops_per_step"]["clip"] > small["flops_per_step"]["clip"]
     assert "| ratio | measured | target |" in result["markdown"] and "batch 4:" in result["markdown"]
 

@@ -11,7 +11,8 @@ slows them alike -- on a shared CPU, single steps still vary by 2x, so use many 
 - samples/s; GFLOP per step (model FLOPs, forward and backward, counted by ``torch.utils.flop_counter`` on the
   eager step: :mod:`train.bench.mfu`), achieved TFLOP/s and MFU against the device's dense peak for the
   precision (GPUs in ``train.bench.mfu.PEAK_TFLOPS``, or ``--peak-tflops``); peak device memory of the
-  configuration's steps (CUDA);
+  configuration's steps (CUDA); the host synchronisations in one of our steps (CUDA's sync debug mode: a value
+  read on the host, a blocking copy; each one stops the host from queueing ahead of the device);
 - a profile of each of our steps (``--profile-steps`` more steps with :class:`adapters.objectives.phases.PhaseTimer`,
   which synchronises the device at each phase boundary, so these steps are slower than the timed ones): data (the
   batch's host-to-device copy; loading itself is the run log's ``data_time``), image tower, text tower, the
@@ -24,14 +25,15 @@ slows them alike -- on a shared CPU, single steps still vary by 2x, so use many 
   ``flip`` 0.5 / ``clip`` (the image tower is ~85% of B/16's FLOPs, so half the patches approach 0.57x);
   ``powerclip`` M = 15 / M = 5 (PowerCLIP's Fig. 9); ``clip``'s MFU where the peak is known.
 
-``--compile`` compiles our steps' towers (``train.pretrain --compile``; the warm-up steps compile them, not
-timed); ``--fused-adamw`` chooses the optimizer kernel as ``train.pretrain`` does (auto: fused on CUDA).
+``--compile`` compiles our steps' towers and CLIP-PGS's selection (``train.pretrain --compile``; the warm-up steps
+compile them, not timed), in ``--compile-mode``; ``--fused-adamw`` chooses the optimizer kernel as
+``train.pretrain`` does (auto: fused on CUDA).
 
-Everything runs through ``train.pretrain.trainer.Trainer.step`` (forward, loss, backward, gradient checks, AdamW), with
-the data already on the device: data loading is not what is compared. The default model is the papers' ViT-B/16
-(224 px, 196 patches, 12-layer text tower): the masking ratios are about how the image tower's cost scales
-with its token count, which the 64-patch, 2-layer tiny test model does not show (its step is dominated by the
-49k-token embedding table). ``--model tiny`` gives a quick smoke run.
+Everything runs through ``train.pretrain.trainer.Trainer.step_async`` (forward, loss, backward, gradient checks,
+AdamW; the metrics read as the engine reads them), with the data already on the device: data loading is not what is
+compared. The default model is the papers' ViT-B/16 (224 px, 196 patches, 12-layer text tower): the masking ratios
+are about how the image tower's cost scales with its token count, which the 64-patch, 2-layer tiny test model does
+not show (its step is dominated by the 49k-token embedding table). ``--model tiny`` gives a quick smoke run.
 """
 from __future__ import annotations
 
@@ -198,6 +200,29 @@ def _ours(setup: _Setup, name: str, batches: list[dict], steps: int, start: int)
     return (time.perf_counter() - t0) / steps
 
 
+def _host_syncs(setup: _Setup, name: str, batch: dict) -> int | None:
+    """The step's synchronisations with the host, counted by CUDA's sync debug mode (a value read on the host, a
+    blocking copy): ``Trainer.step_async`` of configuration ``name`` once, its metrics read after; None off CUDA."""
+    import warnings
+
+    from train.pretrain.trainer import DDPForward, read_steps
+
+    if setup.device.type != "cuda":
+        return None
+    trainer, obj = setup.trainer, setup.objectives[name]
+    trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
+    ctx = trainer.context(90_000, 0, 1).with_batch(0, len(batch["image"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            readout = trainer.step_async([batch], ctx, 1e-4)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    read_steps([readout])
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def _theirs_runner(setup: _Setup, batches: list[dict]):
     """open_clip_train's train_one_epoch over ``steps`` of ``batches``, timed."""
     from open_clip.loss import ClipLoss
@@ -293,6 +318,7 @@ def _measure(setup: _Setup, batch_size: int, flops: dict[str, int], deadline: fl
         f"{' (compiling the towers)' if args.compile else ''}, then {args.rounds} rounds x {args.steps} steps")
     for c in CONFIGS:
         runners[c](args.warmup, 0)
+    syncs = {"open_clip": None, **{c: _host_syncs(setup, c, on_device[c][0]) for c in CONFIGS[1:]}}
     times: dict[str, list[float]] = {c: [] for c in CONFIGS}
     memory: dict[str, float | None] = {c: None for c in CONFIGS}
     for r in range(args.rounds):
@@ -318,7 +344,8 @@ def _measure(setup: _Setup, batch_size: int, flops: dict[str, int], deadline: fl
               "powerclip M=15 / M=5 step": step["powerclip-M15"] / step["powerclip-M5"]}
     return {"batch_size": batch_size, "step_seconds": step, "rounds": times, "flops_per_step": flops,
             "tflops_per_second": {c: flops[c] / step[c] / 1e12 for c in CONFIGS}, "mfu": util,
-            "peak_memory_gib": memory, "profile_seconds": profile, "ratios": ratios, "peak_tflops": peak}
+            "peak_memory_gib": memory, "host_syncs_per_step": syncs, "profile_seconds": profile, "ratios": ratios,
+            "peak_tflops": peak}
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -328,13 +355,14 @@ def _fmt(v: float | None, spec: str) -> str:
 def markdown(run: dict) -> str:
     """The three tables of one batch size: figures per configuration, profile, ratios against the targets."""
     b = run["batch_size"]
-    lines = [f"batch {b}:", "", "| configuration | s / step | samples / s | GFLOP / step | TFLOP/s | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"batch {b}:", "", "| configuration | s / step | samples / s | GFLOP / step | TFLOP/s | MFU | peak GiB "
+             "| host syncs / step |", "|---|---|---|---|---|---|---|---|"]
     for c in CONFIGS:
         lines.append(f"| {c} | {run['step_seconds'][c]:.3f} | {b / run['step_seconds'][c]:.1f} | "
                      f"{run['flops_per_step'][c] / 1e9:.4g} | {run['tflops_per_second'][c]:.3g} | "
                      f"{_fmt(run['mfu'][c] and 100 * run['mfu'][c], '.1f')}{'%' if run['mfu'][c] else ''} | "
-                     f"{_fmt(run['peak_memory_gib'][c], '.2f')} |")
+                     f"{_fmt(run['peak_memory_gib'][c], '.2f')} | "
+                     f"{_fmt(run.get('host_syncs_per_step', {}).get(c), 'd')} |")
     if run["profile_seconds"]:
         lines += ["", "| ms / step (share) | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
         for c, p in run["profile_seconds"].items():
@@ -380,7 +408,8 @@ def benchmark(args: BenchmarkOptions) -> dict:
             continue
         runs.append(_measure(setup, b, flops[b], deadline))
     result = {"model": setup.arch, "batch_sizes": args.batch_size, "device": str(device), "device_name": name,
-              "precision": args.precision, "compile": args.compile, "compile_mode": args.compile_mode, "threads": torch.get_num_threads(), "runs": runs,
+              "precision": args.precision, "compile": args.compile, "compile_mode": args.compile_mode,
+              "threads": torch.get_num_threads(), "runs": runs,
               "markdown": "\n".join(markdown(r) for r in runs)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -50,9 +50,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from dataclasses import dataclass
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 

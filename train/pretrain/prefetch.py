@@ -6,8 +6,9 @@ the current step computes: on CUDA on a stream of their own, from pinned memory 
 device is CUDA), the compute stream told to wait for the copy and the allocator told that the compute stream uses
 the copied tensors (``record_stream``), so their memory is not reused before the step is done with it. On other
 devices the copy is the plain ``to_device`` one step ahead. The batches and their order are the loader's: only
-the moment they are taken changes, and the engine never asks for a batch past the steps it will run, so the data
-report counts the same batches.
+the moment they are taken changes. The data report counts a batch when it is taken, so a log row's or a
+checkpoint's ``data_skipped`` may include the next step's batch; the engine never asks for a batch past the steps
+it will run, so the run's ``data_report.json`` counts exactly the batches it trained on.
 """
 from __future__ import annotations
 

@@ -159,6 +159,14 @@ class _Setup:
             obj.setup(model, {})
             self.objectives[name] = obj
 
+    def use(self, name: str):
+        """The trainer, switched to configuration ``name``'s objective (one model and optimizer for all)."""
+        from train.pretrain.trainer import DDPForward
+
+        obj = self.objectives[name]
+        self.trainer.objective, self.trainer.forward = obj, DDPForward(self.trainer.model, obj)
+        return self.trainer
+
     def batches(self, batch_size: int) -> dict[str, list[dict]]:
         """Two CPU batches per configuration, with what the data workers add (phrase trees)."""
         g = torch.Generator().manual_seed(0)
@@ -181,10 +189,9 @@ def _ours(setup: _Setup, name: str, batches: list[dict], steps: int, start: int)
     """``steps`` of ``Trainer.step_async``, their metrics read as the engine reads them: all at the end of the round
     where the step never waits for the device (``Trainer.defers``; the engine reads every min(--log-every-n-steps,
     --max-bad-steps) = 5 steps by default), else after every step."""
-    from train.pretrain.trainer import DDPForward, read_steps
+    from train.pretrain.trainer import read_steps
 
-    trainer, obj = setup.trainer, setup.objectives[name]
-    trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
+    trainer = setup.use(name)
     b = len(batches[0]["image"])
     _sync(setup.device)
     t0 = time.perf_counter()
@@ -205,12 +212,11 @@ def _host_syncs(setup: _Setup, name: str, batch: dict) -> int | None:
     blocking copy): ``Trainer.step_async`` of configuration ``name`` once, its metrics read after; None off CUDA."""
     import warnings
 
-    from train.pretrain.trainer import DDPForward, read_steps
+    from train.pretrain.trainer import read_steps
 
     if setup.device.type != "cuda":
         return None
-    trainer, obj = setup.trainer, setup.objectives[name]
-    trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
+    trainer = setup.use(name)
     ctx = trainer.context(90_000, 0, 1).with_batch(0, len(batch["image"]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -259,10 +265,8 @@ def _theirs_runner(setup: _Setup, batches: list[dict]):
 def _flops(setup: _Setup, name: str, batch: dict) -> int:
     """Model FLOPs of one eager forward + backward of configuration ``name`` (open_clip's: clip's, the same math)."""
     from train.bench.mfu import count_flops
-    from train.pretrain.trainer import DDPForward
 
-    trainer, obj = setup.trainer, setup.objectives["clip" if name == "open_clip" else name]
-    trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
+    trainer = setup.use("clip" if name == "open_clip" else name)
     ctx = trainer.context(0, 0, 1).with_batch(0, len(batch["image"]))
     flops = count_flops(lambda: trainer.forward_backward([batch], ctx))
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -273,10 +277,8 @@ def _profile(setup: _Setup, name: str, cpu_batches: list[dict], steps: int) -> d
     """Mean seconds per phase (:data:`PHASES`) over ``steps`` steps, the batch copied to the device in each."""
     from adapters.objectives.phases import PhaseTimer, phase
     from train.pretrain.data import to_device
-    from train.pretrain.trainer import DDPForward
 
-    trainer, obj = setup.trainer, setup.objectives[name]
-    trainer.objective, trainer.forward = obj, DDPForward(trainer.model, obj)
+    trainer = setup.use(name)
     b = len(cpu_batches[0]["image"])
     with PhaseTimer(setup.device) as timer:
         t0 = time.perf_counter()

@@ -3,3 +3,5 @@ objectives, their losses, and the scorers evaluation and serving ask.
 
 Library code: never imports ``train`` or ``serve``.
 """
+
+import extract.numerics  # noqa: F401  MKL's reproducible mode before any matrix product

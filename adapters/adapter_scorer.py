@@ -47,6 +47,20 @@ class LiveExtractor:
 
     ``extraction_args``: the resolved ``python -m extract`` arguments of the training cache (its
     ``config.json``); ``box_source``: the cache's box source (``"gt"`` / ``"yolo"`` / None).
+
+    Each image and each caption is computed **alone**, a batch of one in its own shape (a caption on its own
+    columns, an image's crops and detections in one forward of their own), so its arrays are a function of that item
+    only: the same bits whichever items it was asked for with, in this process or another, and whether this process
+    computed it before (the memory of :mod:`adapters.live_memo` then gives exactly what a fresh computation gives).
+    Kernels choose their summation order by the shapes they are given: a caption among others ran on its batch's
+    longest columns and in a larger product, and on an AMD EPYC with AVX2 kernels that moved a served score by a
+    float32 step once the memory held the caption from a batch of the final evaluation (issue 81). Not alone: spaCy's
+    parse, a discrete decision, made for a batch of captions at once and remembered per process (``parse``); it
+    could change only at a near tie of its scores, and the batch's and each caption's own parse agree on all 3,087
+    distinct captions of a 2,000-scene toy world (measured for issue 81). The cost: a forward per item (toy-negclip's
+    text tower on one thread: 0.74 ms a caption alone, 0.09 in batches of 256; an image with its crops about 2 ms
+    more than in a batch), which serving pays anyway (a query is one item); a run's bulk inputs take
+    :meth:`batch_text_arrays` instead (extract/README, "Batch invariance").
     """
 
     def __init__(self, backbone, extraction_args: dict, *, box_source: str | None = None, annotations=None,
@@ -122,10 +136,7 @@ class LiveExtractor:
         ids = [self.image_id(i) for i in ids]
 
         def compute(positions: list[int]) -> dict[str, np.ndarray]:
-            chosen = [images[k] for k in positions]
-            tensors = torch.stack([self.backbone.preprocess(im) for im in chosen])
-            raws = [np.asarray(im) for im in chosen] if self.needs_pixels else [None] * len(chosen)
-            return self.builder.image_batch(tensors, raws, [ids[k] for k in positions], missing_boxes)
+            return _join([self._image_alone(images[k], ids[k], missing_boxes) for k in positions])
 
         if self.scope is None:
             return compute(list(range(len(images))))
@@ -140,17 +151,43 @@ class LiveExtractor:
         if self.needs_pixels:
             raise ValueError("this adapter's components crop or detect on the original image: pass PIL images "
                              "(encode_pil), not preprocessed tensors")
-        return self.builder.image_batch(images, [None] * len(images), [self.image_id(i) for i in ids], missing_boxes)
+        return _join([self.builder.image_batch(images[b:b + 1], [None], [self.image_id(i)], missing_boxes)
+                      for b, i in enumerate(ids)])  # each image alone (class docstring)
+
+    def _image_alone(self, image, image_id: str, missing_boxes: str) -> dict[str, np.ndarray]:
+        """One decoded image's arrays, computed as a batch of one (class docstring)."""
+        raw = [np.asarray(image)] if self.needs_pixels else [None]
+        return self.builder.image_batch(self.backbone.preprocess(image)[None], raw, [image_id], missing_boxes)
 
     @torch.no_grad()
     def text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
-        """Captions -> per-caption arrays as cached; a caption this process extracted the same way before is not
-        extracted again."""
+        """Captions -> per-caption arrays as cached, each caption computed alone (class docstring); a caption this
+        process extracted the same way before is not extracted again."""
         texts = list(texts)
+
+        def compute(positions: list[int]) -> dict[str, np.ndarray]:
+            chosen = [texts[k] for k in positions]
+            if self.components.text is not None:  # spaCy parses them in one batch; each parse is remembered
+                self.components.text.parse(chosen)
+            return _join([self.builder.caption_batch([t])[0] for t in chosen])
+
         if self.scope is None:
-            return self.builder.caption_batch(texts)[0]
-        return MEMO.get_many(self.scope + ":text", texts,
-                             lambda positions: self.builder.caption_batch([texts[k] for k in positions])[0], _join)
+            return compute(list(range(len(texts))))
+        return MEMO.get_many(self.scope + ":text", texts, compute, _join)
+
+    @torch.no_grad()
+    def batch_text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Captions -> their arrays computed together, as one batch, the way the cache computes its shards: for a
+        run's bulk inputs (its hard negatives, a held-out split's negatives), where a forward per caption would cost
+        ~8x the time (toy-negclip's tower, one thread: 0.74 ms a caption alone, 0.09 in batches of 256). Each
+        caption's arrays then depend on its batch, which is a function of the run's own inputs (its seed and data);
+        this process remembers them under the whole batch, so a remembered batch is exactly the batch computed
+        again. Never what is served (:meth:`text_arrays`)."""
+        texts = list(texts)
+        compute = lambda: self.builder.caption_batch(texts)[0]  # noqa: E731
+        if self.scope is None or not texts:
+            return compute()
+        return MEMO.get(self.scope + ":text-batch", scope_key(batch=texts), compute)
 
 
 def _join(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -33,7 +33,8 @@ def pixels_digest(image) -> str:
 
 
 class ArrayMemo:
-    """Per-item arrays ({name: array with a leading item dim of 1}) by (scope, key), bounded by :data:`BUDGET`."""
+    """Per-item arrays ({name: array with a leading item dim of 1}) by (scope, key), or a batch's arrays under one
+    key (:meth:`get`), bounded by :data:`BUDGET`."""
 
     def __init__(self, budget: int = BUDGET):
         self.budget, self.used = budget, 0
@@ -61,6 +62,19 @@ class ArrayMemo:
         for k, arrays in fresh.items():
             self._put((scope, k), arrays)
         return join(out)
+
+    def get(self, scope: str, key: str, compute: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The arrays held under ``key`` whole (any leading dim: a batch computed together), ``compute()`` when not
+        held."""
+        held = self._items.get((scope, key))
+        if held is not None:
+            self.hits += 1
+            self._items.move_to_end((scope, key))
+            return held
+        self.misses += 1
+        arrays = compute()
+        self._put((scope, key), {name: a.copy() for name, a in arrays.items()})
+        return arrays
 
     def _put(self, key: tuple[str, str], arrays: dict[str, np.ndarray]) -> None:
         size = sum(a.nbytes for a in arrays.values())

@@ -2,3 +2,5 @@
 
 Library code: never imports ``train`` or ``serve``.
 """
+
+from extract import numerics  # noqa: F401  MKL's reproducible mode before any matrix product

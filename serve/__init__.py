@@ -64,3 +64,5 @@ The index directory (``INDEX_DIR/``), written by ``serve.index`` and read by ``s
   being written); see ``serve.layout`` for the atomic replacement and ``read_manifest`` / ``open_index`` /
   ``read_metadata`` / ``check_alignment`` for reading it back checked.
 """
+
+import extract.numerics  # noqa: F401  MKL's reproducible mode before any matrix product

@@ -25,9 +25,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("YOLO_OFFLINE", "1")
 os.environ.setdefault("YOLO_CONFIG_DIR", str(_ROOT / ".yolo"))
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-# MKL may round differently with differently aligned buffers; runs compared bit for bit (kill and resume,
-# one process vs two) need its alignment-independent mode, set before torch loads MKL.
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# MKL's reproducible mode is the library's own (extract/numerics.py), not the tests': nothing set here.
 # Keep tests off the 2 CI cores' oversubscription: torch intra-op threads default to all cores. Under pytest-xdist
 # (the default: two workers) each worker computes with one thread, so two workers fill two cores, not four threads
 # (set, not defaulted: a worker inherits the controller's environment, where this file set 2 first; two workers with

@@ -95,3 +95,68 @@ def test_a_rebuilt_shard_equals_the_uninterrupted_one_with_shape_dependent_kerne
     assert sorted(got) == sorted(want) and any(k.startswith("shard-00001/role_") for k in got)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+# --------------------------------------------------------------------------------------------- live extraction
+def image_shape_dependent(backbone):
+    """``backbone`` whose image tower also adds a term that depends on its batch's size (the crops' forward too)."""
+    real = backbone.encode_images
+
+    def encode_images(images):
+        feats = real(images)
+        feats.embedding = feats.embedding + 1e-3 * images.shape[0]
+        return feats
+
+    backbone.encode_images = encode_images
+    return backbone
+
+
+def _live(world, backbone):
+    """A live extractor as an adapter scorer builds one (a weights digest: the process's memory is used), for the
+    components a ComAlign head reads on ground-truth boxes."""
+    from adapters.adapter_scorer import LiveExtractor
+
+    args = {"components": ["entities", "relations"], "boxes": "gt", "data": str(world)}
+    return LiveExtractor(backbone, args, box_source="gt", annotations=world, weights_sha256="0" * 64)
+
+
+@pytest.mark.parametrize("kernels", ["shape-dependent", "real"])
+def test_a_served_item_is_its_own_whatever_it_came_with_and_whatever_the_process_did_before(world, kernels,
+                                                                                           monkeypatch):
+    """What live extraction serves (a query's arrays, a scored image's) is the item's own: asked among others or
+    alone, remembered from an earlier request of this process or computed fresh, the same bits (issue 81: a caption
+    the final evaluation had extracted among its batch mates was served from the memory with their rounding)."""
+    from PIL import Image
+
+    import adapters.adapter_scorer as scorer_module
+    from adapters.live_memo import ArrayMemo
+
+    backbone = load_backbone("tiny", None)
+    if kernels == "shape-dependent":
+        image_shape_dependent(shape_dependent(backbone))
+    caption = "a red circle to the left of a blue square"
+    files = sorted((world / "images").glob("*.png"))[:3]
+    images = [Image.open(f).convert("RGB") for f in files]
+
+    monkeypatch.setattr(scorer_module, "MEMO", ArrayMemo())  # this process has computed nothing yet
+    alone_t = _live(world, backbone).text_arrays([caption])
+    alone_i = _live(world, backbone).image_arrays(images[1:2], files[1:2])
+    monkeypatch.setattr(scorer_module, "MEMO", ArrayMemo())
+    live = _live(world, backbone)
+    among_t = live.text_arrays([LONG, caption, LONG.replace("red", "white")])
+    among_i = live.image_arrays(images, files)
+    batch = [LONG, caption]  # a run's bulk inputs are computed as one batch and remembered as that batch only
+    bulk, again = live.batch_text_arrays(batch), _live(world, backbone).batch_text_arrays(batch)
+    for key, want in live.builder.caption_batch(batch)[0].items():
+        np.testing.assert_array_equal(bulk[key], want, err_msg=key)
+        np.testing.assert_array_equal(again[key], want, err_msg=key)
+    later_t = _live(world, backbone).text_arrays([caption])  # from the memory of the calls above
+    later_i = _live(world, backbone).image_arrays(images[1:2], files[1:2])
+    assert scorer_module.MEMO.hits == 3  # the batch, the caption and the image
+    for got, row in ((among_t, 1), (later_t, 0)):
+        for key, want in alone_t.items():
+            np.testing.assert_array_equal(got[key][row, ..., :want.shape[-1]] if key.startswith("token_") else
+                                          got[key][row], want[0], err_msg=key)
+    for got, row in ((among_i, 1), (later_i, 0)):
+        for key, want in alone_i.items():
+            np.testing.assert_array_equal(got[key][row], want[0], err_msg=key)

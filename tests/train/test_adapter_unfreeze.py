@@ -248,9 +248,11 @@ def test_live_arrays_are_the_arrays_the_cache_and_the_scorer_compute(world):
     ref_t = extractor.text_arrays([pairs.texts[r] for r in rows])
     assert set(live_i) | set(live_t) == {"image_embed", "text_embed", "token_embed", "token_mask"} <= LIVE_KEYS
     np.testing.assert_array_equal(live_t["token_mask"].numpy(), ref_t["token_mask"])
-    for key, live, ref in (("image_embed", live_i, ref_i), ("text_embed", live_t, ref_t),
-                           ("token_embed", live_t, ref_t)):
+    for key, live, ref in (("image_embed", live_i, ref_i), ("text_embed", live_t, ref_t)):
         np.testing.assert_allclose(live[key].numpy(), ref[key].astype(np.float32), atol=2e-3, err_msg=key)  # fp16
+    valid = ref_t["token_mask"]  # the padding after a caption's end is masked by every reader: whatever was computed
+    np.testing.assert_allclose(live_t["token_embed"].numpy()[valid], ref_t["token_embed"][valid].astype(np.float32),
+                               atol=2e-3, err_msg="token_embed")
 
 
 def test_gradient_accumulation_through_the_backbone_gives_the_whole_batch_gradient(world):

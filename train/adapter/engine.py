@@ -230,8 +230,8 @@ def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.nd
     from extract.data.toyworld import heldout_of
 
     forbid = heldout_of(world) if world is not None else frozenset()
-    return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.text_arrays, seed=opts.seed,
-                           forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
+    return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.batch_text_arrays,
+                           seed=opts.seed, forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
 
 
 def _live_data(opts: AdapterOptions, env: Env) -> TrainData:

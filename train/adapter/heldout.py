@@ -84,7 +84,7 @@ def attach_toyworld_negatives(heldout: HeldOut, world, split: str, extractor, ba
         pos, neg = (texts.setdefault(t, len(texts)) for t in item.texts)
         items.append((position[image_id], pos, neg, item.subtype, item.tags))
     ordered = list(texts)
-    parts = [extractor.text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
+    parts = [extractor.batch_text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     heldout.negatives = items
     heldout.text_arrays = concat_padded(parts) if parts else None
     heldout.truth = _toyworld_truth(heldout, world, split)

@@ -351,7 +351,7 @@ def live_arrays(pairs: Pairs, extractor, batch_size: int, workers: int, report: 
                 ids.append(image_id)
         if not ids:
             raise ValueError(f"{pairs.name}: no held-out image could be decoded")
-        text_parts = [extractor.text_arrays(texts[a:a + batch_size]) for a in range(0, len(texts), batch_size)]
+        text_parts = [extractor.batch_text_arrays(texts[a:a + batch_size]) for a in range(0, len(texts), batch_size)]
         images, captions = concat_padded(image_parts), concat_padded(text_parts)
         return ArrayCache({k: v for k, v in images.items() if is_image_key(k)},
                           {k: v for k, v in captions.items() if not is_image_key(k)}, np.asarray(caption_image), ids)

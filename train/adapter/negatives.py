@@ -2,8 +2,9 @@
 
 For every training caption, at most one negative per type (``TYPE*N``: N) is drawn from its parse
 (:mod:`extract.components.hard_negatives`, the vocabulary from the training captions only; on a toy world no
-negative names a held-out combination) and encoded once, before training, by the same live extraction that scores queries (``LiveExtractor.text_arrays``:
-the frozen backbone's global and component embeddings). Each step then adds to the head's own loss
+negative names a held-out combination) and encoded once, before training, by the live extraction that scores
+queries, in batches (``LiveExtractor.batch_text_arrays``: the frozen backbone's global and component embeddings). Each
+step then adds to the head's own loss
 
     weight * CE_i2t(image_i; [the global batch's texts, every negative of the global batch's captions])
 

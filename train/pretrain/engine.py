@@ -50,15 +50,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # MKL rounding independent of buffer alignment (exact resumes)
-
-import torch  # noqa: E402
+import torch
 
 from extract.models.backbone import image_grid  # noqa: E402
 from extract.common.cli import check_options, progress, run_job, say  # noqa: E402

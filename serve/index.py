@@ -39,7 +39,7 @@ from extract.common.cli import build_parser as build_cli
 from extract.common.config import fraction, nonnegative_int, positive_float, positive_int
 from extract.options import DEFAULT_WORKERS
 from extract.common.source_args import BoxOptions, SourceOptions, open_options, source_flags
-from extract.data.toyworld import is_toyworld
+from extract.worlds.toyworld import is_toyworld
 from serve.faiss_index import KINDS, import_faiss, memory_size, parse_memory
 from serve.layout import write_table as layout_write_table
 from serve.layout import (FORMAT, MANIFEST, METADATA_SUFFIX, VERSION, BuildDir, IndexDirError, build_lock, check_alignment, check_model,
@@ -140,7 +140,7 @@ def with_defaults(opts: IndexOptions) -> IndexOptions:
     """``opts`` with the embedded defaults filled in: no ``data`` -> the toy world (generated on first use, the
     path said), no ``out`` -> :func:`default_out`."""
     if opts.data is None:
-        from extract.data import toyworld
+        from extract.worlds import toyworld
 
         toyworld.ensure(toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED, say=say)
         opts = dataclasses.replace(opts, data=str(toyworld.DEFAULT_PATH))

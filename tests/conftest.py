@@ -130,7 +130,7 @@ def tiny_toy_cache(tmp_path_factory):
     """Factory: ``tiny_toy_cache(components)`` -> the FeatureCache of one 60-scene toy world (train split) under
     the random tiny backbone with those components; built once per component set and session."""
     from extract.pipeline import build_cache
-    from extract.data.toyworld import generate
+    from extract.worlds.toyworld import generate
 
     root = tmp_path_factory.mktemp("tiny-toy")
     generate(root / "toy", 60, 0)

@@ -166,7 +166,7 @@ def test_the_demo_worlds_figures_in_the_readme_are_the_generators(tmp_path):
     hard negatives and held-out combinations (deterministic: the generator is seeded)."""
     import json
 
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.models.backbone import trained_holdout
     from train.demo import DEFAULT_BASES, parse_args
 

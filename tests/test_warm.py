@@ -28,8 +28,8 @@ def test_a_warm_process_runs_code_with_its_arguments_folder_and_environment(tmp_
 
 
 def test_a_module_runs_as_main_and_a_kill_9_reads_as_one(tmp_path):
-    code, out, _ = warm.run(["-m", "extract.data.toyworld", "--help"], cwd=tmp_path)
-    assert code == 0 and "usage: python -m extract.data.toyworld" in out
+    code, out, _ = warm.run(["-m", "extract.worlds.toyworld", "--help"], cwd=tmp_path)
+    assert code == 0 and "usage: python -m extract.worlds.toyworld" in out
     proc = warm.start(["-c", "import time; print('up', flush=True); time.sleep(60)"], cwd=tmp_path)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL and proc.returncode == -signal.SIGKILL

@@ -23,7 +23,7 @@ loss), compares PowerCLIP fine-tuning the backbone (``--unfreeze``) with the sam
 shows no effect through the head, and its tokens localise every object before it; train/adapter/powerclip.md, "The fine-tune on the
 hard world"), pre-trains CLIP-PGS against FLIP, PowerCLIP-R against CLIP and, with hard negatives, PowerCLIP-S
 against CLIP on a hard world (the tiny ViT from scratch, ``--hard-pretrain-n`` scenes: :mod:`train.demo_pretrain`), and it builds a
-long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.data.toyworld
+long-caption toy world (4-8 objects, dense descriptions of 100-250 tokens: ``extract.worlds.toyworld
 --long-captions``) and prints a second table on its test split: the frozen base (77 tokens: long captions are cut),
 SmartCLIP's frozen mask head, SmartCLIP fine-tuning the backbone with a 248-token context (``--unfreeze``, the
 paper's recipe) and SmartCLIP trained on the short-caption world only. Last, it renders a path-traced 3D world
@@ -314,7 +314,7 @@ def long_captions(opts: DemoOptions, pretrained: str | None, world: Path, out: P
     """SmartCLIP where its claim lives: a long-caption toy world (same size and seed) and the comparison on its test
     split of the frozen base, the frozen mask head, the mask head fine-tuning the backbone with a 248-token context
     (``--unfreeze``) and the mask head trained on the short-caption ``world`` only."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from train.adapter.compare import CompareOptions, Variant, columns, compare
 
     long_world = toyworld.ensure(out / "toyworld", opts.n, opts.seed, say=lambda line: say("  " + line),
@@ -450,7 +450,7 @@ def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | 
 def demo(opts: DemoOptions) -> dict:
     """Run the demo (module docstring); returns its report (also written to ``OUT/demo_report.json``) with the
     binding table as ``markdown`` and each base's full table under ``adapters``."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.models.backbone import load_backbone, resolve_spec, trained_holdout
     from train.adapter.compare import CompareOptions, columns, compare
 
@@ -479,7 +479,7 @@ def demo(opts: DemoOptions) -> dict:
             f"{infos[b]['grid'][1]} patches, {infos[b]['context_length']} tokens")
         del backbone
     if in_3d:  # the renderer is an extra: missing, it must fail now, not after the long run's first hour
-        from extract.data.world3d import require_mitsuba
+        from extract.worlds.world3d import require_mitsuba
 
         require_mitsuba()
     hard_bases = [b for b in HARD_BASES if opts.hard_n and b not in bases]

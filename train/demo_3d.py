@@ -1,7 +1,7 @@
 """The demo's 3D world (``python -m train.demo --full``): the grounded head on path-traced scenes.
 
 The hard world's scenes are drawings: depth is drawing order, support is two boxes touching. This stage renders a
-3D world (``extract/data/world3d.py``: CLEVR's objects on a floor, a perspective camera with a jittered viewpoint,
+3D world (``extract/worlds/world3d.py``: CLEVR's objects on a floor, a perspective camera with a jittered viewpoint,
 sun and shadows, matte and metal, objects resting on objects; Mitsuba 3, the ``render3d`` extra), trains the grounded
 head on it on :data:`BASE_3D` (fine-tuned on such scenes and shipped: ``extract/models/bases``) with the world's own
 boxes and the head's defaults, and scores the frozen base, the text-only floor and the head on the world's
@@ -31,7 +31,7 @@ BASE_3D = "toy-clip-3d-mixed"  # the base of the 3D world's best model (train/ad
 def world3d(out: Path, n: int, seed: int, holdout: Sequence[str] = (), say=print) -> Path:
     """The demo's 3D world under ``out / "world3d"``: reused when there with the same scenes, seed, held-out
     combinations and generator version, else rendered again (the same bytes for any worker count)."""
-    from extract.data import world3d_layout
+    from extract.worlds import world3d_layout
 
     folder = out / "world3d"
     held = sorted(f"{c} {s}" for c, s in world3d_layout.parse_holdout3d(holdout))

@@ -1,6 +1,6 @@
 """The demo's hard world: the grounded head trained where support and depth live, beside the frozen bases and the floor.
 
-``python -m train.demo`` ends here. It generates a hard world (``extract/data/hardworld.py``: overlap, where the
+``python -m train.demo`` ends here. It generates a hard world (``extract/worlds/hardworld.py``: overlap, where the
 later-drawn object is in front; objects resting on one another; clutter; textured backgrounds; What'sUp's eight
 predicates), trains the grounded relation head on it (``adapters/heads/grounded.py``) on a hard base
 (:data:`HARD_BASES`' first, fine-tuned on such scenes and shipped: ``extract/models/bases``) with the world's own
@@ -83,7 +83,7 @@ def example_query(world: Path) -> str:
 
 def hard_world(out: Path, n: int, seed: int, holdout: Sequence[str] = (), say=print) -> Path:
     """The demo's hard world under ``out / "hardworld"`` (reused when there with the same settings)."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     return toyworld.ensure(out / "hardworld", n, seed, say=lambda line: say("  " + line), replace=True,
                            holdout=holdout, hard=True)

@@ -1,7 +1,7 @@
 """The demo's pre-training comparisons on a hard world: those that show their paper's effect there.
 
 ``python -m train.demo --full`` pre-trains the tiny ViT from scratch on a hard world (overlap, clutter, textured
-backgrounds: ``extract/data/hardworld.py``) with the columns whose paper claim train/pretrain/compare_hard.md's "Pre-training on the hard
+backgrounds: ``extract/worlds/hardworld.py``) with the columns whose paper claim train/pretrain/compare_hard.md's "Pre-training on the hard
 world" found beyond the interval (3 seeds there):
 
 - **CLIP-PGS against FLIP** at the same masking ratio (CLIP-PGS §4): FLIP drops half of every image's patches
@@ -95,7 +95,7 @@ def hard_pretraining(out: Path, *, n: int = HARD_PRETRAIN_N, steps: int = HARD_P
     """Generate the hard world under ``out / "hardworld"`` (the comparisons' held-out combinations kept out of its
     train split) and run :data:`COMPARISONS` on it, each into ``out / folder``; returns ``{"world", "tables":
     {folder: the demo's rows (printed_table)}, "results": {folder: compare()'s result}}``."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from train.pretrain.compare import HOLDOUT
 
     world = toyworld.ensure(out / "hardworld", n, seed, say=lambda line: say("  " + line), replace=True,

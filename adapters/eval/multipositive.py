@@ -4,7 +4,7 @@ Strict R@k (``adapters/eval/retrieval.py``) credits a caption only with its own 
 other images too, that undercounts: a toy-world one-object caption ("a small red circle") is true of every test
 image holding a small red circle, about 6 of 200, so a perfect model's strict T2I R@1 on those captions is about
 1/6, and a gain on partial captions is invisible. The toy world knows the truth
-(``extract.data.toyworld.satisfies``); :func:`toyworld_truth` turns it into a matrix and these metrics read it.
+(``extract.worlds.toyworld.satisfies``); :func:`toyworld_truth` turns it into a matrix and these metrics read it.
 
 Definitions. ``truth[i, t]``: caption t is true of image i (a caption is always true of its own image). Scores go
 through ``adapters.eval.ranking``'s rules: a non-finite score is the worst score (-inf, counted by the caller) and ties
@@ -239,7 +239,7 @@ class ToyTruth:
 def _combo_bits(objects: Sequence[Mapping]) -> int:
     """A bitmask of the (colour, shape) pairs a list of objects names; objects lacking either are left out (the
     mask is then only a necessary condition, which is all :func:`toyworld_truth` uses it for)."""
-    from extract.data.toyworld import COLOURS, SHAPES
+    from extract.worlds.toyworld import COLOURS, SHAPES
 
     bits = 0
     for obj in objects:
@@ -253,10 +253,10 @@ def toyworld_truth(scenes: Mapping[str, dict], image_ids: Sequence[str], caption
     ``annotations.json``), ``image_ids`` [I] and ``caption_ids`` [T] are the evaluated images and captions (ids as
     the data source gives them: the scene's ``image_id`` and the caption's ``id``, as strings).
 
-    ``matrix[i, t] = extract.data.toyworld.satisfies(scene_i, struct_t)``. A (colour, shape) bitmask rules out most
+    ``matrix[i, t] = extract.worlds.toyworld.satisfies(scene_i, struct_t)``. A (colour, shape) bitmask rules out most
     pairs first (a caption naming a combination the scene lacks cannot be true: combinations are unique per
     scene), so ``satisfies`` runs only on the few candidates. Raises ValueError when an id is not in ``scenes``."""
-    from extract.data.toyworld import satisfies
+    from extract.worlds.toyworld import satisfies
 
     caption_of: dict[str, tuple[dict, dict]] = {}
     for scene in scenes.values():

@@ -269,7 +269,7 @@ def multi_positive_report(q: RetrievalQueries, truth) -> dict:
     return {"text_to_image": t2i(), "image_to_text": i2t(),
             "text_to_image_by": {name: t2i(torch.from_numpy(mask)) for name, mask in truth.caption_groups().items()},
             "image_to_text_by": {name: i2t(torch.from_numpy(mask)) for name, mask in truth.image_groups().items()},
-            "rule": "a caption is true of an image when extract.data.toyworld.satisfies(scene, struct) holds"}
+            "rule": "a caption is true of an image when extract.worlds.toyworld.satisfies(scene, struct) holds"}
 
 
 def hits(ranks: torch.Tensor, k: int, counted: torch.Tensor | None = None) -> np.ndarray:

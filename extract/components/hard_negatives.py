@@ -6,7 +6,7 @@ negatives, one line per type.
 NegCLIP (Yuksekgonul et al., ICLR 2023, §4) trains CLIP with, for every caption, a text that names the same
 things in a different structure, as an extra column of the image->text softmax: the model can no longer tell
 its caption from the batch by the bag of words alone. The toy world builds such texts from its ground-truth
-structs for evaluation (:mod:`extract.data.toyworld`); this module builds them from the spaCy parse that ComAlign
+structs for evaluation (:mod:`extract.worlds.toyworld`); this module builds them from the spaCy parse that ComAlign
 already extracts (:mod:`extract.components.text`), so they exist for any caption (COCO, CC, the toy world).
 
 A caption's structure, as read from its parse
@@ -18,7 +18,7 @@ A caption's structure, as read from its parse
     edited. Relations: ComAlign's (subject, predicate, object) triplets whose predicate is one contiguous
     phrase ("to the left of", "on", "riding").
 
-Types (the toy world's names and meanings, :data:`extract.data.toyworld.NEGATIVE_TYPES` without add-obj)
+Types (the toy world's names and meanings, :data:`extract.worlds.toyworld.NEGATIVE_TYPES` without add-obj)
     ``replace-att``  one referent's attribute replaced, in every mention naming it, by another attribute of
                      the same category from the training vocabulary;
     ``replace-obj``  one referent's head noun replaced by another training noun of the same number (never

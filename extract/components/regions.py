@@ -97,7 +97,7 @@ def gt_boxes(entry: dict) -> tuple[np.ndarray, list[str]]:
     """Annotated entity boxes of one image's entry in a box file (:mod:`extract.data.boxes`, which reads COCO
     instances as Visual-Genome-style entries): a toy-world scene or a Visual-Genome-style image entry.
 
-    Toy world (``extract.data.toyworld``): ``entry["objects"][k]["box"]`` = [x0, y0, x1, y1] (end-exclusive px),
+    Toy world (``extract.worlds.toyworld``): ``entry["objects"][k]["box"]`` = [x0, y0, x1, y1] (end-exclusive px),
     label ``"{size} {colour} {shape}"`` (e.g. "small red circle"). Visual Genome: ``entry["objects"][k]``
     holds ``x, y, w, h`` (px; box = [x, y, x + w, y + h]) and ``names`` (the first one is the label) or
     ``name``. Returns ``(boxes [M, 4] float64, labels)`` in the entry's object order; M = 0 gives [0, 4].

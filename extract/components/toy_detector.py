@@ -67,7 +67,7 @@ import numpy as np
 
 from extract.common.cli import Parser, VERBOSE, check_options, option, parse_options, run_job, say, verbosity
 from extract.common.cli import build_parser as build_cli
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.common.config import fraction, nonnegative_int, positive_int
 
 PROG = "python -m extract.components.toy_detector"
@@ -136,7 +136,7 @@ def resolve_world(data: str | None) -> Path:
     world = Path(data)
     if not toyworld.is_toyworld(world):
         raise FileNotFoundError(f"--data {world} is not a toy-world folder (no annotations.json / meta.json there): "
-                                f"generate one with `python -m extract.data.toyworld --out {world}`, or leave --data out "
+                                f"generate one with `python -m extract.worlds.toyworld --out {world}`, or leave --data out "
                                 "for the embedded toy world")
     return world
 
@@ -147,7 +147,7 @@ def _scenes(world: Path) -> list[dict]:
 
 def class_names(classes: str) -> list[str]:
     """The detector's class names for ``--classes``."""
-    from extract.data.toyworld import SHAPES
+    from extract.worlds.toyworld import SHAPES
 
     return ["object"] if classes == "object" else list(SHAPES)
 
@@ -155,7 +155,7 @@ def class_names(classes: str) -> list[str]:
 def label_lines(scene: dict, classes: str) -> list[str]:
     """One ultralytics label line per object of ``scene``: ``class cx cy w h``, normalised by the image's width
     and height; boxes are end-exclusive pixels (``[x0, y0, x1, y1]``), so a box's extent is ``x1 - x0`` px."""
-    from extract.data.toyworld import SHAPES
+    from extract.worlds.toyworld import SHAPES
 
     w, h = scene["width"], scene["height"]
     lines = []
@@ -188,7 +188,7 @@ def export_dataset(world: str | os.PathLike, out: str | os.PathLike, classes: st
         chosen = [s for s in scenes if s.get("split") == split]
         if not chosen:
             raise ValueError(f"toy world {world} has no {split} scenes: the detector needs both {' and '.join(splits)}"
-                             " (python -m extract.data.toyworld --splits)")
+                             " (python -m extract.worlds.toyworld --splits)")
         images, labels = out / "images" / split, out / "labels" / split
         for d in (images, labels):
             shutil.rmtree(d, ignore_errors=True)

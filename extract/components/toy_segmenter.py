@@ -7,8 +7,8 @@ with true object regions -- the masks a perfect SAM2 would approach.
         --components regions --regions sam2 --segmenter toy --num-regions 10
 
 From the pixels alone: both toy worlds draw every object solid in one of the vocabulary's colours without
-anti-aliasing (``extract.data.sceneparts.COLOURS``, ``draw_shape``), and no background pixel holds one of them
-(version 2: black; the hard world, ``extract.data.hardworld.background``: every channel <= 95, and every object
+anti-aliasing (``extract.worlds.shared.COLOURS``, ``draw_shape``), and no background pixel holds one of them
+(version 2: black; the hard world, ``extract.worlds.hardworld.background``: every channel <= 95, and every object
 colour has a channel above that). A mask is therefore one 8-connected run of pixels of one object colour:
 
 - version-2 world: exact (its layout keeps every two boxes ``GAP`` x the side apart, so each object is one run);
@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from extract.components.detectors import Masks
-from extract.data.sceneparts import COLOURS
+from extract.worlds.shared import COLOURS
 
 NAME = "toy"  # the --segmenter value that selects it
 VERSION = 2  # bump when the masks it returns change (cache fingerprints hold it); 2: runs of one object colour
@@ -101,7 +101,7 @@ def check_world(world: str | Path, limit: int | None = None) -> dict[str, int]:
     pieces, a mask each), of ``objects``, over the first ``limit`` scenes."""
     from PIL import Image
 
-    from extract.data.hardworld import visible_masks
+    from extract.worlds.hardworld import visible_masks
 
     world = Path(world)
     scenes = json.loads((world / "annotations.json").read_text())["scenes"][:limit]
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="only the first N scenes (default: all)")
     args = parser.parse_args(argv)
     if not (Path(args.data) / "annotations.json").is_file():
-        parser.error(f"{args.data} holds no annotations.json: pass a folder python -m extract.data.toyworld wrote")
+        parser.error(f"{args.data} holds no annotations.json: pass a folder python -m extract.worlds.toyworld wrote")
     c = check_world(args.data, args.limit)
     n = max(1, c["objects"])
     print(f"{c['objects']} objects: exact {c['exact']} ({100 * c['exact'] / n:.1f} %), shared with an object of "

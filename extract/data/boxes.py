@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from extract.common.cli import say
-from extract.data.hardworld import CONTROLLED_FILES
+from extract.worlds.shared import CONTROLLED_FILE, CONTROLLED_FILES
 
 __all__ = ["BoxAnnotations", "Coverage", "DEFAULT_MAX_MISSING", "MAX_MISSING_HELP", "MissingBoxes", "judge", "read_boxes"]
 
@@ -243,7 +243,7 @@ def _from_path(path: Path) -> BoxAnnotations:
 
 def _toy_world(path: Path, data: dict) -> BoxAnnotations:
     from extract.common.json_memo import read_json
-    from extract.data.hardworld import crop_entry
+    from extract.worlds.hardworld import crop_entry
 
     out = BoxAnnotations(str(path.parent if path.name == "annotations.json" else path), "toy world")
     for scene in data["scenes"]:
@@ -251,7 +251,7 @@ def _toy_world(path: Path, data: dict) -> BoxAnnotations:
         for obj in scene.get("objects", []):
             if isinstance(obj, dict) and isinstance(obj.get("crop"), str):  # a hard / 3D world's zero-shot crops
                 out.add(None, crop_entry(obj))
-    for name in ("controlled.json", *CONTROLLED_FILES.values()):  # version 2's test, the hard world's two
+    for name in (CONTROLLED_FILE, *CONTROLLED_FILES.values()):  # version 2's test, the hard world's two
         controlled = path.parent / name
         if controlled.is_file():  # the controlled tests' scenes have no id: found by file name
             for entry in read_json(controlled).get("sets", []):

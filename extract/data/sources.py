@@ -33,7 +33,7 @@ from PIL import Image
 
 from extract.data.images import BadImage, Unusual
 from extract.data.report import Note, Skip, SkipReport
-from extract.data.toyworld import is_toyworld
+from extract.worlds.toyworld import is_toyworld
 from extract.data.csv_source import CSVSource
 from extract.data.records import (IMAGE_SUFFIXES, Caption, DataSource, ImageRecord, IndexedSource, RecordBuilder, Sample,
                                   existing_file)

@@ -104,7 +104,7 @@ def test_ranked_truth_is_the_sorting_form_of_the_reference():
 
 
 def test_toyworld_truth_is_satisfies(tmp_path):
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     toyworld.generate(tmp_path, n=60, seed=3, workers=1)
     scenes = {str(s["image_id"]): s for s in toyworld.load(tmp_path)["scenes"] if s["split"] == "train"}

@@ -15,7 +15,7 @@ pytest.importorskip("spacy")
 from adapters.objectives.base import StepContext  # noqa: E402
 from adapters.objectives.hard_negatives import WithHardNegatives  # noqa: E402
 from adapters.registry import PRETRAIN  # noqa: E402
-from extract.data import toyworld  # noqa: E402
+from extract.worlds import toyworld  # noqa: E402
 from extract.components.hard_negatives import HardNegatives  # noqa: E402
 
 CAPTIONS = ["a red circle to the left of a blue square", "a small green star", "a cup on a table",

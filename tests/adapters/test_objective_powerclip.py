@@ -9,7 +9,7 @@ import torch
 from adapters.losses.nla import PowerCLIPLoss, leaf_embeddings, node_embeddings, region_embeddings
 from adapters.objectives.base import StepContext, step_numpy_rng
 from adapters.objectives.powerclip import PowerCLIPObjective, random_region_masks, sample_masks
-from extract.data import toyworld
+from extract.worlds import toyworld
 
 CAPTIONS = ["a small red circle to the left of a blue square", "a green star", "two objects: a red circle and a "
             "large yellow triangle; the circle is above the triangle", "!!"]

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("mitsuba", reason="the 3D world renders with Mitsuba 3 (the render3d extra)")
 
-from extract.data import hardworld, world3d, world3d_layout  # noqa: E402
+from extract.worlds import hardworld, world3d, world3d_layout  # noqa: E402
 from extract.models.backbone import resolve_spec, trained_holdout  # noqa: E402
 
 HOLDOUT = "yellow cylinder,purple cube,cyan sphere,brown cube"  # the bases' training world held these out

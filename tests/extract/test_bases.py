@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.models.backbone import load_backbone, resolve_spec, trained_holdout
 
 HOLDOUT = "yellow circle,purple square,orange triangle,white star"  # the bases' training world held these out

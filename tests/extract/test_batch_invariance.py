@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from extract.cache import FeatureCache
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.data.sources import ToyWorldSource
 from extract.models.backbone import load_backbone
 from extract.options import ExtractOptions

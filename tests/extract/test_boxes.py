@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from extract.components.regions import gt_boxes
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.data.boxes import BoxAnnotations, MissingBoxes, read_boxes
 
 # COCO instances as instances_val2017.json lays them out (ids are ints; image 1804 has no object)

@@ -160,7 +160,7 @@ def test_progress_is_silent_when_quiet_and_plain_when_not_a_terminal(monkeypatch
 
 
 # --------------------------------------------------------------------------------------------- --help is cheap
-ENTRY_POINTS = ["extract", "extract.data.check", "extract.data.toyworld", "extract.models.backbone", "train.bench.extract",
+ENTRY_POINTS = ["extract", "extract.data.check", "extract.worlds.toyworld", "extract.models.backbone", "train.bench.extract",
                 "train.adapter", "train.adapter.compare", "train.bench.adapter", "train.pretrain",
                 "train.pretrain.compare", "train.pretrain.diagnose", "train.bench.pretrain", "train.eval", "train.demo",
                 "train.eval.linear_probe", "train.eval.nla_report", "train.bench.nla", "train.bench.retrieval",

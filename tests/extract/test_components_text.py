@@ -8,7 +8,7 @@ from extract.components.text import (Phrase, Relation, SpacyModelNotFoundError, 
                                      main)
 from extract.components.text_pack import order_nodes, pack
 from extract.models.tokens import tokenize_with_spans
-from extract.data.toyworld import COLOURS, PREDICATES, SHAPES, render
+from extract.worlds.toyworld import COLOURS, PREDICATES, SHAPES, render
 
 try:
     load_spacy()

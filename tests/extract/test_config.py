@@ -38,7 +38,7 @@ def test_unknown_key_and_missing_file_fail(tmp_path, capsys):
 def test_example_configs_parse():
     from pathlib import Path
 
-    from extract.data.toyworld import parse_args as toy_args
+    from extract.worlds.toyworld import parse_args as toy_args
     from train.demo import parse_args as demo_args
 
     examples = Path(__file__).resolve().parents[2] / "examples"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.data import hardworld, toyworld
+from extract.worlds import hardworld, toyworld
 from extract.models.backbone import resolve_spec, trained_holdout
 
 HOLDOUT = "yellow circle,purple square,orange triangle,white star"  # the bases' training worlds held these out

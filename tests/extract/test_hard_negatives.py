@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("spacy")
 
 from extract.components import hard_negatives as hn  # noqa: E402
-from extract.data import toyworld  # noqa: E402
+from extract.worlds import toyworld  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from extract.data import hardworld as hw
-from extract.data import toyworld as tw
+from extract.worlds import hardworld as hw
+from extract.worlds import shared
+from extract.worlds import toyworld as tw
 
 N = 60
 HOLDOUT = "red circle,blue square"
@@ -135,9 +136,9 @@ def test_same_seed_gives_the_same_bytes_with_any_worker_count(world, tmp_path):
 @pytest.mark.parametrize("test", ["A", "B"])
 def test_each_controlled_scene_satisfies_its_caption_and_violates_the_other_three(world, test):
     out, _, _, _ = world
-    data = json.loads((out / hw.CONTROLLED_FILES[test]).read_text())
+    data = json.loads((out / shared.CONTROLLED_FILES[test]).read_text())
     assert len(data["sets"]) == hw.controlled_count(N)
-    expected = hw.CONTROLLED_A if test == "A" else hw.CONTROLLED_B
+    expected = shared.CONTROLLED_A if test == "A" else shared.CONTROLLED_B
     for entry in data["sets"]:
         assert [s["predicate"] for s in entry["scenes"]] == list(expected)
         for k, scene in enumerate(entry["scenes"]):
@@ -152,7 +153,7 @@ def test_each_controlled_scene_satisfies_its_caption_and_violates_the_other_thre
 
 def test_controlled_b_in_front_and_behind_share_their_boxes_only_the_drawing_order_differs(world):
     out, _, _, _ = world
-    for entry in json.loads((out / hw.CONTROLLED_FILES["B"]).read_text())["sets"]:
+    for entry in json.loads((out / shared.CONTROLLED_FILES["B"]).read_text())["sets"]:
         front, behind = entry["scenes"][0], entry["scenes"][1]
         key = lambda s: sorted((o["colour"], o["shape"], tuple(o["box"])) for o in s["objects"])  # noqa: E731
         assert key(front) == key(behind)
@@ -169,7 +170,7 @@ def test_each_controlled_set_holds_clutter_related_the_other_way_from_the_named_
     things touch or overlap tells the four images apart."""
     out, _, _, _ = world
     stacked = {"A": ("on", "under"), "B": ("in front of", "behind")}[test]
-    for entry in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"]:
+    for entry in json.loads((out / shared.CONTROLLED_FILES[test]).read_text())["sets"]:
         clutter = [[(o["colour"], o["shape"], o["size"]) for o in scene["objects"][:2]] for scene in entry["scenes"]]
         assert all(sorted(c) == sorted(clutter[0]) for c in clutter)
         named = {(o["colour"], o["shape"]) for o in entry["objects"]}
@@ -192,7 +193,7 @@ def test_whatsup_layout_is_read_back_by_the_benchmarks_reader_with_its_boxes(wor
     from train.eval.datasets import read_whatsup, whatsup_pair_and_set
 
     out, _, _, _ = world
-    bench = read_whatsup(out / hw.WHATSUP_DIR)
+    bench = read_whatsup(out / shared.WHATSUP_DIR)
     assert not bench.skipped
     sets = hw.controlled_count(N)
     by_subset = Counter(item.subtype for item in bench.items)
@@ -201,7 +202,7 @@ def test_whatsup_layout_is_read_back_by_the_benchmarks_reader_with_its_boxes(wor
     assert tags["controlled-A on"] == tags["controlled-A under"] == tags["controlled-B in-front_of"] == sets
     summary = whatsup_pair_and_set(bench.items, [True] * len(bench.items))
     assert summary["controlled-A"]["set"] == summary["controlled-B"]["set"] == 100.0  # every set a group of four
-    boxes = read_boxes(str(out / hw.WHATSUP_DIR / "objects.json"))
+    boxes = read_boxes(str(out / shared.WHATSUP_DIR / "objects.json"))
     assert boxes.format == "Visual Genome objects.json"
     for item in bench.items:
         assert len(boxes.entry(item.images[0])["objects"]) == 4  # the named pair and the clutter
@@ -212,8 +213,8 @@ def test_the_toy_world_box_reader_finds_every_controlled_scene_by_file_name(worl
 
     out, _, _, _ = world
     boxes = read_boxes(str(out))
-    scenes = {test: [s for e in json.loads((out / hw.CONTROLLED_FILES[test]).read_text())["sets"] for s in e["scenes"]]
-              for test in "AB"}
+    files = {test: out / shared.CONTROLLED_FILES[test] for test in "AB"}
+    scenes = {test: [s for e in json.loads(files[test].read_text())["sets"] for s in e["scenes"]] for test in "AB"}
     names = [s["file_name"] for test in "AB" for s in scenes[test]]
     assert len({n.rsplit("/", 1)[1] for n in names}) == len(names)  # unique base names across both tests
     for test in "AB":  # every scene of both tests, each with its own boxes in its drawing order

@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.models.backbone import load_backbone
 from extract.cache import CacheDir, CacheError, FeatureCache
 from extract.data.sources import ToyWorldSource, open_source

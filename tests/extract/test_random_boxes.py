@@ -48,7 +48,7 @@ def test_seeded_by_pixels_and_seed_not_by_batch_position():
 
 def test_boxes_random_is_an_extraction_box_source(tmp_path):
     from extract.pipeline import build_cache
-    from extract.data.toyworld import generate
+    from extract.worlds.toyworld import generate
 
     generate(tmp_path / "toy", 12, 0, workers=1)
     cache = build_cache(tmp_path / "toy", tmp_path / "cache", base="tiny", components=["entities", "relations"],

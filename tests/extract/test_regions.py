@@ -9,7 +9,7 @@ import torch
 from open_clip.transform import image_transform
 from PIL import Image, ImageDraw
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.components.regions import (
     boxes_to_grid_masks, crop_regions, grid_boxes_to_masks, gt_boxes, image_to_grid_transform, masks_to_grid,
     pool_regions, preprocess_geometry, random_grid_boxes, relation_boxes,

@@ -23,7 +23,7 @@ pytest.importorskip("ultralytics")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
-    from extract.data.toyworld import generate
+    from extract.worlds.toyworld import generate
 
     root = tmp_path_factory.mktemp("toy-detector") / "toy"
     generate(root, 24, 0, workers=1)
@@ -43,7 +43,7 @@ def _scenes(world: Path, split: str) -> list[dict]:
 
 @pytest.mark.parametrize("classes", ["object", "shape"])
 def test_export_labels_round_trip_to_the_world_boxes(world, tmp_path, classes):
-    from extract.data.toyworld import SHAPES
+    from extract.worlds.toyworld import SHAPES
 
     data_yaml = td.export_dataset(world, tmp_path / "ds", classes)
     import yaml
@@ -164,7 +164,7 @@ def test_a_missing_world_is_one_error_line(tmp_path, capsys):
     code = td.main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "runs")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "toy-world folder" in err[0]
-    assert "python -m extract.data.toyworld" in err[0] and not (tmp_path / "runs").exists()
+    assert "python -m extract.worlds.toyworld" in err[0] and not (tmp_path / "runs").exists()
     with pytest.raises(SystemExit) as e:
         td.parse_args(["--imgsz", "100"])
     assert e.value.code == 2
@@ -174,7 +174,7 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
     """On a hard world the report splits recall by how much of each object the others hide (its ``visible``): a
     detector that finds exactly the whole objects reads 100 on "whole" and 0 on the partly hidden bins."""
     from extract.components.detectors import Detections
-    from extract.data import hardworld
+    from extract.worlds import hardworld
 
     world = tmp_path / "hard"
     hardworld.generate(world, 40, seed=4, workers=1)

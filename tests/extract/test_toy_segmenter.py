@@ -11,7 +11,7 @@ from PIL import Image
 
 from extract.components.regions import masks_to_grid, preprocess_geometry
 from extract.components.toy_segmenter import ToySegmenter, check_world, connected_components, main
-from extract.data import hardworld, toyworld
+from extract.worlds import hardworld, toyworld
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_check_command_counts_and_refuses_a_folder_without_a_world(hard_world, t
     assert "objects: exact" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--data", str(tmp_path)])
-    assert "python -m extract.data.toyworld" in capsys.readouterr().err
+    assert "python -m extract.worlds.toyworld" in capsys.readouterr().err
 
 
 @pytest.mark.slow

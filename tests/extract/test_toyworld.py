@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from extract.data import toyworld as tw
+from extract.worlds import shared
+from extract.worlds import toyworld as tw
 
 HOLDOUT = "red circle,blue square"
 HELD = {("red", "circle"), ("blue", "square")}
 N = 200
-DATA_FILES = ["annotations.json", "negatives.json", tw.CONTROLLED_FILE] + [
+DATA_FILES = ["annotations.json", "negatives.json", shared.CONTROLLED_FILE] + [
     f"{split}{suffix}" for split in tw.SPLITS for suffix in (".csv", "_coco.json")]
 
 
@@ -534,7 +535,7 @@ def test_the_embedded_worlds_size_comes_from_plugvlm_toy_n_or_is_refused_in_one_
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    code = "import extract.data.toyworld as t; print(t.DEFAULT_N)"
+    code = "import extract.worlds.toyworld as t; print(t.DEFAULT_N)"
 
     def run(value):
         env = {**os.environ, "PYTHONPATH": str(root)}
@@ -571,7 +572,7 @@ def test_captions_name_directions_only_and_long_clauses_run_both_ways(world):
 
 def test_every_controlled_scene_satisfies_its_caption_and_violates_the_other_three(world):
     out, _, _, _ = world
-    data = json.loads((out / tw.CONTROLLED_FILE).read_text())
+    data = json.loads((out / shared.CONTROLLED_FILE).read_text())
     assert data["version"] == tw.CONTROLLED_VERSION and len(data["sets"]) == tw.controlled_count(N)
     for entry in data["sets"]:
         scenes = entry["scenes"]
@@ -594,11 +595,11 @@ def test_every_controlled_scene_satisfies_its_caption_and_violates_the_other_thr
 
 def test_controlled_test_is_added_to_a_world_that_lacks_it(tmp_path):
     tw.generate(tmp_path, 40, seed=3, workers=1)
-    before = (tmp_path / tw.CONTROLLED_FILE).read_bytes()
-    (tmp_path / tw.CONTROLLED_FILE).unlink()
+    before = (tmp_path / shared.CONTROLLED_FILE).read_bytes()
+    (tmp_path / shared.CONTROLLED_FILE).unlink()
     annotations = (tmp_path / "annotations.json").read_bytes()
-    assert tw.ensure_controlled(tmp_path) == tmp_path / tw.CONTROLLED_FILE
-    assert (tmp_path / tw.CONTROLLED_FILE).read_bytes() == before  # the world's seed alone decides it
+    assert tw.ensure_controlled(tmp_path) == tmp_path / shared.CONTROLLED_FILE
+    assert (tmp_path / shared.CONTROLLED_FILE).read_bytes() == before  # the world's seed alone decides it
     assert (tmp_path / "annotations.json").read_bytes() == annotations
 
 

@@ -1,4 +1,4 @@
-"""The 3D world (extract/data/world3d.py): boxes from the renderer's id pass match the camera's projection,
+"""The 3D world (extract/worlds/world3d.py): boxes from the renderer's id pass match the camera's projection,
 relations follow the 3D rules, stacked objects rest on a top, and a seed gives the same bytes with 1 and 2 workers.
 Tiny scenes only (32-48 px, a few samples a pixel)."""
 import hashlib
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("mitsuba", reason="the 3D world renders with Mitsuba 3 (the render3d extra)")
 
-from extract.data import world3d  # noqa: E402
-from extract.data.world3d import Camera, Object3D, Scene3D  # noqa: E402
+from extract.worlds import world3d  # noqa: E402
+from extract.worlds.world3d import Camera, Object3D, Scene3D  # noqa: E402
 
 SIZE = 48
 
@@ -108,7 +108,7 @@ def test_render_workers_end_when_their_parent_is_killed(tmp_path):
         "    open(os.path.join(folder, str(os.getpid())), 'w').close()\n"
         "    time.sleep(120)\n")
     script = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
-              "from napper import nap\nfrom extract.data.world3d import map_jobs\n"
+              "from napper import nap\nfrom extract.worlds.world3d import map_jobs\n"
               f"map_jobs(nap, [{str(tmp_path)!r}] * 4, 2)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=str(world3d.__file__).rsplit("/extract/", 1)[0],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

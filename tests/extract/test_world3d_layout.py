@@ -1,4 +1,4 @@
-"""The 3D world on disk (extract/data/world3d_layout.py): every controlled image holds its caption by the 3D rules
+"""The 3D world on disk (extract/worlds/world3d_layout.py): every controlled image holds its caption by the 3D rules
 and none of the other three; captions are true and negatives false of their scenes; the train split never shows a
 held-out combination; the What'sUp-layout copy reads back through the one reader; the same seed gives the same bytes
 with 1 and 2 workers. One tiny world (40 scenes, 32 px, 2 samples a pixel) shared by the tests."""
@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("mitsuba", reason="the 3D world renders with Mitsuba 3 (the render3d extra)")
 
-from extract.data import world3d, world3d_layout  # noqa: E402
-from extract.data.hardworld import CONTROLLED_A, CONTROLLED_B, satisfies  # noqa: E402
-from extract.data.sceneparts import heldout_of, is_toyworld  # noqa: E402
+from extract.worlds import world3d, world3d_layout  # noqa: E402
+from extract.worlds.hardworld import satisfies  # noqa: E402
+from extract.worlds.shared import CONTROLLED_A, CONTROLLED_B  # noqa: E402
+from extract.worlds.shared import heldout_of, is_toyworld  # noqa: E402
 
 HOLDOUT = "red cube,blue sphere"
 
@@ -82,7 +83,7 @@ def test_the_whatsup_copy_reads_back_through_the_one_reader(world):
 def test_the_pretrain_split_is_the_train_scenes_and_their_objects_crops(world):
     from PIL import Image
 
-    from extract.data.hardworld import zero_shot_crop
+    from extract.worlds.hardworld import zero_shot_crop
     from extract.data.sources import ToyWorldSource
 
     scenes = [s for s in json.loads((world / "annotations.json").read_text())["scenes"] if s["split"] == "train"]
@@ -111,7 +112,7 @@ def test_the_same_seed_gives_the_same_bytes_with_one_and_two_workers(world, tmp_
 
 
 def test_the_toy_world_command_writes_it_with_world_3d_and_refuses_what_it_cannot_do(tmp_path, capsys):
-    from extract.data.toyworld import main
+    from extract.worlds.toyworld import main
 
     assert main(["--out", str(tmp_path / "w"), "--n", "20", "--world", "3d", "--size", "32", "--spp", "2",
                  "--holdout", "red cube", "--palette", "wide"]) == 0

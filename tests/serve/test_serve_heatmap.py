@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 from adapters.scoring import BackboneScorer
 
 from adapters.load import load_scorer
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.models.backbone import load_backbone
 from serve import heatmap as hm
 from train.eval import heatmaps as heatmap_eval
@@ -301,7 +301,7 @@ def test_a_relations_explanation_says_who_owns_the_overlap_of_its_two_boxes(tmp_
     boxes drawn the other way, the blue square's; the squares apart, that the boxes do not overlap. The region is
     on both phrases' maps and hatched in the picture the page shows."""
     from fixtures.toy import toy_root, trained_grounded
-    from extract.data.sceneparts import COLOURS
+    from extract.worlds.shared import COLOURS
     from serve.app import explanation_text
     from serve.heatmap_render import render
     from serve.service import Heatmaps

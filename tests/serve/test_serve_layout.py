@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("faiss")
 pytest.importorskip("pyarrow")
 
-from extract.data.toyworld import generate  # noqa: E402
+from extract.worlds.toyworld import generate  # noqa: E402
 from extract.models.weights import file_sha256  # noqa: E402
 from serve import layout  # noqa: E402
 from serve.index import IndexOptions, build_index  # noqa: E402

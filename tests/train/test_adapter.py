@@ -297,7 +297,7 @@ def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeyp
     """`python -m train.adapter --method comalign` with no --data and no --out: the default toy world (made small
     here) is generated at runs/toy, the run lands in runs/tiny-comalign, the output reads well in a log (short lines,
     no repeated warning, the table once); that folder is not overwritten by a run with other settings."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(toyworld, "DEFAULT_N", 60)

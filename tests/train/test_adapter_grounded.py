@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.adapter.engine import main
 from train.eval.evaluate import EvaluateOptions, evaluate
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from PIL import Image
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.data.sources import ToyWorldSource
 from train.eval.clip_benchmark import ScorerAsCLIP, build_parser, main
 from train.eval.evaluate import main as evaluate_main

@@ -13,7 +13,7 @@ HOLDOUT = "red circle,blue square"
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from extract.data import hardworld
+    from extract.worlds import hardworld
 
     out = tmp_path_factory.mktemp("crop-probe") / "hard"
     hardworld.generate(out, 80, seed=6, holdout=HOLDOUT, workers=1)  # 4 val / test objects held out
@@ -52,7 +52,7 @@ def test_the_train_split_fits_and_only_val_and_test_objects_are_scored(world):
 
 
 def test_a_world_without_held_out_combinations_says_what_to_make(tmp_path, capsys):
-    from extract.data import hardworld
+    from extract.worlds import hardworld
 
     hardworld.generate(tmp_path / "w", 20, seed=1, workers=1)
     assert cp.main(["--data", str(tmp_path / "w"), "--model", "tiny"]) == 2

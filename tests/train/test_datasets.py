@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.eval.datasets import (READERS, SUGARCREPE_FILES, WHATSUP_FILES, BenchmarkFormatError, Item,
                               read_aro_vg_attribution, read_aro_vg_relation, read_benchmark, read_sugarcrepe,
                               read_svo_probes, read_toyworld, read_whatsup, read_winoground, whatsup_pair_and_set)

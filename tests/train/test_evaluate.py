@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from adapters.scoring import CacheReadable
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.models.backbone import load_backbone
 from extract.data.sources import ToyWorldSource
 from train.eval.datasets import read_toyworld

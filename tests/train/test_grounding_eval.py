@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.eval.grounding import GroundingOptions, grounding, main
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.eval import heatmaps as heatmap_eval
 from serve.heatmap import METHODS
 

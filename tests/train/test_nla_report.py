@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapters.losses.nla import nla_t2_bounds, r2t_exact
-from extract.data import toyworld
+from extract.worlds import toyworld
 from extract.options import ExtractOptions
 from extract.pipeline import build_cache
 from train.eval import nla_report

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 
-from extract.data import hardworld
+from extract.worlds import hardworld
 from train.eval.overlap_probe import main
 
 
@@ -22,7 +22,7 @@ def test_boxes_read_chance_on_controlled_b_and_the_overlap_code_reads_the_front_
 
 
 def test_a_version_2_world_is_refused_with_the_command_that_makes_a_hard_one(tmp_path, capsys):
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     toyworld.generate(tmp_path / "v2", 20, seed=0, workers=1)
     assert main(["--data", str(tmp_path / "v2")]) != 0

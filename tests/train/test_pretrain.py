@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from fixtures import warm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -350,7 +350,7 @@ def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeyp
     """`python -m train.pretrain --method ...` with no --data and no --out: the default toy world (made small
     here) is generated, the run lands in runs/pretrain-MODEL-METHOD with the toy-world epochs, the first lines say
     so, and the output reads well in a log; that folder is not overwritten by a run with other settings."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from train.pretrain.options import parse_args, TOY_EPOCHS
     from train.pretrain.engine import main
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 
 
 @pytest.mark.slow

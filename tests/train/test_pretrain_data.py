@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adapters.objectives.clip import CLIPObjective
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.pretrain.data import GlobalBatchSampler, SeededTransform, build_train_data
 
 

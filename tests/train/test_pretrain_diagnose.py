@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.pretrain.diagnose import region_stats
 
 

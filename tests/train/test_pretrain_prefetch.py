@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 TIMES = {"batch_time", "data_time", "samples_per_second"}  # the columns that measure time, not the run

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from extract.data import toyworld
+from extract.worlds import toyworld
 from train.eval.shape_probe import main, text_collapse
 
 
@@ -82,8 +82,8 @@ def test_the_left_right_probe_reads_position_where_features_hold_it():
     [x0, y0, x1, y1]; centres too close to call are left out)."""
     import numpy as np
 
-    from extract.data.toyworld import COLOURS as PALETTE
-    from extract.data.toyworld import relation_holds
+    from extract.worlds.toyworld import COLOURS as PALETTE
+    from extract.worlds.toyworld import relation_holds
     from train.eval.shape_probe import left_labels, left_right_probe
 
     COLOURS = list(PALETTE)
@@ -120,8 +120,8 @@ def test_the_binding_probe_reads_which_colour_has_which_shape_only_where_feature
     pair's, not the 6 shapes'."""
     import numpy as np
 
-    from extract.data.toyworld import COLOURS as PALETTE
-    from extract.data.toyworld import SHAPES
+    from extract.worlds.toyworld import COLOURS as PALETTE
+    from extract.worlds.toyworld import SHAPES
     from train.eval.shape_probe import binding_probe, binding_scene
 
     colours = list(PALETTE)

@@ -55,7 +55,7 @@ def test_scores_never_depend_on_the_image_beyond_breaking_ties():
 
 
 def test_training_pairs_come_from_the_train_split_only(tmp_path):
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     toyworld.generate(tmp_path, 40, seed=0, workers=1)
     positives, negatives = training_pairs(tmp_path)

@@ -11,7 +11,7 @@ from train.eval import transfer
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
-    from extract.data import hardworld
+    from extract.worlds import hardworld
     from fixtures.toy import toy_root, trained_grounded
 
     root = toy_root(tmp_path_factory)
@@ -67,4 +67,4 @@ def test_bad_worlds_are_one_line_errors(argv, says, capsys):
 def test_a_folder_that_is_no_world_is_refused_before_a_model_loads(tmp_path, capsys):
     assert transfer.main(["--world", f"x={tmp_path}", "--model", "no-such-model", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "not a toy world folder" in err and "python -m extract.data.toyworld" in err
+    assert "not a toy world folder" in err and "python -m extract.worlds.toyworld" in err

@@ -2,7 +2,7 @@
 write one side-by-side table: the frozen base vs base + each adapter (retrieval and per-type compositional
 accuracy on the test split), through ``train.eval``.
 
-    python -m extract.data.toyworld --out toy --n 2000 --seed 0
+    python -m extract.worlds.toyworld --out toy --n 2000 --seed 0
     python -m train.adapter.compare --data toy --out runs/compare --epochs 10
     python -m train.adapter.compare --data toy --out runs/compare --methods comalign,powerclip -- --lr 1e-4
     python -m train.adapter.compare --data toy --out runs/compare --seeds 3   # mean ± sd over 3 training seeds

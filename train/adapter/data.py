@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 
 from extract.cache import FeatureCache, settings_diff
-from extract.data.toyworld import is_toyworld
+from extract.worlds.toyworld import is_toyworld
 
 
 # --------------------------------------------------------------------------------------------- data sources

@@ -14,7 +14,7 @@ What it does, in order:
 
 1. Resolves ``--method`` in the registry (``adapters.registry.ADAPTERS``; an unknown name lists the choices)
    and loads the frozen backbone: absent weights fail here, in seconds, naming the file to supply. Then the
-   data (default: the embedded toy world, ``extract.data.toyworld.ensure``, generated at ``runs/toy`` on first use)
+   data (default: the embedded toy world, ``extract.worlds.toyworld.ensure``, generated at ``runs/toy`` on first use)
    and the run folder (default ``runs/<base>-<method>``; a folder holding a run with other settings is refused,
    ``extract.common.run_dir.claim``).
 2. Gets the feature caches the method needs (its head class names the components; ``train.adapter.data``):
@@ -75,7 +75,7 @@ from adapters.checkpoint import save_adapter, save_backbone_weights, save_detect
 from adapters.registry import ADAPTERS
 from extract.components.hard_negatives import parse_types
 from extract.common.cli import progress, run_job, say
-from extract.data.toyworld import is_toyworld
+from extract.worlds.toyworld import is_toyworld
 from train.adapter.data import (caption_rows_of, check_cache, epoch_batches, extraction_options, cache_config,
                                 final_table_data, obtain_cache, split_images)
 from train.adapter.heldout import CachedBase, attach_toyworld_negatives, encode_heldout, evaluate_heldout, \
@@ -128,9 +128,9 @@ def setup(opts: AdapterOptions) -> Env:
 
 def place_run(opts: AdapterOptions, env: Env) -> AdapterOptions:
     """``opts`` with its data and run folder: without ``--data`` (or ``--cache``) the embedded toy world, generated
-    on first use (``extract.data.toyworld.ensure``); without ``--out`` ``runs/<base>-<method>``. The folder is claimed
+    on first use (``extract.worlds.toyworld.ensure``); without ``--out`` ``runs/<base>-<method>``. The folder is claimed
     (``extract.common.run_dir.claim``): one holding a run with other settings is refused, unless ``--resume``."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.common.run_dir import claim, default_out
 
     if opts.data is None and opts.cache is None:
@@ -227,7 +227,7 @@ def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.nd
                          "alone: pass --data (the cache is reused by fingerprint)")
     options = {"image_root": opts.image_root} if opts.image_root and world is None else {}
     texts = caption_texts(cache, opts.data, "train" if world else None, {**options, **source_options(opts)})
-    from extract.data.toyworld import heldout_of
+    from extract.worlds.toyworld import heldout_of
 
     forbid = heldout_of(world) if world is not None else frozenset()
     return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.batch_text_arrays,
@@ -243,7 +243,7 @@ def _live_data(opts: AdapterOptions, env: Env) -> TrainData:
     val = live.heldout(opts.extract_batch_size, _workers(opts)) if env.is_main and not opts.resume else None
     negatives = None
     if opts.hard_negatives != "none":  # tokenized per batch: the backbone being trained encodes them
-        from extract.data.toyworld import heldout_of
+        from extract.worlds.toyworld import heldout_of
         from train.adapter.negatives import LiveNegatives, draw_negatives
 
         drawn = draw_negatives(live.train.texts, live.train_rows, parse_types(opts.hard_negatives), seed=opts.seed,

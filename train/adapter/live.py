@@ -118,7 +118,7 @@ def live_splits(args, world: Path | None) -> tuple[Pairs, np.ndarray, Pairs]:
     (``train.adapter.engine.load_data``): a toy world's ``val`` split, else ``--val-data``, else a seeded
     ``--val-fraction`` of the training images held out with all of their captions."""
     from extract.common.source_args import source_options
-    from extract.data.toyworld import is_toyworld
+    from extract.worlds.toyworld import is_toyworld
     from train.adapter.data import caption_rows_of, split_images
 
     options = {"image_root": args.image_root, "unusual": args.extract_options.get("unusual"), **source_options(args)}
@@ -428,7 +428,7 @@ def prepare_live(args, backbone, base_describe: dict, head_cls=None) -> LiveData
     """Splits (:func:`live_splits`), the live extractor, the extraction description the checkpoint stores and (for
     ``head_cls`` reading region masks or trees) what computes them per batch."""
     from adapters.adapter_scorer import LiveExtractor
-    from extract.data.toyworld import is_toyworld
+    from extract.worlds.toyworld import is_toyworld
 
     world = Path(args.data) if is_toyworld(args.data) else None
     train, train_rows, val = live_splits(args, world)

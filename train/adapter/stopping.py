@@ -35,7 +35,7 @@ RETRIEVAL = tuple(f"retrieval {d} R@{k}" for d in ("T2I", "I2T") for k in (1, 5,
 def held_out_score(metrics: dict[str, float]) -> float | None:
     """The one figure the rule watches (module docstring): the mean of the retrieval part and the binding part,
     whichever the held-out figures have; None with neither."""
-    from extract.data.toyworld import NEGATIVE_TYPES
+    from extract.worlds.toyworld import NEGATIVE_TYPES
 
     parts = []
     for keys in (RETRIEVAL, tuple(f"toyworld {t}" for t in NEGATIVE_TYPES)):

@@ -84,7 +84,7 @@ def caching_overhead(args, work: Path) -> dict:
     import torch
     from PIL import Image
 
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.models.backbone import load_backbone
     from extract.data.sources import ToyWorldSource
     from extract.pipeline import ExtractOptions, run
@@ -136,7 +136,7 @@ def caching_overhead(args, work: Path) -> dict:
 
 # --------------------------------------------------------------------------------------------- 2. spaCy
 def spacy_rate(args, work: Path) -> dict:
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.data.sources import ToyWorldSource
     from extract.components.text import TextComponentExtractor
 
@@ -219,7 +219,7 @@ def phrase_cost(args, work: Path) -> dict:
 
     from extract.components.text import TextComponentExtractor
     from extract.components.text_pack import pack
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from extract.data.sources import ToyWorldSource
     from extract.models.backbone import load_backbone
 

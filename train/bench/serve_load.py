@@ -88,7 +88,7 @@ def queries(n: int = 512, seed: int = 0) -> list[str]:
 
     import numpy as np
 
-    from extract.data.toyworld import COLOURS, PREDICATES, SHAPES
+    from extract.worlds.toyworld import COLOURS, PREDICATES, SHAPES
 
     objects = [f"a {c} {s}" for c in COLOURS for s in SHAPES]
     relation = {p: ("to the " + p if p in ("left of", "right of") else p) for p in PREDICATES}

@@ -7,7 +7,7 @@ Zero-shot on a world's crops (``python -m train.eval --tasks zeroshot``) says ho
 it names held-out colour-shape combinations far worse than seen ones, the question is which side fails: the text
 tower composing "a yellow cylinder", or the image features, which may file a yellow cylinder where the yellow cube
 is. This answers the second. Each object is cropped as the grounded head and the zero-shot set see it
-(``extract.data.hardworld.zero_shot_crop``: its box on a black square three times its side); logistic-regression
+(``extract.worlds.hardworld.zero_shot_crop``: its box on a black square three times its side); logistic-regression
 probes of its shape and of its colour are fitted on the frozen global embeddings of up to ``--n-train`` train-split
 objects (the train split never shows a held-out combination) and scored on the val / test objects, seen
 combinations and held-out ones apart. A base whose features keep shape apart from colour reads a held-out object's
@@ -38,7 +38,7 @@ PROG = "python -m train.eval.crop_probe"
 
 @dataclass
 class CropProbeOptions:
-    data: str | None = option(None, metavar="WORLD", help="a hard or 3D toy world (python -m extract.data.toyworld "
+    data: str | None = option(None, metavar="WORLD", help="a hard or 3D toy world (python -m extract.worlds.toyworld "
                                                         "--hard | --world 3d, with --holdout)")
     model: list = option(default_factory=list, action="append", metavar="MODEL",
                          help="a base alias or a pre-trained checkpoint, as train.eval takes it (repeat)")
@@ -60,7 +60,7 @@ def crop_features(backbone, world: Path, pairs: list[tuple[dict, dict]], batch: 
     """Each object's crop (``zero_shot_crop`` of its scene), encoded: the global image embeddings [n, D]."""
     from PIL import Image
 
-    from extract.data.hardworld import zero_shot_crop
+    from extract.worlds.hardworld import zero_shot_crop
 
     images: dict[str, Image.Image] = {}
     out = []
@@ -104,12 +104,12 @@ def load(model: str, device: str):
 
 def crop_probe(opts: CropProbeOptions) -> dict:
     """``{"objects": {...counts}, "chance": {...}, "models": {model: {"shape": {...}, "colour": {...}}}}``."""
-    from extract.data.sceneparts import heldout_of, is_toyworld
+    from extract.worlds.shared import heldout_of, is_toyworld
 
     world = Path(str(opts.data))
     if not opts.data or not is_toyworld(world):
         raise ValueError("--data WORLD is required: a hard or 3D toy world with held-out combinations (python -m "
-                         "extract.data.toyworld --out W --n 1000 --seed 5 --world 3d --holdout \"yellow cylinder\")")
+                         "extract.worlds.toyworld --out W --n 1000 --seed 5 --world 3d --holdout \"yellow cylinder\")")
     held_combos = heldout_of(world)
     train, test = objects(world, opts.n_train, opts.n_test)
     held = np.array([(o["colour"], o["shape"]) in held_combos for _, o in test])

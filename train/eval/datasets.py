@@ -41,7 +41,7 @@ Sources of the formats (read from the benchmarks' own loaders and data cards):
   ``data/controlled_images/mug_on_table.jpeg``); COCO-spatial ``coco_qa_{one,two}_obj.json`` and GQA-spatial
   ``vg_qa_{one,two}_obj.json``, JSON lists of ``[image_id, true caption, false caption]`` (images
   ``val2017/<image_id zero-padded to 12>.jpg`` / ``vg_images/<image_id>.jpg``).
-- The toy world (``extract.data.toyworld``): ``negatives.json`` and ``{split}_coco.json``.
+- The toy world (``extract.worlds.toyworld``): ``negatives.json`` and ``{split}_coco.json``.
 
 Bad input contract
     Every reader parses and validates its whole file(s) before it looks at any image: a malformed file (bad
@@ -391,13 +391,13 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
 def read_toyworld_controlled(world_dir: str | os.PathLike, split: str | None = None,
                              image_root: str | os.PathLike | None = None, file: str = "controlled.json",
                              name: str = "toyworld-controlled") -> Benchmark:
-    """The toy world's controlled test (``controlled.json``, :func:`extract.data.toyworld.generate_controlled`): one
+    """The toy world's controlled test (``controlled.json``, :func:`extract.worlds.toyworld.generate_controlled`): one
     "set" item per set, ``images`` its four scenes and ``texts`` their four captions in the same order (caption k
     true of image k alone), ``subtype`` ``four-way``, tagged ``held-out four-way`` when it names a combination the
     world held out of training. ``split`` is accepted for symmetry with :func:`read_toyworld` and ignored: the sets
     are an evaluation set of their own, drawn from every combination. ``file`` / ``name``: another test in the same
     schema and the benchmark's name (the hard world's ``controlled_a.json`` as ``toyworld-controlled-A`` ...,
-    ``extract.data.toyworld.controlled_tests``)."""
+    ``extract.worlds.toyworld.controlled_tests``)."""
     world = Path(world_dir).expanduser()
     root = Path(image_root).expanduser() if image_root is not None else world
     file = world / file

@@ -171,7 +171,7 @@ def load_tasks(args: EvaluateOptions) -> dict:
     world = Path(args.data) if args.data else None
     if world is not None and not (world / "annotations.json").is_file():
         raise FileNotFoundError(f"--data {world} is not a toy-world folder (no annotations.json); generate one "
-                                "with python -m extract.data.toyworld --out DIR")
+                                "with python -m extract.worlds.toyworld --out DIR")
     if "retrieval" in args.tasks:
         from extract.data.sources import open_source
         from extract.common.source_args import source_options
@@ -197,7 +197,7 @@ def load_tasks(args: EvaluateOptions) -> dict:
     if "compositional" in args.tasks:
         found = []
         if world:
-            from extract.data.toyworld import controlled_tests
+            from extract.worlds.toyworld import controlled_tests
 
             found.append(bm.read_toyworld(world, split=args.split))
             # version 2's four-way test (written now for a world that predates it), a hard world's Controlled-A / -B
@@ -511,7 +511,7 @@ def evaluate(opts: EvaluateOptions) -> dict:
     it)."""
     check_options(opts, build_parser())
     if not any((opts.data, opts.retrieval_data, opts.cache, opts.zeroshot_data, opts.benchmark, opts.probe_data)):
-        from extract.data import toyworld  # the embedded default, as train.adapter.engine and train.pretrain.engine use it
+        from extract.worlds import toyworld  # the embedded default, as train.adapter.engine and train.pretrain.engine use it
 
         opts = dataclasses.replace(opts, data=str(toyworld.ensure(say=say)))
         say(f"data: the embedded toy world {opts.data} (no --data given)")

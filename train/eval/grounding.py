@@ -69,8 +69,8 @@ def grounding(opts: GroundingOptions) -> dict[tuple[float, str], dict]:
     from PIL import Image
 
     from extract.components.regions import crop_regions
-    from extract.data import toyworld
-    from extract.data.sceneparts import heldout_of
+    from extract.worlds import toyworld
+    from extract.worlds.shared import heldout_of
     from extract.models.backbone import load_backbone
 
     backbone = load_backbone(opts.base, opts.pretrained, device=opts.device)

@@ -168,7 +168,7 @@ def summarise(scores: list[ObjectScore], n_images: int, seed: int, resamples: in
 
 def _phrase_of(obj: dict) -> str:
     """The phrase naming a toy-world object, as its one-object caption has it ("a small red circle")."""
-    from extract.data.toyworld import render
+    from extract.worlds.toyworld import render
 
     return render({"objects": [{k: obj[k] for k in ("size", "colour", "shape") if k in obj}], "relations": []})
 
@@ -248,7 +248,7 @@ def measure_control(world: Path, scenes: list[dict]) -> list[ObjectScore]:
 # --------------------------------------------------------------------------------------------- the job
 def resolve_data(data: str | None) -> Path:
     """The toy world to measure on (``HeatmapEvalOptions.data``); ValueError when it is not one."""
-    from extract.data import toyworld
+    from extract.worlds import toyworld
 
     if data is None:
         world = DEMO_WORLD if (DEMO_WORLD / "annotations.json").is_file() else \
@@ -257,7 +257,7 @@ def resolve_data(data: str | None) -> Path:
         world = Path(data)
     if not (world / "annotations.json").is_file():
         raise ValueError(f"--data {world}: not a toy-world folder (no annotations.json); its object boxes are the "
-                         "ground truth this measures against (python -m extract.data.toyworld --out DIR makes one)")
+                         "ground truth this measures against (python -m extract.worlds.toyworld --out DIR makes one)")
     return world
 
 
@@ -276,7 +276,7 @@ def resolve_models(opts: HeatmapEvalOptions) -> list[tuple[str, str | None]]:
 def evaluate_heatmaps(opts: HeatmapEvalOptions) -> dict:
     """Measure (module docstring); returns the report written to ``OUT/results.json``, with ``markdown``."""
     from adapters.load import load_scorer
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from serve.heatmap import Heatmapper
 
     check_options(opts, build_parser())

@@ -1,6 +1,6 @@
 """``python -m train.eval.overlap_probe``: is "who is in front" in what the cache holds? Probes on a hard world.
 
-    python -m train.eval.overlap_probe --data WORLD        # a hard world (python -m extract.data.toyworld --hard)
+    python -m train.eval.overlap_probe --data WORLD        # a hard world (python -m extract.worlds.toyworld --hard)
 
 Before a head is asked to learn "in front of" from captions, this measures whether the signal is there at all, from
 each source a head could read: fitted on the named in-front / behind pairs of the world's train scenes, scored on
@@ -36,7 +36,7 @@ PROG = "python -m train.eval.overlap_probe"
 
 @dataclass
 class OverlapProbeOptions:
-    data: str | None = option(None, metavar="WORLD", help="a hard toy world (python -m extract.data.toyworld --hard)")
+    data: str | None = option(None, metavar="WORLD", help="a hard toy world (python -m extract.worlds.toyworld --hard)")
     seed: int = option(0, type=nonnegative_int, help="seed of the probes' initialisation")
     steps: int = option(1500, type=positive_int, help="full-batch Adam steps of each fitted probe")
     json_out: str | None = option(None, help="also write the figures to this JSON file")
@@ -66,11 +66,12 @@ def _pairs(world: Path, scenes: list[tuple[dict, int, int]]) -> dict[str, np.nda
 def load(world: str | Path) -> tuple[dict, dict]:
     """(fit pairs from the scenes' named in-front / behind pairs, scored pairs from Controlled-B's overlapping
     images). ValueError naming the fix when ``world`` is not a hard world."""
-    from extract.data import hardworld
+    from extract.worlds import hardworld
+    from extract.worlds.shared import CONTROLLED_FILES
 
     world = Path(world)
     if not hardworld.is_hard(world):
-        raise ValueError(f"{world} is not a hard toy world: make one with python -m extract.data.toyworld --out DIR "
+        raise ValueError(f"{world} is not a hard toy world: make one with python -m extract.worlds.toyworld --out DIR "
                          "--n 1000 --seed 5 --hard")
     named = {"train": [], "held-out": []}
     for scene in json.loads((world / "annotations.json").read_text())["scenes"]:
@@ -80,7 +81,7 @@ def load(world: str | Path) -> tuple[dict, dict]:
                            else (pair["object"], pair["subject"]))
             named["train" if scene["split"] == "train" else "held-out"].append((scene, front, back))
     controlled = []
-    for entry in json.loads((world / hardworld.CONTROLLED_FILES["B"]).read_text())["sets"]:
+    for entry in json.loads((world / CONTROLLED_FILES["B"]).read_text())["sets"]:
         named_pair = [(o["colour"], o["shape"]) for o in entry["objects"]]
         for scene in entry["scenes"]:
             if scene["predicate"] in ("in front of", "behind"):  # of the named pair, the one drawn last is in front
@@ -146,7 +147,7 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     def job(opts: OverlapProbeOptions) -> None:
         if not opts.data:
-            raise ValueError("--data WORLD is required: a hard toy world (python -m extract.data.toyworld --out DIR "
+            raise ValueError("--data WORLD is required: a hard toy world (python -m extract.worlds.toyworld --out DIR "
                              "--n 1000 --seed 5 --hard)")
         rows = probe(opts)
         print("telling the front object of two overlapping ones, true boxes (chance 50):")

@@ -69,7 +69,7 @@ def single_object_scenes(world: Path, scenes: list[dict], n_train: int, n_test: 
     train, test = split_scenes(scenes, lambda s: len(s["objects"]) == 1, n_train, n_test)
     if len(train) < 20 or len(test) < 20:
         raise ValueError(f"{world}: only {len(train)} train / {len(test)} held-out single-object scenes; generate a "
-                         "larger toy world (python -m extract.data.toyworld --n 5000)")
+                         "larger toy world (python -m extract.worlds.toyworld --n 5000)")
     return train, test
 
 
@@ -97,9 +97,9 @@ def image_features(backbone, world: Path, scenes: list[dict], batch: int = 256,
 
 def left_labels(scenes: list[dict], colour: str, side: int) -> tuple[np.ndarray, np.ndarray]:
     """(scene indices, 1 where the object of ``colour`` is left of the other, 0 where it is right of it) over the
-    scenes holding one object of that colour, by the toy world's own rule (``extract.data.toyworld.relation_holds`` in a
+    scenes holding one object of that colour, by the toy world's own rule (``extract.worlds.toyworld.relation_holds`` in a
     ``side``-px image: centres far enough apart; scenes where neither holds are left out)."""
-    from extract.data.toyworld import relation_holds
+    from extract.worlds.toyworld import relation_holds
 
     idx, left = [], []
     for i, s in enumerate(scenes):
@@ -118,7 +118,7 @@ def left_right_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: 
                      side: int) -> float | None:
     """Held-out accuracy (%) of "the object of colour c is left of the other", one probe per colour, averaged over
     the colours with both answers among >= 5 train scenes each and >= 10 held-out scenes; None without any."""
-    from extract.data.toyworld import COLOURS
+    from extract.worlds.toyworld import COLOURS
 
     scores = []
     for colour in COLOURS:
@@ -142,7 +142,7 @@ def binding_probe(xtr: np.ndarray, train: list[dict], xte: np.ndarray, test: lis
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
-    from extract.data.toyworld import COLOURS
+    from extract.worlds.toyworld import COLOURS
 
     def of(scenes, colour):
         idx, mine, other = [], [], []
@@ -193,7 +193,7 @@ def relation_cosines(backbone) -> dict[str, float]:
     the right of ..."), with its objects swapped ("a green square to the left of a red circle") and with its
     attributes swapped ("a green circle to the left of a red square"), over 48 object pairs and both predicate
     pairs: near 1, the text tower cannot tell replace-rel / swap-obj / swap-att negatives apart."""
-    from extract.data.toyworld import COLOURS, SHAPES
+    from extract.worlds.toyworld import COLOURS, SHAPES
 
     colours, shapes = list(COLOURS), list(SHAPES)
     pairs = [((colours[c], shapes[s]), (colours[(c + 1) % len(colours)], shapes[(s + 1) % len(shapes)]))
@@ -213,7 +213,7 @@ def relation_cosines(backbone) -> dict[str, float]:
 def text_collapse(backbone) -> dict[str, float]:
     """Mean cosine of caption pairs that differ in the shape word only, and in the colour word only, and
     :func:`relation_cosines`."""
-    from extract.data.toyworld import COLOURS, SHAPES
+    from extract.worlds.toyworld import COLOURS, SHAPES
 
     colours, shapes = list(COLOURS), list(SHAPES)
     e = _unit_embeddings(backbone, [f"a small {c} {s}" for c in colours for s in shapes])
@@ -257,7 +257,7 @@ def probe_weights(opts: ShapeProbeOptions, weights: str, train: list[dict], test
 
 
 def shape_probe(opts: ShapeProbeOptions) -> dict[str, dict[str, float]]:
-    from extract.data.toyworld import load
+    from extract.worlds.toyworld import load
 
     world = load(opts.data)  # read once: annotations of a 20,000-scene world are tens of MB
     train, test = single_object_scenes(Path(opts.data), world["scenes"], opts.n_train, opts.n_test)

@@ -52,7 +52,7 @@ ROWS = (
 @dataclass
 class TransferOptions:
     world: list = option(default_factory=list, action="append", metavar="NAME=DIR",
-                         help="a toy world to score on, named (python -m extract.data.toyworld; repeat: v2=runs/toy "
+                         help="a toy world to score on, named (python -m extract.worlds.toyworld; repeat: v2=runs/toy "
                               "hard=H 3d=E)")
     model: list = option(default_factory=list, action="append", metavar="MODEL",
                          help="a base alias / checkpoint or an adapter run, as train.eval takes it (repeat)")
@@ -97,7 +97,7 @@ def trained_on(model: str, worlds: dict[str, str]) -> str | None:
 def score(opts: TransferOptions) -> dict:
     """``{"worlds", "models", "trained_on", "cells": {world: {model: {row: figure}}}, "boxes"}``; each world's
     train.eval report is written under ``opts.out/NAME``."""
-    from extract.data.sceneparts import is_toyworld
+    from extract.worlds.shared import is_toyworld
     from train.eval.evaluate import EvaluateOptions, evaluate
 
     if not opts.worlds or not opts.model:
@@ -105,7 +105,7 @@ def score(opts: TransferOptions) -> dict:
     for name, world in opts.worlds.items():  # every world checked before a model loads
         if not is_toyworld(world):
             raise ValueError(f"--world {name}={world}: not a toy world folder (make one with python -m "
-                             "extract.data.toyworld --out DIR --n 400 --seed 1 [--hard | --world 3d])")
+                             "extract.worlds.toyworld --out DIR --n 400 --seed 1 [--hard | --world 3d])")
     cells: dict[str, dict] = {}
     labels: list[str] = []
     boxes: dict[str, dict] = {}

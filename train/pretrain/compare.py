@@ -349,7 +349,7 @@ def compare(opts: CompareOptions) -> dict:
     """Train every column x hard-negative setting x seed under every budget and evaluate the final models (module
     docstring). Returns ``{"budgets": {B: {"runs", "table", "markdown"}}, "markdown"}`` and writes ``OUT/``."""
     from adapters.registry import PRETRAIN
-    from extract.data import toyworld
+    from extract.worlds import toyworld
     from train.pretrain import engine as pt
 
     check_options(opts, build_parser())
@@ -369,7 +369,7 @@ def compare(opts: CompareOptions) -> dict:
     check_towers(opts.model, opts.columns())
     pairs = opts.pairs()  # a typo in --vs fails here, before the first run
     if opts.data and not toyworld.is_toyworld(opts.data):
-        raise ValueError(f"--data {opts.data}: not a toy-world folder (python -m extract.data.toyworld makes one); the "
+        raise ValueError(f"--data {opts.data}: not a toy-world folder (python -m extract.worlds.toyworld makes one); the "
                          "comparison evaluates on a toy world's test split and its hard negatives")
     out = Path(opts.out)
     # every setting, the runs' common PretrainOptions included: a finished run is kept only under the same ones

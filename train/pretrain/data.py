@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from extract.data.sources import IndexedSource, WebDatasetSource, expand_shards, open_source
 from extract.data.images import BadImage
 from extract.data.report import Skip, SkipReport
-from extract.data.toyworld import heldout_of, is_toyworld
+from extract.worlds.toyworld import heldout_of, is_toyworld
 
 MAX_REPLACEMENTS = 50  # unreadable images in a row before an indexed source is declared broken
 

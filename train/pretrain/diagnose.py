@@ -360,16 +360,16 @@ def batch_mates_section(scenes: Sequence[dict], batch_size: int, batches: int, s
 
 
 def diagnose(opts: DiagnoseOptions) -> dict:
-    from extract.data.toyworld import is_toyworld
+    from extract.worlds.toyworld import is_toyworld
     from extract.models.backbone import load_backbone
 
     if opts.data is None:
-        from extract.data import toyworld
+        from extract.worlds import toyworld
 
         opts = dataclasses.replace(opts, data=str(toyworld.ensure(say=say)))
     world = Path(opts.data)
     if not is_toyworld(world):
-        raise ValueError(f"--data {world}: not a toy-world folder (python -m extract.data.toyworld makes one)")
+        raise ValueError(f"--data {world}: not a toy-world folder (python -m extract.worlds.toyworld makes one)")
     backbone = load_backbone(opts.model, opts.pretrained or "none", device="cpu")
     files, cells = object_cells(world, opts.n, backbone)
     grid = tuple(backbone.grid)

@@ -11,7 +11,7 @@ or PowerCLIP, on one process or many.
 A run is a function of its options: ``pretrain(PretrainOptions(method="clip", data="toy", epochs=10))`` does
 what the command line with those flags does (the same checks, the same files); the command line only parses
 into :class:`PretrainOptions`. Without ``--data`` a run trains on the embedded toy world
-(``extract.data.toyworld.ensure``: ``runs/toy``, generated on first use) for ``TOY_EPOCHS`` epochs unless ``--epochs``
+(``extract.worlds.toyworld.ensure``: ``runs/toy``, generated on first use) for ``TOY_EPOCHS`` epochs unless ``--epochs``
 says otherwise (``EPOCHS`` on data you name); without ``--out`` it writes ``runs/pretrain-MODEL-METHOD``. A run
 folder holding another run's settings is refused (``extract.common.run_dir.claim``), ``--resume`` continues it.
 
@@ -63,7 +63,7 @@ from extract.common.config import save_config  # noqa: E402
 from extract.components.hard_negatives import parse_types  # noqa: E402
 from extract.common.source_args import source_options  # noqa: E402
 from extract.common.tensorfile import first_nonfinite  # noqa: E402
-from extract.data.toyworld import is_toyworld  # noqa: E402
+from extract.worlds.toyworld import is_toyworld  # noqa: E402
 from train.bad_steps import BadSteps, TrainingDiverged  # noqa: E402
 from train.pretrain import checkpoint as ckpt  # noqa: E402
 from train.pretrain.data import SeededTransform, build_train_data  # noqa: E402
@@ -127,7 +127,7 @@ def resolve_options(opts: PretrainOptions, dist: Dist) -> tuple[PretrainOptions,
     is generated here when it is needed."""
     notes, changes = [], {}
     if opts.data is None:
-        from extract.data import toyworld
+        from extract.worlds import toyworld
 
         # module attributes read now, not bound as defaults, so a test can make the default world small
         where, n, seed = toyworld.DEFAULT_PATH, toyworld.DEFAULT_N, toyworld.DEFAULT_SEED
@@ -176,7 +176,7 @@ def with_hard_negatives(objective, opts: PretrainOptions):
     from adapters.objectives.hard_negatives import WithHardNegatives
     from extract.components.hard_negatives import HardNegatives, Vocabulary
 
-    from extract.data.toyworld import heldout_of
+    from extract.worlds.toyworld import heldout_of
 
     forbid = heldout_of(opts.data) if opts.data and is_toyworld(opts.data) else frozenset()
     generator = HardNegatives(Vocabulary(), parse_types(opts.hard_negatives), forbid)

@@ -65,7 +65,7 @@ def component_arrays(glob: np.ndarray, entities: int, relations: int, rng, prefi
 def captions(n: int, seed: int) -> list[str]:
     """Toy-world-like captions ("a small red circle left of a large blue star"): what spaCy parses into the
     entities and relations ComAlign's text side encodes."""
-    from extract.data.toyworld import COLOURS, PREDICATES, SHAPES, SIZES
+    from extract.worlds.toyworld import COLOURS, PREDICATES, SHAPES, SIZES
 
     rng = np.random.default_rng([seed, 0x7E77])
     colours, sizes = list(COLOURS), list(SIZES)

@@ -1,6 +1,6 @@
-"""The hard toy world: who is in front, what stands on what, in clutter (``python -m extract.data.toyworld --hard``).
+"""The hard toy world: who is in front, what stands on what, in clutter (``python -m extract.worlds.toyworld --hard``).
 
-Why a second world. In the version-2 world (:mod:`extract.data.toyworld`) every relation is a direction between two
+Why a second world. In the version-2 world (:mod:`extract.worlds.toyworld`) every relation is a direction between two
 box centres and no two objects touch, so a head that reads boxes has solved it. What'sUp's real subsets (Kamath et
 al., EMNLP 2023, §3) ask what box centres cannot tell: Controlled-A **on / under** (support, contact), Controlled-B
 **in front of / behind** (occlusion, depth), in images with clutter and partly hidden objects. This world asks the
@@ -82,9 +82,9 @@ from typing import Iterable, Sequence
 import numpy as np
 from PIL import Image, ImageDraw
 
-from extract.data.sceneparts import (COLOURS, NEGATIVE_TYPES, SHAPES, SPLITS, combos, count_files, describe,
-                                     draw_shape, dump_json, mutations, parse_holdout, parse_splits, render_struct,
-                                     split_of, write_split)
+from extract.worlds.shared import (COLOURS, CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, NEGATIVE_TYPES, SHAPES,
+                                   SPLITS, WHATSUP_DIR, combos, count_files, describe, draw_shape, dump_json, mutations,
+                                   parse_holdout, parse_splits, render_struct, split_of, write_split, write_whatsup)
 
 HARD_VERSION = 1
 PREDICATES = ("left of", "right of", "above", "below", "on", "under", "in front of", "behind")
@@ -111,8 +111,6 @@ CROP_SCALE = 3  # the zero-shot crop: the object's tight box centred on a black 
 # object then fills a third of the input, as objects do in the scenes a base trained on (toy-clip fine-tuned on this
 # world, after 5 epochs: 88% from these, 25% from tight crops blown up to the whole input, 52% from 3x crops with
 # their surroundings)
-CONTROLLED_A = ("on", "under", "left of", "right of")
-CONTROLLED_B = ("in front of", "behind", "left of", "right of")
 # each controlled set's clutter: two distractors related the other way from the named pair in every image: one on /
 # overlapping the other (CLUTTER_STACKED) where the named pair is side by side, side by side (CLUTTER_APART) where the
 # named pair touches or overlaps. Every image then holds one stacked pair and one side-by-side pair, and only which
@@ -122,12 +120,6 @@ CONTROLLED_B = ("in front of", "behind", "left of", "right of")
 # clutter related the other way, 34.8 / 25.9.
 CLUTTER_STACKED = {"A": "on", "B": "in front of"}
 CLUTTER_APART = "left of"
-CONTROLLED_FILES = {"A": "controlled_a.json", "B": "controlled_b.json"}
-WHATSUP_DIR = "whatsup"
-_WHATSUP_SUBSETS = {"A": ("controlled_images_dataset", "controlled_images"),
-                    "B": ("controlled_clevr_dataset", "controlled_clevr")}
-_WHATSUP_PREPOSITION = {"on": "on", "under": "under", "left of": "left_of", "right of": "right_of",
-                        "in front of": "in-front_of", "behind": "behind"}
 
 
 @dataclass(frozen=True)
@@ -678,38 +670,6 @@ def generate_controlled(out_dir: str | os.PathLike, settings: HardSettings) -> d
         dump_json(out / file, written[test])
     write_whatsup(out, written, out / WHATSUP_DIR)
     return written
-
-
-def _whatsup_name(set_id: int, pair: list[dict], predicate: str) -> str:
-    first, second = (f"{o['colour']}-{o['shape']}" for o in pair)
-    # <object>_<preposition>_<object>.jpeg as the authors' files; the set id keeps two sets of one pair apart
-    return f"s{set_id:04d}-{first}_{_WHATSUP_PREPOSITION[predicate]}_{second}.jpeg"
-
-
-def write_whatsup(world: Path, tests: dict[str, dict], out: Path) -> None:
-    """The controlled tests in What'sUp's published layout under ``out``: per test its JSON list of ``{"image_path":
-    "data/<folder>/<name>.jpeg", "caption_options": [the true caption, the other three]}`` and its images (JPEG,
-    quality 95), and ``objects.json``: each image's boxes as Visual Genome objects (``image_id`` its name, ``image``
-    its file name)."""
-    out.mkdir(parents=True, exist_ok=True)
-    boxes = []
-    for test, data in tests.items():
-        stem, folder = _WHATSUP_SUBSETS[test]
-        (out / folder).mkdir(exist_ok=True)
-        entries = []
-        for entry in data["sets"]:
-            captions = [scene["caption"] for scene in entry["scenes"]]
-            for scene, caption in zip(entry["scenes"], captions):
-                name = _whatsup_name(entry["id"], entry["objects"], scene["predicate"])
-                Image.open(world / scene["file_name"]).convert("RGB").save(out / folder / name, quality=95)
-                entries.append({"image_path": f"data/{folder}/{name}",
-                                "caption_options": [caption] + [c for c in captions if c != caption]})
-                boxes.append({"image_id": name.rsplit(".", 1)[0], "image": f"{folder}/{name}", "objects": [
-                    {"x": o["box"][0], "y": o["box"][1], "w": o["box"][2] - o["box"][0],
-                     "h": o["box"][3] - o["box"][1], "names": [f"{o['colour']} {o['shape']}"]}
-                    for o in scene["objects"]]})
-        dump_json(out / f"{stem}.json", entries)
-    dump_json(out / "objects.json", boxes)
 
 
 # --------------------------------------------------------------------------- the world

@@ -471,7 +471,7 @@ def generate(out_dir, n: int, seed: int, size: int = 96, spp: int = 32, workers:
 # ------------------------------------------------------------------------------------------------- command line
 @dataclass
 class World3DOptions:
-    """``python -m extract.data.world3d`` as data; :func:`generate` is the job."""
+    """``python -m extract.worlds.world3d`` as data; :func:`generate` is the job."""
 
     out: str | None = _option(None, metavar="DIR", help="output folder (images/ and scenes.json; overwritten)")
     n: int = _option(100, type=_positive, help="number of scenes")
@@ -489,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from extract.common.cli import build_parser, from_namespace, run_job
     from extract.common.config import parse_with_config
 
-    parser = build_parser(World3DOptions, "python -m extract.data.world3d",
+    parser = build_parser(World3DOptions, "python -m extract.worlds.world3d",
                           "Render the 3D world: CLEVR's objects on a floor, path-traced by Mitsuba 3, with each "
                           "object's visible box, hidden share and relations in scenes.json.")
     ns = parse_with_config(parser, argv)

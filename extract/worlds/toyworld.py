@@ -1,6 +1,6 @@
 """Toy world: procedurally drawn scenes of coloured shapes, the project's embedded default dataset.
 
-``python -m extract.data.toyworld --out DIR --n N --seed S [--size 64] [--holdout "red circle,blue square"]
+``python -m extract.worlds.toyworld --out DIR --n N --seed S [--size 64] [--holdout "red circle,blue square"]
 [--splits 0.8,0.1,0.1] [--workers W] [--long-captions] [--phrases "left of=above,..."] [--config file.yaml]`` or
 :func:`generate` writes N scenes with boxes, relations, captions and SugarCrepe/ARO-style hard negatives, and a
 What'sUp-style controlled test.
@@ -97,7 +97,7 @@ Determinism
     output is independent of worker count and chunking; JSON is written with sorted keys and
     compact, pixels are ints, PNGs are re-encoded identically.
 
-Code: the rules above (constants, relations, truth, captions, negatives) are ``extract.data.toyrules``; this module
+Code: the rules above (constants, relations, truth, captions, negatives) are ``extract.worlds.toyrules``; this module
 lays scenes out, draws and writes them, and holds the controlled test and the command line.
 
 Output layout in DIR
@@ -126,21 +126,21 @@ from PIL import Image, ImageDraw
 from extract.common.cli import Parser, from_namespace, option, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, parse_with_config, positive_int
-# the shared pieces (extract/data/sceneparts.py), also this module's public names as before
-from extract.data import hardworld, world3d_layout
-from extract.data.sceneparts import (COLOURS, COUNT_WORDS, NEGATIVE_TYPES, SHAPES, SPLITS, article, combos,
-                                     count_files, describe, draw_shape, dump_json, heldout_of, is_toyworld,
-                                     join_words, mutations, noun, parse_holdout, parse_splits, render_struct,
-                                     split_of, write_split)
-from extract.data.world3d import PALETTES as PALETTES_3D
-from extract.data.world3d_layout import parse_holdout3d
+# the shared pieces (extract/worlds/shared.py), also this module's public names as before
+from extract.worlds import hardworld, world3d_layout
+from extract.worlds.shared import (COLOURS, CONTROLLED_FILE, CONTROLLED_FILES, COUNT_WORDS, NEGATIVE_TYPES, SHAPES,
+                                   SPLITS, article, combos, count_files, describe, draw_shape, dump_json, heldout_of,
+                                   is_toyworld, join_words, mutations, noun, parse_holdout, parse_splits, render_struct,
+                                   split_of, write_split)
+from extract.worlds.world3d import PALETTES as PALETTES_3D
+from extract.worlds.world3d_layout import parse_holdout3d
 
-# the rules (extract/data/toyrules.py), also this module's public names as before
-from extract.data.toyrules import (BACKGROUND, CAPTION_PREDICATES, CAPTION_SLOTS, DIRECTION_MARGIN, GAP, LAYOUT_TRIES,
-                                   LENIENT_DIRECTION_MARGIN, LENIENT_NEAR, LONG_CAPTION_SLOTS, LONG_OBJECTS, LONG_SIZES,
-                                   MAX_OBJECTS, MIN_IMAGE_SIZE, NEAR, PLACEMENT_TRIES, PREDICATES, SIZES, VERSION,
-                                   box_gap, caption_negatives, negative_candidates, parse_phrases, relation_holds, render,
-                                   satisfies, scene_captions)
+# the rules (extract/worlds/toyrules.py), also this module's public names as before
+from extract.worlds.toyrules import (BACKGROUND, CAPTION_PREDICATES, CAPTION_SLOTS, DIRECTION_MARGIN, GAP, LAYOUT_TRIES,
+                                     LENIENT_DIRECTION_MARGIN, LENIENT_NEAR, LONG_CAPTION_SLOTS, LONG_OBJECTS,
+                                     LONG_SIZES, MAX_OBJECTS, MIN_IMAGE_SIZE, NEAR, PLACEMENT_TRIES, PREDICATES, SIZES,
+                                     VERSION, box_gap, caption_negatives, negative_candidates, parse_phrases,
+                                     relation_holds, render, satisfies, scene_captions)
 
 @dataclass(frozen=True)
 class _Settings:
@@ -253,7 +253,6 @@ def _build_chunk(job: tuple[int, int, _Settings, str]) -> list[tuple[dict, list[
 # its four captions, so a model that reads the words but not the positions sits at chance (25).
 CONTROLLED_DIRECTIONS = ("left of", "right of", "above", "below")
 CONTROLLED_VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
-CONTROLLED_FILE = "controlled.json"
 
 
 def controlled_count(n: int) -> int:
@@ -321,10 +320,10 @@ def generate_controlled(out_dir: str | os.PathLike, settings: _Settings) -> dict
 def controlled_tests(world: str | os.PathLike) -> list[tuple[str, Path]]:
     """The controlled tests of a toy world as (benchmark name, file): a version-2 world's four-way direction test
     (``toyworld-controlled``, written now if the world predates it: :func:`ensure_controlled`), a hard world's
-    Controlled-A and -B analogues (``toyworld-controlled-A`` / ``-B``, :mod:`extract.data.hardworld`)."""
+    Controlled-A and -B analogues (``toyworld-controlled-A`` / ``-B``, :mod:`extract.worlds.hardworld`)."""
     if hardworld.is_hard(world):
         return [(f"toyworld-controlled-{test}", Path(world) / file)
-                for test, file in hardworld.CONTROLLED_FILES.items()]
+                for test, file in CONTROLLED_FILES.items()]
     return [("toyworld-controlled", ensure_controlled(world))]
 
 
@@ -457,7 +456,7 @@ def ensure(out_dir: str | os.PathLike = DEFAULT_PATH, n: int = DEFAULT_N, seed: 
            say=print, replace: bool = False, long_captions: bool = False, holdout: str | Iterable = (),
            hard: bool = False) -> Path:
     """The toy world at ``out_dir`` with ``n`` scenes and ``seed`` (``long_captions``: the long-caption mode;
-    ``hard``: the hard world, :mod:`extract.data.hardworld`, its own generator and version; ``holdout``:
+    ``hard``: the hard world, :mod:`extract.worlds.hardworld`, its own generator and version; ``holdout``:
     combinations kept out of its train split, as ``generate``): reused when it is already there (same
     n, seed, mode, holdout and generator version; regenerating would give the same bytes but new mtimes, which a
     feature cache's fingerprint sees), generated when the folder is absent. A toy world with other settings there
@@ -527,7 +526,7 @@ def format_summary(summary: dict) -> str:
 
 @dataclass
 class ToyWorldOptions:
-    """The command line of ``python -m extract.data.toyworld`` as data; :func:`generate` is the job
+    """The command line of ``python -m extract.worlds.toyworld`` as data; :func:`generate` is the job
     (``generate(o.out, o.n, o.seed, size=o.size, holdout=o.holdout, splits=o.splits, workers=o.workers,
     long_captions=o.long_captions)``).
     ``holdout`` and ``splits`` may be given as strings or parsed values; they are kept parsed (a frozenset of
@@ -550,13 +549,13 @@ class ToyWorldOptions:
                                       "encoder truncates it; Long-CLIP's 248 tokens read it whole)")
 
     hard: bool = option(False, action="store_true",
-                        help="the hard world (extract/data/hardworld.py): objects that overlap (the later-drawn one in "
+                        help="the hard world (extract/worlds/hardworld.py): objects that overlap (the later-drawn one in "
                              "front) or rest on one another, 2-8 objects with distractors, backgrounds that are not "
                              "black, captions with on / under / in front of / behind too, and What'sUp's Controlled-A "
                              "and -B analogues")
     world: str = option("version2", choices=("version2", "hard", "3d"),
                         help="which world: version2 (flat shapes on black, the default), hard (as --hard) or 3d "
-                             "(CLEVR's objects path-traced by Mitsuba 3, extract/data/world3d.py; the render3d "
+                             "(CLEVR's objects path-traced by Mitsuba 3, extract/worlds/world3d.py; the render3d "
                              "extra)")
     spp: int | None = option(None, type=positive_int, help="--world 3d: path-tracing samples a pixel (default 32)")
     palette: str = option("clevr", choices=tuple(PALETTES_3D),
@@ -581,7 +580,7 @@ class ToyWorldOptions:
 
 
 def build_parser() -> Parser:
-    return build_cli(ToyWorldOptions, "python -m extract.data.toyworld",
+    return build_cli(ToyWorldOptions, "python -m extract.worlds.toyworld",
                      "Generate the toy world: procedurally drawn scenes of coloured shapes with boxes, relations, "
                      "captions and hard negatives (the project's embedded default dataset).")
 

@@ -1,10 +1,10 @@
 """The 3D world on disk, in the toy worlds' layout (issue 69): captions, hard negatives, splits, zero-shot crops and
-What'sUp's Controlled-A / -B analogues, from :mod:`extract.data.world3d`'s path-traced scenes.
+What'sUp's Controlled-A / -B analogues, from :mod:`extract.worlds.world3d`'s path-traced scenes.
 
 Every reader of a toy world reads it (``annotations.json``, ``negatives.json``, ``{split}.csv``, ``{split}_coco.json``,
 ``meta.json``, ``controlled_a.json``, ``controlled_b.json``, ``whatsup/``): each scene carries its own relation tables
 (``relations`` strict, ``lenient``), so a caption is judged by the 3D world's rules wherever the project asks whether
-it is true (``extract.data.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
+it is true (``extract.worlds.toyrules.satisfies``); ``meta.json`` says ``"world": "3d"`` and ``"hard": true`` (its
 tests are the hard world's two), and names its vocabulary (CLEVR's; with ``palette="wide"`` or ``"mixed"``, for
 pre-training a base, 24 colours in the scenes, ``world3d.PALETTES``, and ``"palette"`` naming it).
 
@@ -32,12 +32,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from extract.data import hardworld
-from extract.data import world3d as w3
-from extract.data.hardworld import (CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, WHATSUP_DIR, WORDS, scene_captions,
-                                    scene_negatives, write_whatsup, zero_shot_crop)
-from extract.data.sceneparts import (NEGATIVE_TYPES, SPLITS, count_files, describe, dump_json, parse_holdout,
-                                     parse_splits, render_struct, split_of, write_split)
+from extract.worlds import hardworld
+from extract.worlds import world3d as w3
+from extract.worlds.hardworld import WORDS, scene_captions, scene_negatives, zero_shot_crop
+from extract.worlds.shared import (CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, NEGATIVE_TYPES, SPLITS, WHATSUP_DIR,
+                                   count_files, describe, dump_json, parse_holdout, parse_splits, render_struct,
+                                   split_of, write_split, write_whatsup)
 
 VERSION = 1
 SETS_PER = 20  # one controlled set of each test per 20 scenes

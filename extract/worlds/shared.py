@@ -1,10 +1,12 @@
-"""What the two toy worlds share: the vocabulary, splits and hold-out, caption text, hard-negative mutations,
-drawing one shape, and the files every reader of a world expects.
+"""What the generated worlds share: the vocabulary, splits and hold-out, caption text, hard-negative mutations,
+drawing one shape, the files every reader of a world expects, and the controlled tests' layout.
 
-The version-2 world (:mod:`extract.data.toyworld`, the default) and the hard world (:mod:`extract.data.hardworld`,
-``--hard``) differ in their scenes, their relation rules and their predicates; everything here is the same for
-both, so a reader of one world reads the other (``annotations.json``, ``negatives.json``, ``{split}.csv``,
-``{split}_coco.json``, ``meta.json``).
+The version-2 world (:mod:`extract.worlds.toyworld`, the default), the hard world (:mod:`extract.worlds.hardworld`,
+``--hard``) and the path-traced 3D world (:mod:`extract.worlds.world3d_layout`, ``--world 3d``) differ in their
+scenes, their relation rules and their predicates; everything here is the same for all three, so a reader of one
+world reads the others (``annotations.json``, ``negatives.json``, ``{split}.csv``, ``{split}_coco.json``,
+``meta.json``, the controlled tests: ``controlled.json``, or ``controlled_a.json`` / ``controlled_b.json`` and
+What'sUp's own layout under ``whatsup/``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import math
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from PIL import Image
 
 SHAPES = ("circle", "square", "triangle", "diamond", "star", "hexagon")
 COLOURS = {
@@ -291,3 +295,51 @@ def count_files(scenes: list[dict], items: list[dict], holdout: frozenset) -> di
             by_type[negative["type"]] += 1
     return {"splits": per_split, "negatives_by_type": by_type,
             "objects": sum(len(s["objects"]) for s in scenes)}
+
+
+# --------------------------------------------------------------------------- the controlled tests' layout
+#: the version-2 world's four-way test (four arrangements of one pair by direction): one file
+CONTROLLED_FILE = "controlled.json"
+#: the hard and 3D worlds' What'sUp analogues: Controlled-A (support) and -B (depth), each the same two objects in four
+#: images, one file per test
+CONTROLLED_A = ("on", "under", "left of", "right of")
+CONTROLLED_B = ("in front of", "behind", "left of", "right of")
+CONTROLLED_FILES = {"A": "controlled_a.json", "B": "controlled_b.json"}
+#: those tests again in What'sUp's own published layout, for What'sUp's own evaluation code (:func:`write_whatsup`)
+WHATSUP_DIR = "whatsup"
+_WHATSUP_SUBSETS = {"A": ("controlled_images_dataset", "controlled_images"),
+                    "B": ("controlled_clevr_dataset", "controlled_clevr")}
+_WHATSUP_PREPOSITION = {"on": "on", "under": "under", "left of": "left_of", "right of": "right_of",
+                        "in front of": "in-front_of", "behind": "behind"}
+
+
+def _whatsup_name(set_id: int, pair: list[dict], predicate: str) -> str:
+    first, second = (f"{o['colour']}-{o['shape']}" for o in pair)
+    # <object>_<preposition>_<object>.jpeg as the authors' files; the set id keeps two sets of one pair apart
+    return f"s{set_id:04d}-{first}_{_WHATSUP_PREPOSITION[predicate]}_{second}.jpeg"
+
+
+def write_whatsup(world: Path, tests: dict[str, dict], out: Path) -> None:
+    """The controlled tests in What'sUp's published layout under ``out``: per test its JSON list of ``{"image_path":
+    "data/<folder>/<name>.jpeg", "caption_options": [the true caption, the other three]}`` and its images (JPEG,
+    quality 95), and ``objects.json``: each image's boxes as Visual Genome objects (``image_id`` its name, ``image``
+    its file name)."""
+    out.mkdir(parents=True, exist_ok=True)
+    boxes = []
+    for test, data in tests.items():
+        stem, folder = _WHATSUP_SUBSETS[test]
+        (out / folder).mkdir(exist_ok=True)
+        entries = []
+        for entry in data["sets"]:
+            captions = [scene["caption"] for scene in entry["scenes"]]
+            for scene, caption in zip(entry["scenes"], captions):
+                name = _whatsup_name(entry["id"], entry["objects"], scene["predicate"])
+                Image.open(world / scene["file_name"]).convert("RGB").save(out / folder / name, quality=95)
+                entries.append({"image_path": f"data/{folder}/{name}",
+                                "caption_options": [caption] + [c for c in captions if c != caption]})
+                boxes.append({"image_id": name.rsplit(".", 1)[0], "image": f"{folder}/{name}", "objects": [
+                    {"x": o["box"][0], "y": o["box"][1], "w": o["box"][2] - o["box"][0],
+                     "h": o["box"][3] - o["box"][1], "names": [f"{o['colour']} {o['shape']}"]}
+                    for o in scene["objects"]]})
+        dump_json(out / f"{stem}.json", entries)
+    dump_json(out / "objects.json", boxes)

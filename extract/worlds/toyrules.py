@@ -1,7 +1,7 @@
-"""The version-2 toy world's rules, apart from drawing and writing (``extract.data.toyworld``): its constants, which
+"""The version-2 toy world's rules, apart from drawing and writing (``extract.worlds.toyworld``): its constants, which
 relations hold between two boxes (strict and lenient), whether a caption's struct is true of a scene, how a struct is
 said in words (the predicate words, ``--phrases``), which captions a scene gets and which hard negatives each caption
-gets. The module docstring of ``extract.data.toyworld`` states the rules; this is their code."""
+gets. The module docstring of ``extract.worlds.toyworld`` states the rules; this is their code."""
 from __future__ import annotations
 
 import itertools
@@ -10,9 +10,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from extract.data import hardworld
-from extract.data.sceneparts import (COUNT_WORDS, NEGATIVE_TYPES, article, combos, describe, join_words, mutations, noun,
-                                     render_struct)
+from extract.worlds import hardworld
+from extract.worlds.shared import (COUNT_WORDS, NEGATIVE_TYPES, article, combos, describe, join_words, mutations, noun,
+                                   render_struct)
 
 
 VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
@@ -113,7 +113,7 @@ def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     ones the struct names, every ``[i, predicate, j]`` holds between the mapped boxes
     (:func:`relation_holds`, with ``lenient`` thresholds if asked) and, when ``count`` is present,
     the scene has exactly that many objects. A hard-world scene (it carries its own relation tables, ``lenient``
-    among them) is judged by its world's rules (:func:`extract.data.hardworld.satisfies`).
+    among them) is judged by its world's rules (:func:`extract.worlds.hardworld.satisfies`).
     """
     if "lenient" in scene:
         return hardworld.satisfies(scene, struct, lenient=lenient)

@@ -39,7 +39,9 @@ head's own re-ranking, and the caption probe's graded swaps (``serve.service.gra
 object swaps, replaced relations) show one the served model gets right and, if any, one it gets wrong. With
 ``--hard-n 0`` there is no hard world, and the demo serves the adapter that binds best over every base on the
 version-2 world instead (the mean of swap-att, swap-obj and replace-rel on the validation split, not the test split:
-:data:`SELECTION`).
+:data:`SELECTION`). The hard world's two steps need nothing of the version-2 world: on a machine with two or more
+cores they start first and run beside it in a process of their own, each half with its share of the CPU threads
+(``--jobs``; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it reaches them.
 
 Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
 fitted on the training captions against their negatives, no image), and the binding table the controlled test
@@ -58,6 +60,7 @@ hard world's head are trained again.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -72,7 +75,7 @@ from extract.common.cli import Parser, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int, save_config
 from train.demo_3d import BASE_3D, WORLD3D_N
-from train.demo_hard import HARD_BASES, HARD_N, example_query, hard_controlled, hard_world, train_head
+from train.demo_hard import HARD_BASES, HARD_N, HardSteps, example_query
 from train.demo_pretrain import (HARD_PRETRAIN_JOBS, HARD_PRETRAIN_N, HARD_PRETRAIN_STEPS, NEGATIVES, PLAIN,
                                   hard_pretraining, tuning_steps)
 
@@ -152,6 +155,10 @@ class DemoOptions:
                                  f"{BASE_3D} with the world's own boxes, then scored beside the frozen base and the "
                                  "text-only floor on its Controlled-A / -B analogues (train/demo_3d.py; Mitsuba 3, "
                                  "the render3d extra, in all; 0: skip)")
+    jobs: int | None = option(None, type=positive_int,
+                              help="processes the demo runs at once: with 2, the hard world's steps run beside the "
+                                   "version-2 world's, each process with its share of the CPU threads (default: 2 "
+                                   "on a machine with two or more cores, else 1)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -450,6 +457,11 @@ def compare_bases(opts: DemoOptions, bases: list[str], weights: dict[str, str | 
 def demo(opts: DemoOptions) -> dict:
     """Run the demo (module docstring); returns its report (also written to ``OUT/demo_report.json``) with the
     binding table as ``markdown`` and each base's full table under ``adapters``."""
+    with contextlib.ExitStack() as cleanup:  # what runs beside the demo ends with it, failed or not
+        return _demo(opts, cleanup)
+
+
+def _demo(opts: DemoOptions, cleanup: contextlib.ExitStack) -> dict:
     from extract.worlds import toyworld
     from extract.models.backbone import load_backbone, resolve_spec, trained_holdout
     from train.adapter.compare import CompareOptions, columns, compare
@@ -492,6 +504,15 @@ def demo(opts: DemoOptions) -> dict:
 
     holdout = opts.holdout if opts.holdout is not None else sorted(
         {c for b in bases for c in trained_holdout(b, None if b in untrained else opts.pretrained)})
+    hard_steps = None
+    if opts.hard_n:  # needs nothing of the version-2 world: started first, beside it where there are cores for it
+        from train.child import cores
+
+        hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
+        hard_steps = HardSteps(out, opts.hard_n, opts.seed, hard_holdout, epochs=opts.hard_epochs,
+                               batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device,
+                               jobs=opts.jobs or (2 if cores() >= 2 else 1), say=say)
+        cleanup.callback(hard_steps.stop)
     step(f"toy world: {opts.n} scenes, seed {opts.seed}" + (
         f", holding out of its train split what the bases never saw: {', '.join(holdout)}"
         if holdout and opts.holdout is None else ""))
@@ -559,18 +580,15 @@ def demo(opts: DemoOptions) -> dict:
                                          batch_size=opts.pretrain_batch_size, workers=opts.workers,
                                          jobs=opts.hard_pretrain_jobs, device=opts.device, say=say)
     hard = served = None
-    if opts.hard_n:
-        hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
+    if hard_steps is not None:
         step(f"support and depth in clutter: a hard world of {opts.hard_n} scenes, seed {opts.seed}, and the "
              f"grounded head trained on it on the frozen {HARD_BASES[0]} with the world's own boxes"
              + (f" ({opts.hard_epochs} epochs)" if opts.hard_epochs else " (until its held-out score stops improving)"))
-        hard_dir = hard_world(out, opts.hard_n, opts.seed, hard_holdout, say=say)
-        head = train_head(hard_dir, out / "hard", seed=opts.seed, epochs=opts.hard_epochs,
-                          batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device)
+        done = hard_steps.head()
+        hard_dir, head = Path(done["world"]), done["head"]
         step(f"the hard world's controlled tests and test split: {', '.join(HARD_BASES)} frozen, the text-only floor, "
              f"{HARD_BASES[0]} + grounded")
-        hard = hard_controlled(hard_dir, out / "hardworld-eval", [(b, None) for b in HARD_BASES] +
-                               [(head["adapter"], None)], seed=opts.seed, device=opts.device)
+        hard = hard_steps.table()
         hard["head"] = {"checkpoint": head["adapter"], "steps": head["steps"], "seconds": head["seconds"],
                         "stopping": head.get("stopping")}
         step(f"serving {HARD_BASES[0]} + grounded, the head of the hard world: its index of the hard world's test "

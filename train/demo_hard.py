@@ -116,3 +116,108 @@ def hard_controlled(world: Path, out: Path, models: Sequence[tuple[str, str | No
                                       seed=seed))
     rows = controlled_rows(result["results"])
     return {"world": str(world), "rows": rows, "markdown": markdown(rows), "reports": result.get("reports")}
+
+
+def head_stage(out: Path, n: int, seed: int, holdout: Sequence[str], *, epochs: int | None = None,
+               batch_size: int | None = None, workers: int | None = None, device: str | None = None,
+               say=print) -> dict:
+    """The demo's first hard-world step: the world (:func:`hard_world`) and its head (:func:`train_head`). Returns
+    ``{"world", "head": {"adapter", "steps", "seconds", "stopping"}}``."""
+    world = hard_world(out, n, seed, holdout, say=say)
+    head = train_head(world, out / "hard", seed=seed, epochs=epochs, batch_size=batch_size, workers=workers,
+                      device=device)
+    return {"world": str(world),
+            "head": {k: head.get(k) for k in ("adapter", "steps", "seconds", "stopping")}}
+
+
+def table_stage(world: Path, out: Path, adapter: str, *, seed: int = 0, device: str | None = None) -> dict:
+    """The demo's second hard-world step: the frozen hard bases, the floor and the head on both controlled tests and
+    the test split (:func:`hard_controlled`, into ``out / "hardworld-eval"``)."""
+    return hard_controlled(world, out / "hardworld-eval", [(b, None) for b in HARD_BASES] + [(adapter, None)],
+                           seed=seed, device=device)
+
+
+def branch(out: str, n: int, seed: int, holdout: list[str], epochs: int | None, batch_size: int | None,
+           workers: int | None, device: str | None) -> dict:
+    """Both hard-world steps as one job (:mod:`train.child`: the demo runs it beside the version-2 world's adapters;
+    its output goes to the job's log, which the demo prints step by step when it reaches them). Returns
+    :func:`head_stage`'s result with the table as ``"hard"`` and ``"log_split"``: where in the log the second step's
+    output starts (bytes)."""
+    import os
+    import sys
+
+    out = Path(out)
+    result = head_stage(out, n, seed, holdout, epochs=epochs, batch_size=batch_size, workers=workers, device=device)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result["log_split"] = os.lseek(1, 0, os.SEEK_CUR)
+    result["hard"] = table_stage(Path(result["world"]), out, result["head"]["adapter"], seed=seed, device=device)
+    return result
+
+
+class HardSteps:
+    """The demo's two hard-world steps (:func:`head_stage`, then :func:`table_stage`). With ``jobs`` > 1 they start
+    at once, in a process of their own (:func:`branch`), while the demo goes on with the version-2 world, each
+    process with its share of the CPU threads; the demo reads their output and results when it reaches them. They
+    need nothing of the version-2 world, and on two cores the two halves of the demo each spend much of their time
+    in one thread (spaCy, Python), so side by side they take the longer one's time, not the sum. ``jobs`` 1: in
+    line, when the demo reaches them."""
+
+    def __init__(self, out: Path, n: int, seed: int, holdout: Sequence[str], *, epochs: int | None,
+                 batch_size: int | None, workers: int | None, device: str | None, jobs: int, say=print):
+        self.out, self.seed, self.device, self.say = Path(out), seed, device, say
+        self.args = {"out": str(out), "n": n, "seed": seed, "holdout": list(holdout), "epochs": epochs,
+                     "batch_size": batch_size, "workers": workers, "device": device}
+        self.job = self.result = self._threads = None
+        if jobs > 1:
+            import torch
+
+            from train.child import Child, cores, job_plan, spawn
+
+            threads = job_plan(jobs, cores(), 0)[0]
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            # spawned: a fork server would hold this process up while it imports torch (~4 s here); a spawned
+            # interpreter imports it beside the demo
+            self.job = Child("the hard world's steps", "train.demo_hard:branch", self.args,
+                             self.out / "hard" / "steps.log", threads=threads, ctx=spawn())
+            say(f"  the hard world's steps start now, beside the next ones, in a process of their own "
+                f"({threads} CPU thread{'s' if threads > 1 else ''} each; its output: {self.job.log})")
+
+    def head(self) -> dict:
+        """The first step's result (:func:`head_stage`), its output said."""
+        if self.job is None:
+            args = {k: v for k, v in self.args.items() if k not in ("out", "n", "seed", "holdout")}
+            self.result = head_stage(self.out, self.args["n"], self.seed, self.args["holdout"], say=self.say, **args)
+            return self.result
+        try:
+            self.result = self.job.join()
+        finally:
+            self._restore()
+        self._say(self.job.log.read_bytes()[:self.result["log_split"]])
+        return self.result
+
+    def table(self) -> dict:
+        """The second step's result (:func:`table_stage`), its output said."""
+        if self.job is None:
+            return table_stage(Path(self.result["world"]), self.out, self.result["head"]["adapter"], seed=self.seed,
+                               device=self.device)
+        self._say(self.job.log.read_bytes()[self.result["log_split"]:])
+        return self.result["hard"]
+
+    def stop(self) -> None:
+        """No step outlives the demo (it failed or was interrupted first)."""
+        if self.job is not None:
+            self.job.stop()
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
+            self._threads = None
+
+    def _say(self, output: bytes) -> None:
+        for line in output.decode("utf-8", "replace").splitlines():
+            self.say(line)

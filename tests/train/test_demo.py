@@ -243,3 +243,28 @@ def test_the_long_run_adds_comalign_on_boxes_a_user_has_and_smartclip_on_long_ca
     assert [r["model"] for r in world3d["rows"]] == [base, f"text only ({base})", f"{base} + grounded"]
     assert all(r["toyworld-controlled-B"]["sets"] == 1 for r in world3d["rows"])
     assert printed.count(world3d["markdown"]) == 1 and (out / "3d" / "grounded" / "adapter.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_hard_worlds_steps_beside_the_demo_fail_with_one_line_naming_their_log(tmp_path, capsys):
+    """The hard world's steps run in a process of their own beside the version-2 world's (train/demo_hard.py's
+    HardSteps, jobs 2): a failure there ends the demo when it reaches them, one error line with the job's own error and
+    where its traceback is, the process gone."""
+    from train.child import ChildFailed
+    from train.demo_hard import HardSteps
+
+    steps = HardSteps(tmp_path, 4, 0, [], epochs=1, batch_size=8, workers=0, device=None, jobs=2, say=print)
+    with pytest.raises(ChildFailed) as failure:
+        steps.head()
+    steps.stop()
+    assert steps.job is not None and not steps.job.process.is_alive()
+    message = str(failure.value)
+    assert message.startswith("the hard world's steps failed (ValueError: the global batch (8) exceeds the 3 training "
+                              "images") and message.endswith(f"the traceback is in {tmp_path / 'hard' / 'steps.log'}")
+    assert "Traceback" in (tmp_path / "hard" / "steps.log").read_text()
+    from extract.common.cli import JobFailed, run_job
+
+    def job(_):
+        raise failure.value
+
+    assert run_job(job, None) == JobFailed.exit_code and capsys.readouterr().err == f"error: {message}\n"

@@ -95,33 +95,6 @@ def test_tiny_budget_writes_the_tables_and_the_curves(tmp_path, monkeypatch):
             assert not list(Path(r2["weights"]).parent.parent.glob("*.summary.json"))
 
 
-def test_jobs_fork_from_a_server_that_imported_torch_once_where_there_is_one():
-    """--jobs processes start from a fork server preloaded with torch, open_clip and the engine (no ~5 s of imports per
-    run), spawned where there is none; never forked from the comparison's own process."""
-    import multiprocessing
-
-    from train.pretrain.compare import _job_context
-
-    ctx = _job_context(multiprocessing)
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        assert ctx.get_start_method() == "forkserver"
-        from multiprocessing import forkserver
-
-        preload = getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None)  # CPython's record
-        assert preload is None or {"torch", "open_clip", "train.pretrain.engine"} <= set(preload)
-    else:
-        assert ctx.get_start_method() == "spawn"
-
-
-def test_job_plan_shares_the_cores_and_the_gpus():
-    from train.pretrain.compare import job_plan
-
-    assert job_plan(2, 2, 0) == (1, [None, None])
-    assert job_plan(3, 16, 0) == (5, [None, None, None])
-    assert job_plan(4, 2, 1) == (1, [None] * 4)  # one GPU: every run keeps the default device
-    assert job_plan(4, 32, 2) == (8, [0, 1, 0, 1])
-
-
 @pytest.mark.slow
 def test_a_failed_job_names_its_run_and_shows_its_log(tmp_path):
     import train.pretrain.engine as pt

@@ -464,58 +464,11 @@ class Run:
     note: dict = field(default_factory=dict)  # more fields for its record (compare_run.json)
 
 
-def job_plan(jobs: int, cores: int, gpus: int) -> tuple[int, list[int | None]]:
-    """CPU threads of each of ``jobs`` concurrent runs, and the GPU each job slot uses (None: the run's own default).
-    The cores are shared out evenly (at least one each); with several GPUs, slot k takes GPU k mod ``gpus``."""
-    threads = max(1, cores // jobs)
-    return threads, [k % gpus if gpus > 1 else None for k in range(jobs)]
-
-
-def _train_in_child(options: Any, log: str, result: str, threads: int, gpu: int | None) -> None:
-    """A run in a process of its own (``--jobs``): its output to ``log``, its summary to ``result``."""
-    import os
-    import sys
-
-    if gpu is not None:  # before anything initialises CUDA in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout.reconfigure(line_buffering=True)
-    import torch
-
-    from train.pretrain import engine as pt
-
-    torch.set_num_threads(threads)
-    try:
-        summary = pt.pretrain(options)
-    except BaseException as e:  # the traceback to the log, the one line for the parent's message
-        import traceback
-
-        traceback.print_exc()
-        Path(result).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        raise SystemExit(1) from None
-    Path(result).write_text(json.dumps(summary, default=str))
-
-
-def _job_context(multiprocessing):
-    """Where ``--jobs`` processes come from. A fork server (Linux, macOS) that imported torch, open_clip and the
-    engine once: each run's process forks from it and starts at once, where a spawned one imported them again (~5 s on
-    two cores, per run). Either way a run starts from a process that holds none of this one's state and never touched
-    CUDA (the server is a fresh interpreter that only imports), so ``_train_in_child`` can still pick its GPU. Spawn
-    where there is no fork server (Windows)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "open_clip", "train.pretrain.engine", __name__])  # once per server
-    return ctx
-
-
 def train_runs(todo: list[Run], jobs: int, record) -> None:
     """Train ``todo``, ``jobs`` at a time, calling ``record(run, summary, seconds)`` as each finishes. One job trains
-    in this process; more start a process per run (:func:`_job_context`: nothing of this process's state is shared),
-    each with its share of the threads (:func:`job_plan`). A run that fails stops new ones from starting; those already running
-    finish and are recorded, so the same command again resumes after them."""
+    in this process; more start a process per run (:mod:`train.child`: nothing of this process's state is shared),
+    each with its share of the threads (:func:`train.child.job_plan`). A run that fails stops new ones from starting;
+    those already running finish and are recorded, so the same command again resumes after them."""
     from train.pretrain import engine as pt
 
     if jobs == 1 or len(todo) <= 1:
@@ -524,15 +477,15 @@ def train_runs(todo: list[Run], jobs: int, record) -> None:
             summary = pt.pretrain(dataclasses.replace(r.options, out=str(_fresh(r.dir))))
             record(r, summary, time.perf_counter() - t0)
         return
-    import multiprocessing
-    import os
     from multiprocessing.connection import wait
 
     import torch
 
+    from train.child import Child, ChildFailed, context, cores, job_plan
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    threads, slot_gpu = job_plan(jobs, len(os.sched_getaffinity(0)), gpus)
-    ctx = _job_context(multiprocessing)
+    threads, slot_gpu = job_plan(jobs, cores(), gpus)
+    ctx = context(["train.pretrain.engine", __name__])
     queue, free, running, failed = list(todo), list(range(jobs)), {}, None
     say(f"{len(todo)} runs, {jobs} at a time ({threads} CPU threads each{', one GPU each' if gpus > 1 else ''})")
     try:
@@ -540,31 +493,28 @@ def train_runs(todo: list[Run], jobs: int, record) -> None:
             while queue and free and failed is None:
                 slot, r = free.pop(0), queue.pop(0)
                 _fresh(r.dir).mkdir(parents=True)
-                log, result = r.dir / "train.log", r.dir.with_name(r.dir.name + ".summary.json")
                 gpu = slot_gpu[slot] if r.options.device is None else None
-                proc = ctx.Process(target=_train_in_child, args=(r.options, str(log), str(result), threads, gpu),
-                                   name=f"{r.name} seed {r.seed}")
-                proc.start()
-                running[proc.sentinel] = (slot, r, proc, time.perf_counter(), log, result)
-                say(f"{r.name} seed {r.seed}: started (log: {log})")
+                child = Child(f"{r.name} seed {r.seed}", "train.pretrain.engine:pretrain", {"opts": r.options},
+                              r.dir / "train.log", threads=threads, gpu=gpu, ctx=ctx)
+                running[child.sentinel] = (slot, r, child)
+                say(f"{r.name} seed {r.seed}: started (log: {child.log})")
             wait(list(running), timeout=60)
-            for sentinel in [s for s, v in running.items() if v[2].exitcode is not None]:
-                slot, r, proc, t0, log, result = running.pop(sentinel)
+            for sentinel in [s for s, v in running.items() if v[2].done()]:
+                slot, r, child = running.pop(sentinel)
                 free.append(slot)
-                summary = json.loads(result.read_text()) if result.is_file() else {}
-                result.unlink(missing_ok=True)
-                if proc.exitcode == 0 and "weights" in summary:
-                    record(r, summary, time.perf_counter() - t0)
-                elif failed is None:
-                    failed = (r, proc.exitcode, summary.get("error"), log)
+                try:
+                    summary = child.join()
+                except ChildFailed as e:
+                    failed = failed or (r, e)
+                    continue
+                record(r, summary, time.perf_counter() - child.started)
     finally:
-        for _, _, proc, *_ in running.values():  # interrupted: no run outlives the comparison
-            proc.terminate()
-            proc.join()
+        for _, _, child in running.values():  # interrupted: no run outlives the comparison
+            child.stop()
     if failed:
-        r, code, error, log = failed
-        raise RuntimeError(f"{r.name} seed {r.seed} failed ({error or f'its process exited with code {code}'}); the "
-                           f"traceback is in {log}. The runs that finished are kept: the same command again resumes.")
+        r, e = failed
+        raise RuntimeError(f"{r.name} seed {r.seed} failed ({e.error or f'its process exited with code {e.code}'}); the "
+                           f"traceback is in {e.log}. The runs that finished are kept: the same command again resumes.")
 
 
 def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, options) -> tuple[dict, dict]:
@@ -576,13 +526,13 @@ def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, 
     names = [column_name(c, h) for c, h in settings]
     if budget == "steps":
         return {n: opts.steps for n in names}, {}
-    import os
-
     import torch
+
+    from train.child import cores, job_plan
 
     per_step, threads = {}, torch.get_num_threads()
     if opts.jobs > 1:  # timed on the threads each run will have (the runs beside it may still slow it)
-        torch.set_num_threads(job_plan(opts.jobs, len(os.sched_getaffinity(0)), 0)[0])
+        torch.set_num_threads(job_plan(opts.jobs, cores(), 0)[0])
     try:
         for (c, h), name in zip(settings, names):
             calib = _fresh(out / "calibration" / _slug(name))

@@ -41,7 +41,8 @@ object swaps, replaced relations) show one the served model gets right and, if a
 version-2 world instead (the mean of swap-att, swap-obj and replace-rel on the validation split, not the test split:
 :data:`SELECTION`). The hard world's two steps need nothing of the version-2 world: on a machine with two or more
 cores they start first and run beside it in a process of their own, each half with its share of the CPU threads
-(``--jobs``; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it reaches them.
+(``--jobs``; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it reaches them (``--full``
+runs its stages one after another, as its figures were measured).
 
 Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
 fitted on the training captions against their negatives, no image), and the binding table the controlled test
@@ -158,7 +159,8 @@ class DemoOptions:
     jobs: int | None = option(None, type=positive_int,
                               help="processes the demo runs at once: with 2, the hard world's steps run beside the "
                                    "version-2 world's, each process with its share of the CPU threads (default: 2 "
-                                   "on a machine with two or more cores, else 1)")
+                                   "on a machine with two or more cores, else 1; --full: 1, its stages one after "
+                                   "another, as its figures were measured)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -511,7 +513,7 @@ def _demo(opts: DemoOptions, cleanup: contextlib.ExitStack) -> dict:
         hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
         hard_steps = HardSteps(out, opts.hard_n, opts.seed, hard_holdout, epochs=opts.hard_epochs,
                                batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device,
-                               jobs=opts.jobs or (2 if cores() >= 2 else 1), say=say)
+                               jobs=opts.jobs or (2 if cores() >= 2 and not opts.full else 1), say=say)
         cleanup.callback(hard_steps.stop)
     step(f"toy world: {opts.n} scenes, seed {opts.seed}" + (
         f", holding out of its train split what the bases never saw: {', '.join(holdout)}"

@@ -31,7 +31,7 @@ import torch
 
 from adapters.heads.base import AdapterHead, Reps, to_tensors
 from adapters.checkpoint import CheckpointError, load_adapter
-from adapters.live_memo import MEMO, pixels_digest, scope_key
+from adapters.live_memo import MEMO, phrase_table, pixels_digest, scope_key
 from adapters.scoring import CacheReadable, token_keys
 
 
@@ -98,13 +98,18 @@ class LiveExtractor:
             args.boxes = box_source
         self.args = args
         self.components = ExtractionComponents(args, None, backbone.device, boxes=self.boxes)
-        self.builder = ShardBuilder(backbone, self.components, args)
-        self.backbone = backbone
         # what decides the arrays, for the process's memory of them (adapters/live_memo.py); without the weights'
-        # digest there is no telling two backbones apart, so nothing is remembered
-        self.scope = None if weights_sha256 is None else scope_key(
-            weights=weights_sha256, backbone=backbone.describe(), settings=self.settings(),
-            annotations=_annotations_token(annotations))
+        # digest there is no telling two backbones apart, so nothing is remembered. What the backbone alone computes
+        # for an item (its towers' outputs, each phrase's embedding) depends on the backbone only: remembered under
+        # ``tower_scope``, shared by the extractors of every adapter on that backbone (each item alone: the same bits)
+        self.scope = self.tower_scope = None
+        if weights_sha256 is not None:
+            self.tower_scope = scope_key(weights=weights_sha256, backbone=backbone.describe())
+            self.scope = scope_key(weights=weights_sha256, backbone=backbone.describe(), settings=self.settings(),
+                                   annotations=_annotations_token(annotations))
+        phrases = None if self.tower_scope is None else phrase_table(self.tower_scope)
+        self.builder = ShardBuilder(backbone, self.components, args, phrases=phrases)
+        self.backbone = backbone
 
     @property
     def needs_pixels(self) -> bool:
@@ -134,15 +139,16 @@ class LiveExtractor:
         image this process extracted the same way before (same id and pixels) is not extracted again.
         ``missing_boxes``: as in :meth:`extract.pipeline.ShardBuilder.image_batch`."""
         ids = [self.image_id(i) for i in ids]
+        digests = [None if self.scope is None else pixels_digest(im) for im in images]
 
         def compute(positions: list[int]) -> dict[str, np.ndarray]:
-            return _join([self._image_alone(images[k], ids[k], missing_boxes) for k in positions])
+            return _join([self._image_alone(images[k], ids[k], missing_boxes, digests[k]) for k in positions])
 
         if self.scope is None:
             return compute(list(range(len(images))))
         # an image extracted without its (missing) boxes is remembered apart: asked for with boxes, it is still refused
         boxless = {i for i in ids if missing_boxes == "empty" and self.reads_boxes and not self.boxes.has(i)}
-        keys = [f"{i}|{pixels_digest(im)}" + ("|boxless" if i in boxless else "") for im, i in zip(images, ids)]
+        keys = [f"{i}|{d}" + ("|boxless" if i in boxless else "") for d, i in zip(digests, ids)]
         return MEMO.get_many(self.scope + ":image", keys, compute, _join)
 
     @torch.no_grad()
@@ -154,10 +160,21 @@ class LiveExtractor:
         return _join([self.builder.image_batch(images[b:b + 1], [None], [self.image_id(i)], missing_boxes)
                       for b, i in enumerate(ids)])  # each image alone (class docstring)
 
-    def _image_alone(self, image, image_id: str, missing_boxes: str) -> dict[str, np.ndarray]:
-        """One decoded image's arrays, computed as a batch of one (class docstring)."""
+    def _image_alone(self, image, image_id: str, missing_boxes: str, digest: str | None) -> dict[str, np.ndarray]:
+        """One decoded image's arrays, computed as a batch of one (class docstring); its image tower's output from
+        the process's memory when an extractor of this backbone computed it before (``digest``: of its pixels)."""
         raw = [np.asarray(image)] if self.needs_pixels else [None]
-        return self.builder.image_batch(self.backbone.preprocess(image)[None], raw, [image_id], missing_boxes)
+        pixels = self.backbone.preprocess(image)[None]
+        tower = None if self.tower_scope is None else MEMO.get(self.tower_scope + ":image", digest,
+                                                               lambda: self.builder.image_tower(pixels))
+        return self.builder.image_batch(pixels, raw, [image_id], missing_boxes, tower=tower)
+
+    def _caption_alone(self, text: str) -> dict[str, np.ndarray]:
+        """One caption's arrays, computed as a batch of one (class docstring); its text tower's output from the
+        process's memory when an extractor of this backbone computed it before."""
+        tower = None if self.tower_scope is None else MEMO.get(self.tower_scope + ":text", text,
+                                                               lambda: self.builder.caption_tower([text]))
+        return self.builder.caption_batch([text], tower=tower)[0]
 
     @torch.no_grad()
     def text_arrays(self, texts: Sequence[str]) -> dict[str, np.ndarray]:
@@ -169,7 +186,7 @@ class LiveExtractor:
             chosen = [texts[k] for k in positions]
             if self.components.text is not None:  # spaCy parses them in one batch; each parse is remembered
                 self.components.text.parse(chosen)
-            return _join([self.builder.caption_batch([t])[0] for t in chosen])
+            return _join([self._caption_alone(t) for t in chosen])
 
         if self.scope is None:
             return compute(list(range(len(texts))))

@@ -89,3 +89,13 @@ class ArrayMemo:
 
 #: the process's memory, shared by every live extractor
 MEMO = ArrayMemo()
+
+#: phrase -> embedding tables, one per frozen backbone (``tower_scope``): a phrase is embedded alone, so every live
+#: extractor of that backbone, whatever adapter it serves, computes the same bits for it (each table bounded by its
+#: builder, extract.pipeline.PHRASE_MEMO)
+_PHRASE_TABLES: dict[str, dict] = {}
+
+
+def phrase_table(scope: str) -> dict:
+    """The phrase table of the backbone named by ``scope`` (created empty the first time)."""
+    return _PHRASE_TABLES.setdefault(scope, {})

@@ -273,32 +273,43 @@ def _image_seed(seed: int, image_id) -> np.random.Generator:
 class ShardBuilder:
     """Computes one shard's arrays from its samples (see the module docstring for what is cached)."""
 
-    def __init__(self, backbone: FrozenBackbone, comps: ExtractionComponents, args):
+    def __init__(self, backbone: FrozenBackbone, comps: ExtractionComponents, args, phrases: dict | None = None):
+        """``phrases``: the phrase -> embedding table to fill and read, shared by builders of one frozen backbone
+        (a phrase is embedded alone: its embedding is the same for every builder); default: this builder's own."""
         self.bb, self.c, self.args = backbone, comps, args
         self.want = set(args.components)
         self.keep_raw = bool(comps.box_source or (("regions" in self.want) and args.regions in ("gt", "sam2")))
         from extract.components.regions import preprocess_geometry
 
         self.geometry = preprocess_geometry(backbone)  # ((W, H) of the network input, resize mode)
-        self._phrases: dict[str, np.ndarray] = {}  # phrase -> its text-tower embedding (_embed_phrases)
+        self._phrases: dict[str, np.ndarray] = {} if phrases is None else phrases  # phrase -> embedding
         # how a noun phrase is written before the text tower reads it: the run's (run() resolves it before the
         # settings are fingerprinted), else the backbone's own, as run() would have resolved it
         self.phrase_prompt = backbone.spec.phrase_prompt if args.phrase_prompt is None else args.phrase_prompt
 
-    def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str], missing_boxes: str = "error"
-                    ) -> dict[str, np.ndarray]:
+    def image_batch(self, images: torch.Tensor, raws: list, image_ids: list[str], missing_boxes: str = "error",
+                    tower: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """The image arrays of a batch. ``missing_boxes``: what an image without an entry in the box file gets, an
         error (:class:`extract.data.boxes.MissingBoxes`) or, for a caller that counted and reported such images
-        (a collection's check), ``"empty"``: no boxes."""
-        feats = self.bb.encode_images(images)
-        out = {"image_embed": feats.embedding.half().cpu().numpy()}
+        (a collection's check), ``"empty"``: no boxes. ``tower``: :meth:`image_tower` of these images, when the
+        caller has it already."""
+        tower = self.image_tower(images, patches="patches" in self.want) if tower is None else tower
+        out = {"image_embed": tower["image_embed"]}
         if "patches" in self.want:
-            out["patch_tokens"] = feats.patches.half().cpu().numpy()
+            out["patch_tokens"] = tower["patch_tokens"]
         if "regions" in self.want:
             sizes = [None if r is None else (r.shape[1], r.shape[0]) for r in raws]
             out.update(self.region_arrays(image_ids, sizes, raws, missing_boxes))
         if self.c.box_source:
             out.update(self._visual_components(raws, image_ids, missing_boxes))
+        return out
+
+    def image_tower(self, images: torch.Tensor, patches: bool = True) -> dict[str, np.ndarray]:
+        """What the image tower alone gives a batch, as cached: ``image_embed`` and (``patches``) ``patch_tokens``."""
+        feats = self.bb.encode_images(images)
+        out = {"image_embed": feats.embedding.half().cpu().numpy()}
+        if patches:
+            out["patch_tokens"] = feats.patches.half().cpu().numpy()
         return out
 
     @property
@@ -384,14 +395,28 @@ class ShardBuilder:
         return np.concatenate([self.bb.encode_images(x[i:i + bs]).embedding.cpu().numpy()
                                for i in range(0, len(x), bs)])
 
-    def caption_batch(self, texts: list[str]) -> tuple[dict[str, np.ndarray], dict]:
-        tok = self.bb.tokenize(texts)
-        emb, tokens = self.bb.encode_token_ids(tok.ids, tok.attention_mask)
+    def caption_tower(self, texts: list[str], tok=None, tokens: bool = True) -> dict[str, np.ndarray]:
+        """What the text tower alone gives a batch of captions, as cached: ``text_embed``, ``truncated`` and
+        (``tokens``) the tokens up to the batch's longest caption, ``token_embed`` / ``token_mask``."""
+        tok = self.bb.tokenize(texts) if tok is None else tok
+        emb, embedded = self.bb.encode_token_ids(tok.ids, tok.attention_mask)
         out = {"text_embed": emb.half().cpu().numpy(), "truncated": tok.truncated.numpy()}
+        if tokens:
+            length = int(tok.attention_mask.sum(1).max()) if len(texts) else 0
+            out["token_embed"] = embedded[:, :length].half().cpu().numpy()
+            out["token_mask"] = tok.attention_mask[:, :length].numpy()
+        return out
+
+    def caption_batch(self, texts: list[str], tower: dict[str, np.ndarray] | None = None
+                      ) -> tuple[dict[str, np.ndarray], dict]:
+        """The caption arrays of a batch and its counts (``truncated``, ``phrases_cut``); ``tower``:
+        :meth:`caption_tower` of these captions, when the caller has it already."""
+        tok = self.bb.tokenize(texts)
+        tower = self.caption_tower(texts, tok, tokens="tokens" in self.want) if tower is None else tower
+        out = {"text_embed": tower["text_embed"], "truncated": tower["truncated"]}
         length = int(tok.attention_mask.sum(1).max()) if len(texts) else 0
         if "tokens" in self.want:
-            out["token_embed"] = tokens[:, :length].half().cpu().numpy()
-            out["token_mask"] = tok.attention_mask[:, :length].numpy()
+            out["token_embed"], out["token_mask"] = tower["token_embed"], tower["token_mask"]
         stats = {"truncated": int(tok.truncated.sum()), "phrases_cut": 0}
         if self.c.text is not None:
             from extract.components.text_pack import pack

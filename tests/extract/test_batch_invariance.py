@@ -111,13 +111,13 @@ def image_shape_dependent(backbone):
     return backbone
 
 
-def _live(world, backbone):
+def _live(world, backbone, components=("entities", "relations")):
     """A live extractor as an adapter scorer builds one (a weights digest: the process's memory is used), for the
-    components a ComAlign head reads on ground-truth boxes."""
+    components a ComAlign head reads on ground-truth boxes (a grounded head's: ``roles``)."""
     from adapters.adapter_scorer import LiveExtractor
 
-    args = {"components": ["entities", "relations"], "boxes": "gt", "data": str(world)}
-    return LiveExtractor(backbone, args, box_source="gt", annotations=world, weights_sha256="0" * 64)
+    args = {"components": list(components), "boxes": "gt", "data": str(world)}
+    return LiveExtractor(backbone, args, box_source="gt", annotations=world, weights_sha256=backbone.test_digest)
 
 
 @pytest.mark.parametrize("kernels", ["shape-dependent", "real"])
@@ -132,8 +132,11 @@ def test_a_served_item_is_its_own_whatever_it_came_with_and_whatever_the_process
     from adapters.live_memo import ArrayMemo
 
     backbone = load_backbone("tiny", None)
+    backbone.test_digest = kernels.ljust(64, "0")  # what the process's memory tells the two backbones apart by
     if kernels == "shape-dependent":
         image_shape_dependent(shape_dependent(backbone))
+    tables = {}
+    monkeypatch.setattr(scorer_module, "phrase_table", lambda scope: tables.setdefault(scope, {}))
     caption = "a red circle to the left of a blue square"
     files = sorted((world / "images").glob("*.png"))[:3]
     images = [Image.open(f).convert("RGB") for f in files]
@@ -153,6 +156,13 @@ def test_a_served_item_is_its_own_whatever_it_came_with_and_whatever_the_process
     later_t = _live(world, backbone).text_arrays([caption])  # from the memory of the calls above
     later_i = _live(world, backbone).image_arrays(images[1:2], files[1:2])
     assert scorer_module.MEMO.hits == 3  # the batch, the caption and the image
+    # another adapter's extractor on this backbone reads the towers' outputs and phrases the first one computed
+    other_t = _live(world, backbone, ("entities", "roles")).text_arrays([caption])
+    other_i = _live(world, backbone, ("entities", "roles")).image_arrays(images[1:2], files[1:2])
+    assert scorer_module.MEMO.hits == 5
+    for key in ("text_embed", "entity_embed"):
+        np.testing.assert_array_equal(other_t[key], alone_t[key], err_msg=key)
+    np.testing.assert_array_equal(other_i["image_embed"], alone_i["image_embed"])
     for got, row in ((among_t, 1), (later_t, 0)):
         for key, want in alone_t.items():
             np.testing.assert_array_equal(got[key][row, ..., :want.shape[-1]] if key.startswith("token_") else

@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 import extract.models.weights as weights
-from extract.models.backbone import ArchitectureMismatchError, PickledObjectsError, register_configs, load_backbone, main
+from extract.models.backbone import load_backbone, main, register_configs
+from extract.models.weights_file import ArchitectureMismatchError, PickledObjectsError
 from extract.models.weights import WeightsNotFoundError, resolve_weights
 
 
@@ -147,3 +148,51 @@ def test_probe_host_on_loopback():
     server.close()
     reason = weights.probe_host("127.0.0.1", port, timeout=2)  # nothing listens now: refused at once, not timed out
     assert reason is not None and "Refused" in reason and "timed out" not in reason
+
+
+def test_a_model_built_for_a_weights_file_draws_no_random_weights_and_other_threads_still_do(monkeypatch):
+    """load_backbone builds the model for a file without torch.nn.init's draws (the file replaces every parameter,
+    strictly): the loaded model is the file, bit for bit; inside the block this thread's initialisers draw nothing,
+    another thread's draw as ever, and afterwards they are torch's own again."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from extract.models.backbone import backbone_aliases
+    from extract.models.weights_file import weights_come_later
+
+    original = torch.nn.init.normal_
+    drawn = {}
+    with weights_come_later():
+        here = torch.nn.init.normal_(torch.zeros(8))
+
+        def other():
+            torch.manual_seed(0)
+            drawn["other"] = torch.nn.init.normal_(torch.zeros(8))
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+    torch.manual_seed(0)
+    assert torch.equal(here, torch.zeros(8)) and torch.equal(drawn["other"], torch.nn.init.normal_(torch.zeros(8)))
+    assert torch.nn.init.normal_ is original
+    import extract.models.backbone as backbone_module
+
+    entered = []
+
+    def recording():
+        entered.append(1)
+        return weights_come_later()
+
+    monkeypatch.setattr(backbone_module, "weights_come_later", recording)
+    tiny = [load_backbone("tiny").model.state_dict() for _ in range(2)]  # random weights: drawn, from a fixed seed
+    assert not entered and all(torch.equal(tiny[0][k], tiny[1][k]) for k in tiny[0])
+    assert tiny[0]["token_embedding.weight"].std() > 0.001
+    backbone = load_backbone("toy-negclip")
+    assert entered == [1]
+    path = backbone.weights.path
+    assert path is not None and str(path).endswith(".safetensors") and "toy-negclip" in backbone_aliases()
+    file = load_file(str(path))
+    state = backbone.model.state_dict()
+    assert {k for k in state if "attn_mask" not in k} == set(file)
+    assert all(torch.equal(state[k], file[k]) for k in file)

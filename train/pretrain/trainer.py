@@ -42,7 +42,7 @@ def create_model(arch: str, quick_gelu: bool, seed: int, pretrained: str | None 
 
         weights = resolve_weights(arch, pretrained)
         if weights.path is not None:  # verified if plugvlm wrote it; a foreign pickle is explained, not unpickled
-            from extract.models.backbone import load_weights_file
+            from extract.models.weights_file import load_weights_file
 
             load_weights_file(model, weights.path, arch)
     pp = PreprocessCfg(**model.visual.preprocess_cfg)

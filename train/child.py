@@ -81,6 +81,9 @@ def _run(target: str, kwargs: dict, log: str, result: str, threads: int, gpu: in
     if gpu is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     to_file(log)
+    from extract.common.memory import keep_freed_memory
+
+    keep_freed_memory()  # as a command's job does (extract.common.cli.run_job)
     import torch
 
     torch.set_num_threads(threads)

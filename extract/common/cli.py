@@ -260,6 +260,9 @@ def run_job(job, opts, *, debug: bool = False) -> int:
     :data:`EXIT_BROKEN_PIPE` (141, as a tool that SIGPIPE ends), debug or not; stdout is flushed before the job
     counts as done, so that shows here rather than at interpreter exit."""
     debug = debug or os.environ.get("PLUGVLM_DEBUG", "") not in ("", "0")
+    from extract.common.memory import keep_freed_memory
+
+    keep_freed_memory()  # a job's steps reuse their freed tensors' pages (extract/common/memory.py)
     try:
         job(opts)
         if sys.stdout is not None:  # None under pythonw

@@ -39,8 +39,9 @@ head's own re-ranking, and the caption probe's graded swaps (``serve.service.gra
 object swaps, replaced relations) show one the served model gets right and, if any, one it gets wrong. With
 ``--hard-n 0`` there is no hard world, and the demo serves the adapter that binds best over every base on the
 version-2 world instead (the mean of swap-att, swap-obj and replace-rel on the validation split, not the test split:
-:data:`SELECTION`). The hard world's two steps need nothing of the version-2 world: on a machine with two or more
-cores they start first and run beside it in a process of their own, each half with its share of the CPU threads
+:data:`SELECTION`). The hard world's two steps need nothing of the version-2 world's adapters: on a machine with two
+or more cores they start before them (after a base's pre-training, which has the whole machine) and run beside them
+in a process of their own, each half with its share of the CPU threads
 (``--jobs``; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it reaches them (``--full``
 runs its stages one after another, as its figures were measured).
 
@@ -506,15 +507,6 @@ def _demo(opts: DemoOptions, cleanup: contextlib.ExitStack) -> dict:
 
     holdout = opts.holdout if opts.holdout is not None else sorted(
         {c for b in bases for c in trained_holdout(b, None if b in untrained else opts.pretrained)})
-    hard_steps = None
-    if opts.hard_n:  # needs nothing of the version-2 world: started first, beside it where there are cores for it
-        from train.child import cores
-
-        hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
-        hard_steps = HardSteps(out, opts.hard_n, opts.seed, hard_holdout, epochs=opts.hard_epochs,
-                               batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device,
-                               jobs=opts.jobs or (2 if cores() >= 2 and not opts.full else 1), say=say)
-        cleanup.callback(hard_steps.stop)
     step(f"toy world: {opts.n} scenes, seed {opts.seed}" + (
         f", holding out of its train split what the bases never saw: {', '.join(holdout)}"
         if holdout and opts.holdout is None else ""))
@@ -530,6 +522,15 @@ def _demo(opts: DemoOptions, cleanup: contextlib.ExitStack) -> dict:
     else:
         step("pre-training skipped: " + ("using the given weights" if opts.pretrained else "the bases come with "
                                          "weights"))
+    hard_steps = None
+    if opts.hard_n:  # needs nothing of the version-2 world's adapters: beside them where there are cores for it
+        from train.child import cores  # (after a base's pre-training, which keeps the whole machine)
+
+        hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
+        hard_steps = HardSteps(out, opts.hard_n, opts.seed, hard_holdout, epochs=opts.hard_epochs,
+                               batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device,
+                               jobs=opts.jobs or (2 if cores() >= 2 and not opts.full else 1), say=say)
+        cleanup.callback(hard_steps.stop)
 
     variants, detector = [], None
     if opts.full and ("comalign" in methods or "grounded" in methods):

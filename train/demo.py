@@ -40,10 +40,10 @@ object swaps, replaced relations) show one the served model gets right and, if a
 ``--hard-n 0`` there is no hard world, and the demo serves the adapter that binds best over every base on the
 version-2 world instead (the mean of swap-att, swap-obj and replace-rel on the validation split, not the test split:
 :data:`SELECTION`). The hard world's two steps need nothing of the version-2 world's adapters: on a machine with two
-or more cores they start before them (after a base's pre-training, which has the whole machine) and run beside them
-in a process of their own, each half with its share of the CPU threads
-(``--jobs``; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it reaches them (``--full``
-runs its stages one after another, as its figures were measured).
+or more cores, with one base and one seed, they start before them (after a base's pre-training, which has the whole
+machine) and run beside them in a process of their own, each half with its share of the CPU threads
+(``--jobs``: :func:`default_jobs`; :class:`train.demo_hard.HardSteps`), and the demo prints their output when it
+reaches them.
 
 Every table has the text-only floor under each base (``train.eval.text_only``: the base's text tower and a probe
 fitted on the training captions against their negatives, no image), and the binding table the controlled test
@@ -159,9 +159,9 @@ class DemoOptions:
                                  "the render3d extra, in all; 0: skip)")
     jobs: int | None = option(None, type=positive_int,
                               help="processes the demo runs at once: with 2, the hard world's steps run beside the "
-                                   "version-2 world's, each process with its share of the CPU threads (default: 2 "
-                                   "on a machine with two or more cores, else 1; --full: 1, its stages one after "
-                                   "another, as its figures were measured)")
+                                   "version-2 world's adapters, each process with its share of the CPU threads "
+                                   "(default: 2 for one base and one seed on a machine with two or more cores, "
+                                   "else 1; --full: 1)")
     detector_epochs: int = option(12, type=positive_int,
                                   help="--full: training epochs of the toy world's detector (python -m "
                                        "extract.components.toy_detector --epochs)")
@@ -221,6 +221,15 @@ def best_adapter(methods: dict) -> str | None:
     scored = {m: (binding_score(r["val"]), r["val"].get("retrieval T2I R@1", 0.0)) for m, r in methods.items()
               if r.get("checkpoint") and binding_score(r.get("val")) is not None}
     return max(scored, key=scored.get) if scored else None
+
+
+def default_jobs(opts: DemoOptions, bases: int, cores: int) -> int:
+    """``--jobs`` when not given: 2 (the hard world's steps beside the version-2 world's adapters) where there are two
+    cores or more and the two halves take about as long, i.e. one base and one seed (the default); else 1. With
+    several bases or seeds the adapters' half is several times the hard world's, and on two cores it is faster with
+    both threads than beside it with one (``--base toy-clip,toy-negclip --seeds 3``: 13 min 23 s one after another,
+    21 min 44 s beside, measured); ``--full`` runs its stages one after another (as its figures were measured)."""
+    return 2 if cores >= 2 and bases == 1 and opts.seeds == 1 and not opts.full else 1
 
 
 class Steps:
@@ -529,7 +538,7 @@ def _demo(opts: DemoOptions, cleanup: contextlib.ExitStack) -> dict:
         hard_holdout = sorted(set(holdout) | {c for b in HARD_BASES for c in trained_holdout(b, None)})
         hard_steps = HardSteps(out, opts.hard_n, opts.seed, hard_holdout, epochs=opts.hard_epochs,
                                batch_size=opts.hard_batch_size, workers=opts.workers, device=opts.device,
-                               jobs=opts.jobs or (2 if cores() >= 2 and not opts.full else 1), say=say)
+                               jobs=opts.jobs or default_jobs(opts, len(bases), cores()), say=say)
         cleanup.callback(hard_steps.stop)
 
     variants, detector = [], None

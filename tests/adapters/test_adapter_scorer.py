@@ -35,21 +35,23 @@ def test_live_extraction_reproduces_the_cached_arrays(run):
                               annotations=root / "world")
     rows = np.arange(5)
     files = [str(root / "world" / "images" / f"{int(cache.image_ids()[r]):06d}.png") for r in rows]
-    live = extractor.image_arrays([Image.open(f).convert("RGB") for f in files], files)
-    for key in ("ventity_valid", "vrelation_valid", "ventity_boxes", "vrelation_pairs"):
-        np.testing.assert_array_equal(live[key], cache.gather(key, rows), err_msg=key)
-    for key in ("image_embed", "ventity_embed", "vrelation_embed"):  # fp16, computed in other batches
-        np.testing.assert_allclose(live[key].astype(np.float32), cache.gather(key, rows).astype(np.float32),
-                                   atol=2e-3, err_msg=key)
+    images = [Image.open(f).convert("RGB") for f in files]
     caption_rows = np.arange(7)
     text_of = {str(c["id"]): c["text"] for sc in json.loads((root / "world" / "annotations.json").read_text())["scenes"]
                for c in sc["captions"]}
     picked = [text_of[cid] for cid in cache.caption_ids()[:7]]
-    live_t = extractor.text_arrays(picked)
-    for key in ("entity_valid", "relation_valid"):
-        np.testing.assert_array_equal(live_t[key], cache.gather(key, caption_rows), err_msg=key)
-    np.testing.assert_allclose(live_t["entity_embed"].astype(np.float32),
-                               cache.gather("entity_embed", caption_rows).astype(np.float32), atol=2e-3)
+    # each item alone (what is served) and an evaluation's batch computed together (the bulk path): both the cache's
+    for live, live_t in ((extractor.image_arrays(images, files), extractor.text_arrays(picked)),
+                         (extractor.batch_image_arrays(images, files), extractor.batch_text_arrays(picked))):
+        for key in ("ventity_valid", "vrelation_valid", "ventity_boxes", "vrelation_pairs"):
+            np.testing.assert_array_equal(live[key], cache.gather(key, rows), err_msg=key)
+        for key in ("image_embed", "ventity_embed", "vrelation_embed"):  # fp16, computed in other batches
+            np.testing.assert_allclose(live[key].astype(np.float32), cache.gather(key, rows).astype(np.float32),
+                                       atol=2e-3, err_msg=key)
+        for key in ("entity_valid", "relation_valid"):
+            np.testing.assert_array_equal(live_t[key], cache.gather(key, caption_rows), err_msg=key)
+        np.testing.assert_allclose(live_t["entity_embed"].astype(np.float32),
+                                   cache.gather("entity_embed", caption_rows).astype(np.float32), atol=2e-3)
 
 
 def test_live_extraction_writes_the_phrases_as_the_cache_did(run):

@@ -153,13 +153,22 @@ def test_a_served_item_is_its_own_whatever_it_came_with_and_whatever_the_process
     for key, want in live.builder.caption_batch(batch)[0].items():
         np.testing.assert_array_equal(bulk[key], want, err_msg=key)
         np.testing.assert_array_equal(again[key], want, err_msg=key)
+    # an evaluation's images likewise (AdapterScorer.encode_pil_bulk): the cache's batch, remembered as that batch
+    pixels = torch.stack([backbone.preprocess(im) for im in images])
+    want_i = live.builder.image_batch(pixels, [np.asarray(im) for im in images], [live.image_id(f) for f in files])
+    bulk_i, again_i = live.batch_image_arrays(images, files), _live(world, backbone).batch_image_arrays(images, files)
+    for key, want in want_i.items():
+        np.testing.assert_array_equal(bulk_i[key], want, err_msg=key)
+        np.testing.assert_array_equal(again_i[key], want, err_msg=key)
+    if kernels == "shape-dependent":  # what the batch computed is not what an item alone gets: kept apart
+        assert not np.array_equal(bulk_i["image_embed"][1], alone_i["image_embed"][0])
     later_t = _live(world, backbone).text_arrays([caption])  # from the memory of the calls above
     later_i = _live(world, backbone).image_arrays(images[1:2], files[1:2])
-    assert scorer_module.MEMO.hits == 3  # the batch, the caption and the image
+    assert scorer_module.MEMO.hits == 4  # the two batches, the caption and the image
     # another adapter's extractor on this backbone reads the towers' outputs and phrases the first one computed
     other_t = _live(world, backbone, ("entities", "roles")).text_arrays([caption])
     other_i = _live(world, backbone, ("entities", "roles")).image_arrays(images[1:2], files[1:2])
-    assert scorer_module.MEMO.hits == 5
+    assert scorer_module.MEMO.hits == 6
     for key in ("text_embed", "entity_embed"):
         np.testing.assert_array_equal(other_t[key], alone_t[key], err_msg=key)
     np.testing.assert_array_equal(other_i["image_embed"], alone_i["image_embed"])

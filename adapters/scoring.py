@@ -77,6 +77,16 @@ class CacheReadable:
             raise ValueError("encode_pil: no images given")
         return self.encode_images(torch.stack([self.preprocess(im.convert("RGB")) for im in images]))
 
+    def encode_pil_bulk(self, images: Sequence, ids: Sequence | None = None, *, missing_boxes: str = "error") -> Reps:
+        """:meth:`encode_pil` for a run's bulk images (an evaluation's, in batches fixed by its data and batch size):
+        here the same; an adapter computes such a batch together instead of each image alone, as serving must
+        (``adapters.adapter_scorer.AdapterScorer.encode_pil_bulk``)."""
+        return self.encode_pil(images, ids, missing_boxes=missing_boxes)
+
+    def encode_texts_bulk(self, texts: Sequence[str]) -> Reps:
+        """``encode_texts`` for a run's bulk texts (:meth:`encode_pil_bulk`): here the same."""
+        return self.encode_texts(texts)
+
     def box_coverage(self, collection: str):
         """A tally of the images of ``collection`` its ground-truth boxes cover (``extract.data.boxes.Coverage``), or
         None: a scorer that reads no boxes has none to count."""

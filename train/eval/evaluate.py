@@ -272,8 +272,8 @@ def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int
         ids = [i for _, i in batch]
         if coverage is not None and streamed:
             coverage.add(ids)
-        parts.append(bulk(scorer, "encode_pil")([im for im, _ in batch], ids,
-                                                missing_boxes="error" if coverage is None else "empty"))
+        parts.append(scorer.encode_pil_bulk([im for im, _ in batch], ids,
+                                            missing_boxes="error" if coverage is None else "empty"))
         batch.clear()
 
     for k, (item_id, load) in enumerate(progress(items, desc=desc, unit="img", total=total)):
@@ -294,16 +294,8 @@ def encode_loaded(scorer, items: Iterable[tuple[str, Callable]], batch_size: int
 
 @torch.no_grad()
 def encode_texts(scorer, texts: Sequence[str], batch_size: int):
-    encode = bulk(scorer, "encode_texts")
-    return cat_reps([encode(list(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
-
-
-def bulk(scorer, method: str) -> Callable:
-    """``scorer``'s ``method`` ("encode_pil" / "encode_texts") for an evaluation's items, which come in batches fixed
-    by the data and ``--batch-size``: its ``<method>_bulk`` where it has one (an adapter's live extraction computes a
-    batch together there, at a third to an eighth of the cost of each item alone, which is what serving pays:
-    adapters/adapter_scorer.py), else the method itself."""
-    return getattr(scorer, f"{method}_bulk", None) or getattr(scorer, method)
+    """An evaluation's texts in its batches (``encode_texts_bulk``: an adapter computes each batch together there)."""
+    return cat_reps([scorer.encode_texts_bulk(list(texts[i:i + batch_size])) for i in range(0, len(texts), batch_size)])
 
 
 # --------------------------------------------------------------------------------------------- tasks

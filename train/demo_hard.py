@@ -13,7 +13,7 @@ choice and the group score, chance 25 / 25 / 0) and on the test split's object s
 
 ``HARD_N`` scenes give 50 sets per controlled test (one per 20 scenes) and 800 training scenes: enough for the head
 to read depth (train/adapter/README, "The hard world": 97-98 on Controlled-B from 1,000 or 2,000 scenes) inside the
-demo's 7 minutes. Detected boxes need a detector trained on the world first (minutes more), so the demo reads the
+demo's few minutes. Detected boxes need a detector trained on the world first (minutes more), so the demo reads the
 world's own boxes; the same command with ``--boxes yolo`` trains one (train/adapter/README, "The hard world").
 """
 from __future__ import annotations

@@ -160,8 +160,8 @@ def test_the_cycle_check_finds_cycles_planted_in_a_package_tree(tmp_path):
 
 #: inside train/, each part may import those before it (the README's Layout lists them in this order); a module
 #: at train/'s top level other than the demo's is shared by all of them and imports none
-TRAIN_ORDER = ("train.bad_steps", "train.measure", "train.child", "train.eval", "train.adapter", "train.pretrain", "train.bench",
-               "train.demo_hard", "train.demo_3d", "train.demo_pretrain", "train.demo")
+TRAIN_ORDER = ("train.bad_steps", "train.measure", "train.child", "train.eval", "train.adapter", "train.pretrain",
+               "train.bench", "train.demo_hard", "train.demo_3d", "train.demo_pretrain", "train.demo")
 TRAIN_PEERS = {"train.adapter": {"train.pretrain"}, "train.pretrain": {"train.adapter"}}  # neither imports the other
 
 

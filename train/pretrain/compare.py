@@ -505,16 +505,14 @@ def train_runs(todo: list[Run], jobs: int, record) -> None:
                 try:
                     summary = child.join()
                 except ChildFailed as e:
-                    failed = failed or (r, e)
+                    failed = failed or e
                     continue
                 record(r, summary, time.perf_counter() - child.started)
     finally:
         for _, _, child in running.values():  # interrupted: no run outlives the comparison
             child.stop()
     if failed:
-        r, e = failed
-        raise RuntimeError(f"{r.name} seed {r.seed} failed ({e.error or f'its process exited with code {e.code}'}); the "
-                           f"traceback is in {e.log}. The runs that finished are kept: the same command again resumes.")
+        raise RuntimeError(f"{failed}. The runs that finished are kept: the same command again resumes.")
 
 
 def _budget_steps(opts: CompareOptions, budget: str, settings: list, out: Path, options) -> tuple[dict, dict]:

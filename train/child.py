@@ -81,6 +81,12 @@ def _run(target: str, kwargs: dict, log: str, result: str, threads: int, gpu: in
     if gpu is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     to_file(log)
+    # the job's own processes (data loaders, a world's drawing workers) start as a command's would: a spawned child
+    # inherits "spawn" as its default, and each such worker then imported this job's parent module again before its
+    # work (train.demo: torch, open_clip, every head; 6 workers x ~6 s of CPU in the demo's hard-world steps)
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
     from extract.common.memory import keep_freed_memory
 
     keep_freed_memory()  # as a command's job does (extract.common.cli.run_job)

@@ -31,6 +31,12 @@ def test_job_plan_shares_the_cores_and_the_gpus():
 
 
 def test_a_job_returns_its_value_with_its_threads_and_a_failure_names_itself(tmp_path):
+    """... and a job spawned beside the demo (train/demo_hard.py) starts its own data loaders and drawing workers the
+    platform's default way, as a command's process does: a spawned child inherits "spawn" as its default, and each such
+    worker then imported the parent's module again (torch, open_clip, every head) before its work."""
+    from train.child import spawn
+
+    spawned = Child("start method", "multiprocessing:get_start_method", {}, tmp_path / "d.log", threads=1, ctx=spawn())
     threads = Child("threads", "torch:get_num_threads", {}, tmp_path / "a.log", threads=3)
     said = Child("said", "builtins:print", {"end": "on its own line\n"}, tmp_path / "b.log", threads=1)
     bad = Child("bad", "json:loads", {"s": "not json"}, tmp_path / "c.log", threads=1)
@@ -40,4 +46,6 @@ def test_a_job_returns_its_value_with_its_threads_and_a_failure_names_itself(tmp
                                           r".*c\.log$") as failure:
         bad.join(120)
     assert failure.value.code == 1 and "Traceback" in (tmp_path / "c.log").read_text()
+    assert spawned.join(120) == multiprocessing.get_all_start_methods()[0]  # the first is the platform's default
     assert not list(tmp_path.glob("*.result.json"))  # the answers are read and removed
+

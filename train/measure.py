@@ -90,6 +90,20 @@ def peak_growth(device: str | torch.device = "cpu"):
         out["method"] = "unavailable"
 
 
+#: the loop that says how fast this machine is today (it varies ~2x by the hour): its time goes beside every time taken
+DAY_SPEED_ADDITIONS = 10**7
+
+
+def day_speed() -> float:
+    """Seconds of a pure-Python loop of :data:`DAY_SPEED_ADDITIONS` additions at a script's top level (as ``python -c``
+    runs it: names looked up by dictionary, which a function's locals are not, 2x slower): the day's speed said
+    beside a time (about 0.7 s on a quiet day on this project's 2-core machines, 1.4 s and more on a slow one)."""
+    scope = {"perf_counter": time.perf_counter, "n": DAY_SPEED_ADDITIONS}
+    exec(compile("start = perf_counter()\ntotal = 0\nfor i in range(n):\n    total += i\n"
+                 "seconds = perf_counter() - start\n", "<day speed>", "exec"), scope)
+    return scope["seconds"]
+
+
 def machine_load() -> dict:
     """1-minute load average against the CPU count; timings taken while other processes compete for the
     cores (OpenMP threads then wait on each other) can be off by an order of magnitude."""

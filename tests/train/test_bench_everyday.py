@@ -32,6 +32,7 @@ def test_each_job_beside_the_days_speed_scaled_to_a_slow_day(tmp_path, monkeypat
     typed, in_place, broken = figures["rows"]
     assert (typed["loop"], in_place["loop"], broken["loop"]) == pytest.approx((0.8, 1.0, 1.4))
     assert typed["slow_day_seconds"] == pytest.approx(typed["seconds"] * 1.4 / 0.8)
+    assert len(broken["command_seconds"]) == 1 and typed["seconds"] >= sum(typed["command_seconds"]) > 0
     assert broken["exit"] == 5 and (tmp_path / "logs" / "typed.log").read_text() == "made runs/ here\n"
     assert not (tmp_path / "logs" / "broken.log").read_text()  # it stopped at its first failing command
     printed = capsys.readouterr().out

@@ -75,16 +75,18 @@ def slow_day_seconds(seconds: float, loop: float) -> float:
 
 def time_job(name: str, commands: list[list[str]], cwd: Path, log: Path, env: dict, speed=None) -> dict:
     """Run ``commands`` one after another (stopping at the first failure) with their output in ``log``; the wall
-    time of all of them, the day's speed before and after, the load average before."""
+    time of all of them and of each, the day's speed before and after, the load average before."""
     from train.measure import day_speed, machine_load
 
     speed = speed or day_speed
     row = {"job": name, "commands": [" ".join(c) for c in commands], "log": str(log), "load_before": machine_load()}
     row["loop_before"] = speed()
-    start, status = time.perf_counter(), 0
+    start, status, row["command_seconds"] = time.perf_counter(), 0, []
     with open(log, "w") as f:
         for command in commands:
+            began = time.perf_counter()
             status = subprocess.run(command, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            row["command_seconds"].append(time.perf_counter() - began)
             if status:
                 break
     row["seconds"], row["exit"] = time.perf_counter() - start, status
@@ -143,7 +145,8 @@ def run(opts: EverydayOptions, speed=None) -> dict:
                            env, speed)
             row["budget"] = budget
             rows.append(row)
-            say(f"  {name}: {_minutes(row['seconds'])}, the loop {row['loop']:.2f} s"
+            each = " + ".join(f"{t:.1f}" for t in row["command_seconds"]) if len(commands) > 1 else ""
+            say(f"  {name}: {_minutes(row['seconds'])}{f' ({each} s)' if each else ''}, the loop {row['loop']:.2f} s"
                 + (f" (failed, exit {row['exit']})" if row["exit"] else ""))
     figures = {"slow_day_loop": SLOW_DAY, "python": sys.executable, "fresh": opts.fresh, "rows": rows,
                "date": time.strftime("%Y-%m-%d %H:%M")}

@@ -51,6 +51,7 @@ def test_a_job_typed_in_a_folder_of_its_own_leaves_the_checkout_alone(tmp_path, 
 
 
 def test_the_slow_day_and_the_loop():
+    assert [everyday._minutes(t) for t in (59.6, 61, 463.2)] == ["1 min 00 s", "1 min 01 s", "7 min 43 s"]
     assert slow_day_seconds(100, 0.7) == pytest.approx(200) and slow_day_seconds(60, 1.4) == pytest.approx(60)
     with pytest.raises(ValueError, match="choose from demo, fast, suite, tour"):
         EverydayOptions(jobs="demo,nope")
@@ -64,3 +65,11 @@ def test_the_slow_day_and_the_loop():
 def test_the_days_speed_is_a_python_loop(monkeypatch):
     monkeypatch.setattr(measure, "DAY_SPEED_ADDITIONS", 10**5)
     assert 0 < measure.day_speed() < 1
+
+
+def test_a_failing_job_ends_the_command_with_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(everyday, "ROOT", tmp_path)
+    monkeypatch.setattr(everyday, "JOBS", {"broken": ([FAIL], None)})
+    monkeypatch.setattr(measure, "DAY_SPEED_ADDITIONS", 10)
+    assert everyday.main(["--jobs", "broken", "--logs", str(tmp_path / "logs")]) == JobFailed.exit_code
+    assert capsys.readouterr().err == f"error: broken failed: {tmp_path / 'logs' / 'broken.log'}\n"

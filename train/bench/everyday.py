@@ -13,8 +13,9 @@ loop before and after it). That scaling is a rough gauge, not a law (a whole run
 
 Each job runs as a user types it, in the checkout (``--fresh``: ``git clone`` of its last commit into a temporary
 folder, so files the commit lacks are not used; the Python environment is this one), the demo and the tour in a
-folder of their own (their runs/ there, not in the checkout), its output in a log file (``--logs``). A job that fails is reported in its row with its exit status and log, the others still run, and the
-command exits 1. ``--out``: the figures as JSON.
+folder of their own (their runs/ there, not in the checkout), its output in a log file (``--logs``). A job that fails
+is reported in its row with its exit status and log, the others still run, and the command ends with one ``error:``
+line naming it (exit status 3). ``--out``: the figures as JSON.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ IN_SCRATCH = {"demo", "tour"}
 class EverydayOptions:
     """What ``python -m train.bench.everyday`` times, as data (``run(EverydayOptions(jobs="demo"))``)."""
 
-    jobs: str = option("demo,fast,suite", metavar="JOBS", help=f"comma list of jobs to time, in order, from {', '.join(JOBS)}")
+    jobs: str = option("demo,fast,suite", metavar="JOBS",
+                       help=f"comma list of jobs to time, in order, from {', '.join(JOBS)}")
     fresh: bool = option(False, action="store_true",
                          help="run them in a fresh clone of this checkout's last commit (git clone), not in place")
     logs: str | None = option(None, help="folder for each job's output (default: a temporary folder, printed)")
@@ -97,7 +99,8 @@ def time_job(name: str, commands: list[list[str]], cwd: Path, log: Path, env: di
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+    minutes, rest = divmod(int(round(seconds)), 60)  # 59.6 s is "1 min 00 s", not "0 min 60 s"
+    return f"{minutes} min {rest:02d} s"
 
 
 def table(rows: list[dict]) -> str:
@@ -105,7 +108,8 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|"]
     for r in rows:
         budget = r.get("budget")
-        verdict = "–" if budget is None else f"{_minutes(budget)}: {'within' if r['slow_day_seconds'] <= budget else 'over'}"
+        within = budget is not None and r["slow_day_seconds"] <= budget
+        verdict = "–" if budget is None else f"{_minutes(budget)}: {'within' if within else 'over'}"
         if r["exit"]:
             verdict = f"failed (exit {r['exit']}; its output: {r['log']})"
         lines.append(f"| {r['job']} | {_minutes(r['seconds'])} | {r['loop_before']:.2f} / {r['loop_after']:.2f} s | "

@@ -20,9 +20,10 @@ from fixtures.references import brute_force  # the per-query reference
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    out = tmp_path_factory.mktemp("world")
-    toyworld.generate(out, n=200, seed=0, workers=1)
-    return out
+    """The session's 120-scene toy world (tests/fixtures/toy.py), shared with the serving tests and the adapters'."""
+    from fixtures.toy import toy_root
+
+    return toy_root(tmp_path_factory) / "world"
 
 
 @pytest.fixture(scope="module")

@@ -48,4 +48,3 @@ def test_a_job_returns_its_value_with_its_threads_and_a_failure_names_itself(tmp
     assert failure.value.code == 1 and "Traceback" in (tmp_path / "c.log").read_text()
     assert spawned.join(120) == multiprocessing.get_all_start_methods()[0]  # the first is the platform's default
     assert not list(tmp_path.glob("*.result.json"))  # the answers are read and removed
-

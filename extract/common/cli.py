@@ -57,6 +57,12 @@ def forget_warnings() -> None:
     _warned.clear()
 
 
+def clock(seconds: float) -> str:
+    """A duration as people read it: "7 min 27 s" (59.6 s is "1 min 00 s", not "0 min 60 s")."""
+    minutes, rest = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {rest:02d} s"
+
+
 def say(*parts: Any, **kwargs) -> None:
     """A status line on stdout, silenced by ``--quiet`` (warnings and results use print)."""
     if _verbosity > QUIET:

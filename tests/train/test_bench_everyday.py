@@ -51,7 +51,7 @@ def test_a_job_typed_in_a_folder_of_its_own_leaves_the_checkout_alone(tmp_path, 
 
 
 def test_the_slow_day_and_the_loop():
-    assert [everyday._minutes(t) for t in (59.6, 61, 463.2)] == ["1 min 00 s", "1 min 01 s", "7 min 43 s"]
+    assert [everyday.clock(t) for t in (59.6, 61, 463.2)] == ["1 min 00 s", "1 min 01 s", "7 min 43 s"]
     assert slow_day_seconds(100, 0.7) == pytest.approx(200) and slow_day_seconds(60, 1.4) == pytest.approx(60)
     with pytest.raises(ValueError, match="choose from demo, fast, suite, tour"):
         EverydayOptions(jobs="demo,nope")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from extract.common.cli import JobFailed, option, parse_options, run_job, say
+from extract.common.cli import JobFailed, clock, option, parse_options, run_job, say
 from extract.common.cli import build_parser as build_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,22 +98,17 @@ def time_job(name: str, commands: list[list[str]], cwd: Path, log: Path, env: di
     return row
 
 
-def _minutes(seconds: float) -> str:
-    minutes, rest = divmod(int(round(seconds)), 60)  # 59.6 s is "1 min 00 s", not "0 min 60 s"
-    return f"{minutes} min {rest:02d} s"
-
-
 def table(rows: list[dict]) -> str:
     lines = [f"| job | time | loop of 10^7 additions (before / after) | on a {SLOW_DAY} s day | budget there |",
              "|---|---|---|---|---|"]
     for r in rows:
         budget = r.get("budget")
         within = budget is not None and r["slow_day_seconds"] <= budget
-        verdict = "–" if budget is None else f"{_minutes(budget)}: {'within' if within else 'over'}"
+        verdict = "–" if budget is None else f"{clock(budget)}: {'within' if within else 'over'}"
         if r["exit"]:
             verdict = f"failed (exit {r['exit']}; its output: {r['log']})"
-        lines.append(f"| {r['job']} | {_minutes(r['seconds'])} | {r['loop_before']:.2f} / {r['loop_after']:.2f} s | "
-                     f"about {_minutes(r['slow_day_seconds'])} | {verdict} |")
+        lines.append(f"| {r['job']} | {clock(r['seconds'])} | {r['loop_before']:.2f} / {r['loop_after']:.2f} s | "
+                     f"about {clock(r['slow_day_seconds'])} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -150,7 +145,7 @@ def run(opts: EverydayOptions, speed=None) -> dict:
             row["budget"] = budget
             rows.append(row)
             each = " + ".join(f"{t:.1f}" for t in row["command_seconds"]) if len(commands) > 1 else ""
-            say(f"  {name}: {_minutes(row['seconds'])}{f' ({each} s)' if each else ''}, the loop {row['loop']:.2f} s"
+            say(f"  {name}: {clock(row['seconds'])}{f' ({each} s)' if each else ''}, the loop {row['loop']:.2f} s"
                 + (f" (failed, exit {row['exit']})" if row["exit"] else ""))
     figures = {"slow_day_loop": SLOW_DAY, "python": sys.executable, "fresh": opts.fresh, "rows": rows,
                "date": time.strftime("%Y-%m-%d %H:%M")}

@@ -219,13 +219,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("write_durations"):
         from fixtures.balance import write_durations
 
-        terminalreporter.write_line(f"seconds per test file written to {write_durations(reports)}")
+        whole = not terminalreporter.stats.get("deselected")  # -m / -k left tests out: the files' seconds stay
+        terminalreporter.write_line(f"seconds per test{' and per file' if whole else ''} written to "
+                                    f"{write_durations(reports, whole=whole)}")
 
 
 def pytest_addoption(parser):
     parser.addoption("--write-durations", action="store_true",
-                     help="plugvlm: store each test file's seconds in this run in tests/durations.json, the order "
-                          "files go to the workers in (run the whole suite)")
+                     help="plugvlm: store this run's seconds in tests/durations.json: per test (the slow marker's "
+                          "measured bar) and, when no test was left out, per file (the order files go to the "
+                          "workers in); run the whole suite, then the fast subset (-m 'not slow')")
 
 
 @pytest.hookimpl(trylast=True)

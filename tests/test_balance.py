@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fixtures.balance import file_weights, heaviest_files_first, measured, seconds_by_file, write_durations
+from fixtures.balance import (file_weights, heaviest_files_first, measured, measured_tests, seconds_by_file,
+                              write_durations)
 
 
 def _item(nodeid, slow=False):
@@ -39,9 +40,20 @@ def test_a_runs_seconds_are_stored_per_file_and_read_back(tmp_path):
     assert seconds_by_file(reports) == {"a.py": 6.04, "b.py": 0.5}
     path = write_durations(reports, tmp_path / "durations.json")
     assert measured(path) == {"a.py": 6.0, "b.py": 0.5}
+    assert measured_tests(path) == {"a.py::t1": 3.04, "a.py::t2[x]": 3.0, "b.py::t": 0.5}
+    # a run that left tests out (-m 'not slow'): each test it ran gets its new figure, the others and the files keep
+    # theirs
+    write_durations([SimpleNamespace(nodeid="a.py::t2[x]", when="setup", duration=7.5),
+                     SimpleNamespace(nodeid="c.py::t", when="call", duration=0.25)], path, whole=False)
+    assert measured(path) == {"a.py": 6.0, "b.py": 0.5}
+    assert measured_tests(path) == {"a.py::t1": 3.04, "a.py::t2[x]": 7.5, "b.py::t": 0.5, "c.py::t": 0.25}
+    write_durations([SimpleNamespace(nodeid="c.py::t", when="call", duration=1.0)], path)  # a whole run: its files
+    assert measured(path) == {"c.py": 1.0} and measured_tests(path)["a.py::t2[x]"] == 7.5
     path.write_text("{not json")
-    assert measured(path) == {}  # an unreadable file: every file weighed from its markers
-    assert measured(tmp_path / "missing.json") == {}
+    assert measured(path) == {} and measured_tests(path) == {}  # unreadable: every file weighed from its markers
+    assert measured(tmp_path / "missing.json") == {} and measured_tests(tmp_path / "missing.json") == {}
+    write_durations([SimpleNamespace(nodeid="d.py::t", when="call", duration=2.0)], path, whole=False)
+    assert measured(path) == {} and measured_tests(path) == {"d.py::t": 2.0}  # over an unreadable file: anew
 
 
 def test_the_shipped_durations_name_files_that_exist():

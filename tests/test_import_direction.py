@@ -1,20 +1,40 @@
 """Packages import in one direction only: extract -> adapters -> serve -> train (the README's Layout). A package may
 import those before it, never one after it: every import is read, at module level and inside functions, and so are
-``importlib.import_module("...")`` calls with a literal name."""
+``importlib.import_module("...")`` calls with a literal name. The checks that read every module (~3 s together on
+two busy cores, most of it parsing, shared through :func:`parsed`) are ``slow``: the full suite and CI run them, the
+fast subset runs the checks of the checks."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the one direction: each package may import the ones before it
 ORDER = ("extract", "adapters", "serve", "train")
 
 
-def imported(source: str) -> list[tuple[int, str]]:
+def parsed(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once per process and text for every check here (each reads them all: parsing
+    them took ~1 s a check; a file rewritten since is parsed again)."""
+    return _parse(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+def _tree(source: str | ast.Module) -> ast.Module:
+    return source if isinstance(source, ast.Module) else ast.parse(source)
+
+
+def imported(source: str | ast.Module) -> list[tuple[int, str]]:
     """(line, module) of every absolute import in ``source``, wherever it sits, and of import_module("...") calls."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -26,19 +46,20 @@ def imported(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def violations(package: str, source: str, where: str = "<source>") -> list[str]:
+def violations(package: str, source: str | ast.Module, where: str = "<source>") -> list[str]:
     """The imports of ``source`` (a module of ``package``) that reach a package after it in :data:`ORDER`."""
     allowed = set(ORDER[:ORDER.index(package) + 1])
     return [f"{where}:{line} imports {module}" for line, module in imported(source)
             if module.split(".")[0] in ORDER and module.split(".")[0] not in allowed]
 
 
+@pytest.mark.slow
 def test_no_package_imports_one_after_it():
     bad, read = [], 0
     for package in ORDER:
         for path in sorted((ROOT / package).rglob("*.py")):
             read += 1
-            bad += violations(package, path.read_text(), str(path.relative_to(ROOT)))
+            bad += violations(package, parsed(path), str(path.relative_to(ROOT)))
     assert read > 50 and not bad, "\n".join(bad)
 
 
@@ -53,12 +74,12 @@ def test_the_check_sees_imports_wherever_they_hide():
     assert violations("train", "from serve.index import build_index\nfrom extract.common.cli import say\n") == []
 
 
-def private_imports(source: str, module: str = "<source>") -> list[str]:
+def private_imports(source: str | ast.Module, module: str = "<source>") -> list[str]:
     """``from X import _name`` where X is one of our modules other than ``module`` itself: a private name used from
     outside the module that owns it (a child process's code string importing its own module is not read: it is
     a string)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(source)):
         if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                 and node.module.split(".")[0] in ORDER and node.module != module):
             found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
@@ -66,12 +87,13 @@ def private_imports(source: str, module: str = "<source>") -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_module_reaches_for_another_modules_private_names():
     bad = []
     for package in ORDER:
         for path in sorted((ROOT / package).rglob("*.py")):
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            bad += [f"{path.relative_to(ROOT)}:{x}" for x in private_imports(path.read_text(), module)]
+            bad += [f"{path.relative_to(ROOT)}:{x}" for x in private_imports(parsed(path), module)]
     assert not bad, "\n".join(bad)
     assert private_imports("from extract.pipeline import _concat\n") == ["1: from extract.pipeline import _concat"]
 
@@ -94,7 +116,7 @@ def module_cycles(root: Path = ROOT, packages: tuple[str, ...] = ORDER) -> list[
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Import):
                 deps |= {ours(a.name) for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -125,6 +147,7 @@ def module_cycles(root: Path = ROOT, packages: tuple[str, ...] = ORDER) -> list[
     return cycles
 
 
+@pytest.mark.slow
 def test_no_two_modules_import_each_other():
     """Within a package too: two modules that import each other are one concept split in two, or a helper in the
     wrong one (as scoring / adapter_scorer and the index layout / FAISS types were)."""
@@ -171,7 +194,7 @@ def train_part(module: str) -> str | None:
     return ".".join(parts[:2]) if parts[0] == "train" and len(parts) > 1 else None
 
 
-def train_violations(module: str, source: str, where: str = "<source>") -> list[str]:
+def train_violations(module: str, source: str | ast.Module, where: str = "<source>") -> list[str]:
     """The imports of ``source`` (a module of train/) that reach a part of train/ after its own in
     :data:`TRAIN_ORDER`, or a peer it must not import."""
     own = train_part(module)
@@ -182,6 +205,7 @@ def train_violations(module: str, source: str, where: str = "<source>") -> list[
             if train_part(name) is not None and train_part(name) not in allowed]
 
 
+@pytest.mark.slow
 def test_train_parts_import_in_one_direction():
     """Function-level imports count: hiding an import inside a function does not change its direction."""
     bad = []
@@ -189,7 +213,7 @@ def test_train_parts_import_in_one_direction():
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         if module == "train":
             continue
-        bad += train_violations(module, path.read_text(), str(path.relative_to(ROOT)))
+        bad += train_violations(module, parsed(path), str(path.relative_to(ROOT)))
     assert not bad, "\n".join(bad)
     hidden = "def report():\n    from train.bench.nla import make_batch\n"
     assert train_violations("train.eval.nla_report", hidden) == ["<source>:2 imports train.bench.nla"]

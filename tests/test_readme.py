@@ -161,6 +161,7 @@ def test_every_flag_the_readme_shows_exists():
     assert checked > 100 and not unknown, unknown
 
 
+@pytest.mark.slow
 def test_the_demo_worlds_figures_in_the_readme_are_the_generators(tmp_path):
     """The binding table's test split, as the README states it, is what the demo's world holds: same scenes, captions,
     hard negatives and held-out combinations (deterministic: the generator is seeded)."""

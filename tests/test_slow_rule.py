@@ -30,3 +30,25 @@ def test_what_a_test_starts_is_recorded():
     slow_rule.start()  # the next test starts with nothing recorded
     assert slow_rule.reasons() == []
     assert slow_rule.command_line(["a", 1]) == "a 1" and slow_rule.command_line(b"x y") == "x y"
+
+
+def test_the_measured_bar():
+    tests = {"a.py::slow_one": slow_rule.BAR_SECONDS, "a.py::quick": slow_rule.BAR_SECONDS - 0.01}
+    assert slow_rule.over_bar("a.py::slow_one", tests) == slow_rule.BAR_SECONDS
+    assert slow_rule.over_bar("a.py::quick", tests) is None and slow_rule.over_bar("a.py::new", tests) is None
+
+
+def test_every_collected_test_over_the_bar_is_marked_slow(request):
+    """The fast subset is the inner loop: a test that took BAR_SECONDS or more in the last run that measured it
+    (tests/durations.json) carries the slow marker, whatever it starts. Every collected test is held to it (each
+    xdist worker collects them all; under -m "not slow" the slow ones are deselected and the rest are checked; a run of
+    some files checks theirs)."""
+    from fixtures.balance import measured_tests
+
+    seconds = measured_tests()
+    assert len(seconds) > 1000, "tests/durations.json holds no per-test seconds: python -m pytest --write-durations"
+    over = [f"{item.nodeid} ({took:.1f} s)" for item in request.session.items if item.get_closest_marker("slow") is None
+            and (took := slow_rule.over_bar(item.nodeid, seconds)) is not None]
+    assert not over, (f"{len(over)} test(s) took {slow_rule.BAR_SECONDS:g} s or more where last measured: mark them "
+                      "@pytest.mark.slow or make them cheaper, then measure again (python -m pytest "
+                      "--write-durations, then python -m pytest -m 'not slow' --write-durations):\n" + "\n".join(over))

@@ -5,11 +5,14 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 from conftest import KEY_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_quiet_run_names_the_resolved_versions():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                            "tests/test_network_guard.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -17,6 +17,7 @@ raise SystemExit(int(sys.argv[1]))
 """
 
 
+@pytest.mark.slow
 def test_a_warm_process_runs_code_with_its_arguments_folder_and_environment(tmp_path):
     slow_rule.start()
     code, out, err = warm.run(["-c", SCRIPT, "3", "x y"], cwd=tmp_path, env={**os.environ, "WARM_TEST": "here"})
@@ -27,6 +28,7 @@ def test_a_warm_process_runs_code_with_its_arguments_folder_and_environment(tmp_
     assert slow_rule.started()[-1].startswith("python -c") and slow_rule.reasons() == []
 
 
+@pytest.mark.slow
 def test_a_module_runs_as_main_and_a_kill_9_reads_as_one(tmp_path):
     code, out, _ = warm.run(["-m", "extract.worlds.toyworld", "--help"], cwd=tmp_path)
     assert code == 0 and "usage: python -m extract.worlds.toyworld" in out

@@ -187,6 +187,7 @@ def two_rank_results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_ranks_equal_one_process(two_rank_results, mode):
     factor = MODES[mode][3]

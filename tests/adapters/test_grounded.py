@@ -152,6 +152,7 @@ def test_untrained_grounding_is_the_base_cosine_and_a_caption_without_relations_
     assert torch.allclose(head.score(img, txt), expected)
 
 
+@pytest.mark.slow
 def test_trimming_unused_slots_leaves_every_score_unchanged(head):
     images, pos, neg = training_set(12, seed=5)
     img, txt = head.encode_image(images), head.encode_text({k: torch.cat([pos[k], neg[k]]) for k in pos})
@@ -170,6 +171,7 @@ def test_features_are_in_image_units():
     assert pairs[0, 1, 0, 0].item() == pytest.approx(-0.5)  # and the first to the left of it
 
 
+@pytest.mark.slow
 def test_only_positions_differ_and_the_converse_caption_scores_lower(head):
     """Two images holding the same two objects, mirrored; a caption and its converse: the pooled embeddings
     cannot tell any of them apart, the trained head must."""
@@ -191,6 +193,7 @@ def test_only_positions_differ_and_the_converse_caption_scores_lower(head):
             assert s[0, 0] > s[1, 0] and s[1, 1] > s[0, 1]
 
 
+@pytest.mark.slow
 def test_learned_meanings_follow_the_captions_not_the_names():
     """The same world with the predicate embeddings permuted (what "left of" says is now said by another vector):
     the head learns the new assignment to the same accuracy."""
@@ -419,6 +422,7 @@ def held_out_occlusion(head: Grounded, n: int = 40) -> tuple[float, list[tuple[t
     return sum(right) / len(right), rows
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_in_front_of_is_learned_from_who_owns_the_overlap_and_the_control_trained_alike_cannot():
     """Hand-built caches where only the drawing order differs (the same two boxes, the overlap code from rendered
@@ -465,6 +469,7 @@ def test_the_overlap_weights_start_at_zero_and_the_head_starts_as_the_geometry_o
             assert torch.equal(head.score(img, head.encode_text(texts)), control.score(ctl, control.encode_text(texts)))
 
 
+@pytest.mark.slow
 def test_a_triplet_costs_at_most_log_of_the_floor_and_no_floor_is_the_plain_log_probability(head):
     """relation_floor eps: log(eps + (1 - eps) P), so one triplet that fails (or a box the detector missed) moves a
     score by at most log(eps) x w_R; at eps = 0 the term is the log-probability itself, to the bit."""
@@ -483,6 +488,7 @@ def test_a_triplet_costs_at_most_log_of_the_floor_and_no_floor_is_the_plain_log_
     assert torch.allclose(q.exp(), 0.02 + 0.98 * p.exp(), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_where_subject_and_object_ground_to_one_box_every_predicate_reads_the_prior(head):
     """The object's own box missing, its phrase lands on the subject's box (a crop showing both, as the front
     object's crop shows the hidden one): the boxes cannot tell the relation, so with same_box_prior every predicate

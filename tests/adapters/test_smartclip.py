@@ -161,6 +161,7 @@ def _rank_worker(rank: int, world: int, store: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
     import torch.multiprocessing as mp
 

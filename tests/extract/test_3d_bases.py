@@ -34,6 +34,7 @@ def crops(tmp_path_factory):
 
 @pytest.mark.parametrize("base, negatives", [("toy-clip-3d", False), ("toy-negclip-3d", True),
                                              ("toy-clip-3d-mixed", False)])
+@pytest.mark.slow
 def test_the_3d_base_sees_the_3d_worlds_objects_hidden_and_metal_ones_too(crops, crop_top1, base, negatives):
     world, objects = crops
     spec = resolve_spec(base)
@@ -61,6 +62,7 @@ def test_the_3d_base_sees_the_3d_worlds_objects_hidden_and_metal_ones_too(crops,
     assert right[metal].float().mean() >= 0.8, right[metal].float().mean()
 
 
+@pytest.mark.slow
 def test_the_mixed_base_finds_a_phrase_written_as_its_captions_write_it(crops):
     """The parse gives "brown cube"; the base's captions write "a brown cube". Bare, a phrase finds its objects'
     crops among all others far less often (R-precision: of the k crops nearest the phrase, k the crops of its colour
@@ -94,6 +96,7 @@ def test_the_mixed_base_finds_a_phrase_written_as_its_captions_write_it(crops):
         assert found["a {}", which] >= found["{}", which] + 0.1, found
 
 
+@pytest.mark.slow
 def test_the_hard_bases_see_it_far_less(crops, crop_top1):
     world, objects = crops
     assert crop_top1("toy-clip-hard", world, objects, CLASSES).float().mean() < 0.3  # measured 0.161

@@ -206,6 +206,7 @@ def help_probes():
     return {(r["name"], tuple(r["argv"])): ({lib: first[lib] for lib in r["loaded"]}, r["stderr"]) for r in rows}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_help_and_argument_errors_import_no_heavy_library(name, help_probes):
     """`--help` costs at most `import torch` and a little: asserted by what it imports, not by timing it."""

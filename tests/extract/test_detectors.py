@@ -208,6 +208,7 @@ def sam2_128(tmp_path_factory) -> str:
 LOOSE = dict(points_per_side=4, pred_iou_thresh=0.0, stability_score_thresh=0.0, box_nms_thresh=1.0)
 
 
+@pytest.mark.slow
 def test_sam2_masks_at_original_size_sorted_and_capped(sam2_128):
     image = _scene(200, 120, "RGBA")
     everything = Sam2MaskGenerator(sam2_128, "none", **LOOSE).generate(image)

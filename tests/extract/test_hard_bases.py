@@ -25,6 +25,7 @@ def crops(tmp_path_factory):
     return world, objects
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", ["toy-clip-hard", "toy-negclip-hard"])
 def test_a_hard_base_sees_the_hard_worlds_objects_partly_hidden_ones_too(base, crops, crop_top1):
     world, objects = crops
@@ -40,6 +41,7 @@ def test_a_hard_base_sees_the_hard_worlds_objects_partly_hidden_ones_too(base, c
     assert right[hidden].float().mean() >= 0.7, right[hidden].float().mean()  # about 50 of them: a wide interval
 
 
+@pytest.mark.slow
 def test_the_version_2_bases_see_it_far_less(crops, crop_top1):
     world, objects = crops
     assert crop_top1("toy-negclip", world, objects, CLASSES).float().mean() < 0.6  # 44% on the README's world

@@ -13,6 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="this torch carries no MKL")
 def test_a_process_that_imports_the_scorer_runs_mkl_strict_without_being_told():
     code = ("from adapters.load import load_scorer\n"  # what python -m serve / a user's script imports first

@@ -82,6 +82,7 @@ def test_matching_against_a_hand_worked_case():
     assert td.match_detections(pred[:0], scores[:0], gt).tolist() == [-1, -1, -1]
 
 
+@pytest.mark.slow
 def test_training_writes_weights_that_yolodetector_loads_and_runs(trained, world):
     from PIL import Image
 
@@ -110,6 +111,7 @@ def test_training_writes_weights_that_yolodetector_loads_and_runs(trained, world
     assert "--detector " + str(weights) in td.summary(result)
 
 
+@pytest.mark.slow
 def test_the_same_world_and_settings_reuse_the_weights(trained, monkeypatch):
     opts, first = trained
     stamp = os.stat(first["weights"]).st_mtime_ns
@@ -127,6 +129,7 @@ def test_the_same_world_and_settings_reuse_the_weights(trained, monkeypatch):
     assert td.fingerprint(td.settings(same, world)) == first["fingerprint"]  # how it runs is not what it is
 
 
+@pytest.mark.slow
 def test_detector_boxes_reach_the_extraction_cache(trained, world, tmp_path):
     """--boxes yolo --detector RUN/best.pt: the unchanged extraction path crops what the trained detector finds."""
     from extract.pipeline import build_cache
@@ -206,6 +209,7 @@ def test_recall_by_hidden_share_on_a_hard_world(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ --boxes yolo, no --detector
+@pytest.mark.slow
 def test_boxes_yolo_on_a_toy_world_trains_its_detector_once_then_reuses_it(world, tmp_path, monkeypatch, capsys):
     """``--boxes yolo`` without ``--detector`` on a toy world: the extraction trains the toy detector on the world's
     train split with the default settings (epochs 12 ...) into runs/toy-detector/<fingerprint>, says so, and detects

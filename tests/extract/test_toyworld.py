@@ -41,6 +41,7 @@ def _all_files(out: Path) -> list[str]:
 # --------------------------------------------------------------------------- determinism
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_same_seed_gives_byte_identical_files(world, tmp_path, workers):
     out, _, _, _ = world

@@ -24,6 +24,7 @@ def world(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_it_is_a_toy_world_with_its_own_vocabulary(world):
     meta = json.loads((world / "meta.json").read_text())
     assert is_toyworld(world) and meta["world"] == "3d" and meta["hard"] is True
@@ -36,6 +37,7 @@ def test_it_is_a_toy_world_with_its_own_vocabulary(world):
         world3d_layout.parse_holdout3d("red circle")
 
 
+@pytest.mark.slow
 def test_every_controlled_image_holds_its_caption_and_none_of_the_other_three(world):
     for file, predicates in (("controlled_a.json", CONTROLLED_A), ("controlled_b.json", CONTROLLED_B)):
         data = json.loads((world / file).read_text())
@@ -54,6 +56,7 @@ def test_every_controlled_image_holds_its_caption_and_none_of_the_other_three(wo
                 assert (world / record["file_name"]).is_file()
 
 
+@pytest.mark.slow
 def test_captions_are_true_negatives_false_and_train_never_shows_a_held_out_combination(world):
     scenes = {s["image_id"]: s for s in json.loads((world / "annotations.json").read_text())["scenes"]}
     held = {("red", "cube"), ("blue", "sphere")}
@@ -68,6 +71,7 @@ def test_captions_are_true_negatives_false_and_train_never_shows_a_held_out_comb
     assert {n["type"] for i in items for n in i["negatives"]} >= {"swap-obj", "replace-rel", "replace-obj"}
 
 
+@pytest.mark.slow
 def test_the_whatsup_copy_reads_back_through_the_one_reader(world):
     from train.eval.whatsup import read_whatsup
 
@@ -80,6 +84,7 @@ def test_the_whatsup_copy_reads_back_through_the_one_reader(world):
     assert len(boxes) == 16 and all(len(b["objects"]) == 4 for b in boxes)
 
 
+@pytest.mark.slow
 def test_the_pretrain_split_is_the_train_scenes_and_their_objects_crops(world):
     from PIL import Image
 
@@ -102,6 +107,7 @@ def test_the_pretrain_split_is_the_train_scenes_and_their_objects_crops(world):
     assert len(ids) == len(set(ids))
 
 
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_bytes_with_one_and_two_workers(world, tmp_path):
     def digest(folder):
         return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -111,6 +117,7 @@ def test_the_same_seed_gives_the_same_bytes_with_one_and_two_workers(world, tmp_
     assert digest(world) == digest(tmp_path / "two")
 
 
+@pytest.mark.slow
 def test_the_toy_world_command_writes_it_with_world_3d_and_refuses_what_it_cannot_do(tmp_path, capsys):
     from extract.worlds.toyworld import main
 

@@ -235,6 +235,7 @@ def test_only_files_of_the_upload_folder_are_read(served, setup, tmp_path, monke
     assert len(served.text_to_image(QUERY, k=2)) == 2  # and it keeps serving
 
 
+@pytest.mark.slow
 def test_the_page_turns_refusals_into_gradio_errors():
     import gradio as gr
 

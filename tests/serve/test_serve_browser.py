@@ -171,6 +171,7 @@ class Walk:
             return f"({type(e).__name__})"
 
 
+@pytest.mark.slow
 def test_the_page_in_a_real_browser(page, page_log, served, server, tmp_path):
     walk = Walk(page)
     try:

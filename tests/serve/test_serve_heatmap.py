@@ -189,6 +189,7 @@ def test_context_embeddings_and_bad_arguments(world):
 
 
 # --------------------------------------------------------------------------------------------- ComAlign
+@pytest.mark.slow
 def test_comalign_boxes_explain_its_text_to_image_score(tmp_path_factory):
     """Per phrase, the box that won its entity component's max in FGM, with that similarity; the means of those
     maxima are the head's own fine-grained terms, and with the global and base terms they give its re-ranking
@@ -229,6 +230,7 @@ def test_comalign_boxes_explain_its_text_to_image_score(tmp_path_factory):
         assert annotations[1][0].shape == (64, 64) and annotations[1][0].max() == 1
 
 
+@pytest.mark.slow
 def test_a_relation_query_shows_where_its_subject_and_object_were_grounded(tmp_path_factory):
     """The grounded relation head: each phrase of "A <predicate> B" carries the box its role was grounded in (the
     annotated box of that object), the explanation lists subject, object and P(relation holds), and its terms give
@@ -294,6 +296,7 @@ def test_maps_localise_on_a_model_where_it_holds(brief_filip):
 
 
 
+@pytest.mark.slow
 def test_a_relations_explanation_says_who_owns_the_overlap_of_its_two_boxes(tmp_path_factory, tmp_path):
     """The grounded head's explanation of "a red square in front of a blue square", live on drawn pictures whose
     boxes the scorer is given (the pixels' overlap evidence computed by extraction, as for any served image): red

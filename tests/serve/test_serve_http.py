@@ -59,6 +59,7 @@ def brute_force(vectors: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.
 
 
 # --------------------------------------------------------------------------------------------- clip-retrieval
+@pytest.mark.slow
 def test_a_clip_retrieval_client_works_unchanged(server, served):
     name = requests.get(server.url + "indices-list", timeout=30).json()
     assert name == [served.searcher.index_dir.name]
@@ -98,6 +99,7 @@ def test_a_clip_retrieval_client_works_unchanged(server, served):
     assert "first-stage vector was computed without them" in alike[0]["box_note"]
 
 
+@pytest.mark.slow
 def test_an_upload_without_boxes_is_not_re_ranked_and_the_answer_says_how_to_give_some(server, served):
     """ComAlign reads ground-truth boxes; the toy world's name none for an upload (base64 has no file name): the
     answer is the first stage alone, each result carrying the note (and X-Plugvlm-Notes), not a blind re-ranking."""
@@ -123,6 +125,7 @@ def test_an_upload_without_boxes_is_not_re_ranked_and_the_answer_says_how_to_giv
     assert "box_note" not in post(server, "knn-service", {"text": QUERY, "num_images": 2}).json()[0]
 
 
+@pytest.mark.slow
 def test_knn_extensions_re_ranking_filter_paging(server, served):
     body = {"text": QUERY, "modality": "image", "num_images": 4, "rerank": True, "k_candidates": 12}
     response = post(server, "knn-service", body)
@@ -146,6 +149,7 @@ def test_knn_extensions_re_ranking_filter_paging(server, served):
     assert base64.b64decode(with_image[0]["image"]) == open(_path(served, with_image[0]["id"]), "rb").read()
 
 
+@pytest.mark.slow
 def test_knn_captions_for_a_text_and_a_raw_vector(server, served):
     scorer = served.searcher.scorer
     captions = post(server, "knn-service", {"text": QUERY, "modality": "text", "num_images": 5}).json()
@@ -162,6 +166,7 @@ def test_knn_captions_for_a_text_and_a_raw_vector(server, served):
     assert wrong.status_code == 400 and "3 numbers" in wrong.json()["error"]
 
 
+@pytest.mark.slow
 def test_a_vector_without_direction_or_beyond_float32_is_a_400_and_leaves_the_log_quiet(server, served, capfd):
     """A zero vector (or one whose float32 norm underflows) would rank every image the same: refused, not answered
     with an arbitrary order; 1e308 is refused before any cast, so numpy's overflow warning never reaches the log."""
@@ -179,6 +184,7 @@ def test_a_vector_without_direction_or_beyond_float32_is_a_400_and_leaves_the_lo
     assert "Warning" not in log.err + log.out and "overflow" not in log.err + log.out, (log.err + log.out)[-2000:]
 
 
+@pytest.mark.slow
 def test_answers_hold_no_server_path_unless_the_operator_asks(server, served):
     """/knn-service, /metadata and /health answers carry urls and ids, never a file path of the server; --show-paths
     (Limits.show_paths) adds clip_back's image_path for a trusted local setup."""
@@ -222,6 +228,7 @@ def test_deduplication_follows_clip_backs_connected_components():
 
 
 # --------------------------------------------------------------------------------------------- the other routes
+@pytest.mark.slow
 def test_metadata_and_images_by_row(server, served):
     answer = post(server, "metadata", {"ids": [0, 4], "indice_name": served.searcher.index_dir.name}).json()
     rows = served.searcher.collection("image").rows([0, 4])
@@ -237,6 +244,7 @@ def test_metadata_and_images_by_row(server, served):
     assert health["status"] == "ok" and health["rss_bytes"] > 0 and health["served"]["images"] == 12
 
 
+@pytest.mark.slow
 def test_files_outside_the_collection_are_refused_and_nothing_is_fetched(server, setup):
     image = setup.world / "images" / "000000.png"
     for target in ("/etc/passwd", str(setup.world / "annotations.json"), str(image), str(setup.adapter_index /
@@ -249,6 +257,7 @@ def test_files_outside_the_collection_are_refused_and_nothing_is_fetched(server,
         assert response.status_code == 403 and "fetches no URLs" in response.text, url
 
 
+@pytest.mark.slow
 def test_bad_requests_are_one_line_400s_and_the_server_keeps_serving(server, served):
     from fixtures.bad_inputs import encoded_images
 
@@ -286,6 +295,7 @@ def test_bad_requests_are_one_line_400s_and_the_server_keeps_serving(server, ser
     assert post(server, "knn-service", {"text": QUERY, "num_images": 2}).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_body_limit_and_the_busy_answer(server, served, monkeypatch):
     big = json.dumps({"image": "A" * (2 * 1024 * 1024)})
     response = requests.post(server.url + "knn-service", data=big, timeout=60)
@@ -366,6 +376,7 @@ def client_litter_removed():
             os.rmdir(path)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("client_litter_removed")
 def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     from gradio_client import Client, handle_file
@@ -411,6 +422,7 @@ def test_the_gradio_api_through_gradio_client(server, served, setup, request):
     assert len(client.predict(QUERY, 2, False, 12, api_name="/text_to_image")[0]) == 2  # still serving
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("client_litter_removed")
 def test_the_readmes_client_block_runs_against_the_app(server, capsys):
     """The README's Python block for both APIs (clip-retrieval's JSON and gradio_client) runs as written against the

@@ -54,6 +54,7 @@ def _cached_boxes(index) -> np.ndarray:
     return cache.gather("ventity_boxes", np.arange(cache.num_images))
 
 
+@pytest.mark.slow
 def test_annotations_given_to_serve_index_replace_the_trained_detector(indexed):
     world, run, work, given, own, logs = indexed
     g, o = _manifest(given)["model"], _manifest(own)["model"]
@@ -74,6 +75,7 @@ def test_annotations_given_to_serve_index_replace_the_trained_detector(indexed):
         np.testing.assert_allclose(row[:len(objects)], objects, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_the_searcher_reads_the_boxes_the_index_was_built_with_or_those_it_is_given(indexed):
     """Image queries are extracted with the boxes of the indexed items: the manifest's annotations (given at index
     time) or, by default, the detector; annotations given when opening replace the detector; the toy world's own
@@ -97,6 +99,7 @@ def test_the_searcher_reads_the_boxes_the_index_was_built_with_or_those_it_is_gi
     assert reranked[0].keys() == reranked[1].keys() and reranked[0] != reranked[1]
 
 
+@pytest.mark.slow
 def test_both_box_sources_at_once_are_refused_in_one_line(indexed, capsys):
     world, run, work, given, own, logs = indexed
     capsys.readouterr()

@@ -44,6 +44,7 @@ def _run(capsys, argv):
 
 
 # --------------------------------------------------------------------------------------------- output
+@pytest.mark.slow
 def test_the_table_lists_the_hits_with_both_ranks_and_scores(setup, capsys):
     rc, out, err = _run(capsys, [setup.adapter_index, QUERY, "--k", "3", "--rerank", "8"])
     assert rc == 0, err
@@ -59,6 +60,7 @@ def test_the_table_lists_the_hits_with_both_ranks_and_scores(setup, capsys):
     assert len(lines) == 5  # no notes
 
 
+@pytest.mark.slow
 def test_json_is_the_searchers_result_and_nothing_else(setup, capsys):
     image = setup.world / "images" / "000008.png"
     rc, out, err = _run(capsys, [setup.adapter_index, "--image", image, "--k", "4", "--rerank", "100", "--json"])
@@ -72,6 +74,7 @@ def test_json_is_the_searchers_result_and_nothing_else(setup, capsys):
     assert {"row", "caption_id", "text", "image_row", "image_id", "cache_row"} <= set(data["hits"][0]["metadata"])
 
 
+@pytest.mark.slow
 def test_an_image_query_with_coco_instances_keyed_by_integer_ids(setup, tmp_path, capsys):
     """--annotations in COCO's own layout (int ids, bbox [x, y, w, h]): the query image is found by its file name,
     and its boxes (the toy world's, converted) re-rank exactly as the toy world's own do. An image the file does not
@@ -100,6 +103,7 @@ def test_an_image_query_with_coco_instances_keyed_by_integer_ids(setup, tmp_path
     assert "instances.json (COCO instances) holds no boxes for image" in err and "000009.png" in err
 
 
+@pytest.mark.slow
 def test_filters_and_pages_from_the_command_line(setup, capsys):
     searcher = Searcher.open(setup.backbone_index)
     full = searcher.search_text(QUERY, k=12)
@@ -115,6 +119,7 @@ def test_filters_and_pages_from_the_command_line(setup, capsys):
     assert "re-ranked score" not in out
 
 
+@pytest.mark.slow
 def test_recall_prints_the_served_and_evaluated_rows_and_they_agree(setup, capsys):
     """--recall: the first stage, re-ranked with K = 10, 50, 100 and train.eval.evaluate from the same cache; the flat
     index with K covering the 12 images re-ranks every image, so K=50 and K=100 equal the evaluation row in T2I."""
@@ -191,6 +196,7 @@ def _vector_file(folder: Path, name: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_vector_searches_the_first_stage_of_either_side(setup, tmp_path, capsys):
     searcher = Searcher.open(setup.adapter_index)
     for side in ("image", "text"):
@@ -204,6 +210,7 @@ def test_a_vector_searches_the_first_stage_of_either_side(setup, tmp_path, capsy
         assert [h["row"] for h in hits] == order.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", BAD_QUERIES, ids=[m[:28] for _, m in BAD_QUERIES])
 def test_a_bad_query_is_one_error_line_and_exit_2(setup, tmp_path, capsys, argv, message):
     files = {"CORRUPT": b"\xff\xd8 this is not really a JPEG " * 8, "NOT_AN_IMAGE": b"filepath,title\na,b\n"}
@@ -222,6 +229,7 @@ def test_a_bad_query_is_one_error_line_and_exit_2(setup, tmp_path, capsys, argv,
     assert _digest(setup.adapter_index) == before  # nothing written, nothing lost
 
 
+@pytest.mark.slow
 def test_flags_the_parser_refuses(setup, capsys):
     for argv, message in (([QUERY, "--k", "0"], "--k: expected an integer >= 1, got 0"),
                           ([QUERY, "--rerank", "-3"], "--rerank: expected an integer >= 1"),
@@ -236,6 +244,7 @@ def test_flags_the_parser_refuses(setup, capsys):
         assert e.value.code == 2 and message in err and "usage:" not in err
 
 
+@pytest.mark.slow
 def test_a_query_past_the_text_context_is_noted_and_a_k_of_the_whole_collection_is_served(setup, capsys):
     rc, out, err = _run(capsys, [setup.adapter_index, QUERY, "--k", "12"])
     assert rc == 0 and len([line for line in out.splitlines()[2:] if not line.startswith("note:")]) == 12
@@ -374,6 +383,7 @@ def test_json_into_a_closed_pipe_ends_quietly(setup):
     assert "error" not in err.decode() and "Traceback" not in err.decode() and "Exception ignored" not in err.decode()
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(setup, tmp_path):
     """The real process: exit status 2 and one line; --debug / PLUGVLM_DEBUG=1 give the traceback instead."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -112,6 +112,7 @@ class Answers:
         return text
 
 
+@pytest.mark.slow
 def test_no_answer_of_either_api_names_a_path_of_the_server(server, served, setup, tmp_path, monkeypatch):
     from serve.request_guard import upload_folder
 

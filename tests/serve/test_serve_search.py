@@ -70,6 +70,7 @@ def _query_scores(searcher):
     return first, scorer.score_directed(images, q, "t2i")[:, 0].numpy()
 
 
+@pytest.mark.slow
 def test_first_stage_is_the_flat_search_and_reranking_is_the_scorers_own_order(adapter, setup):
     assert adapter.has_second_stage and adapter.num_images == 12 and adapter.num_captions == 53
     first, own = _query_scores(adapter)
@@ -93,6 +94,7 @@ def test_first_stage_is_the_flat_search_and_reranking_is_the_scorers_own_order(a
         assert all(h.score == pytest.approx(first[h.row], abs=1e-5) for h in hits)
 
 
+@pytest.mark.slow
 def test_an_image_query_reranks_captions_with_the_i2t_score(adapter, setup):
     from PIL import Image
 
@@ -114,6 +116,7 @@ def test_an_image_query_reranks_captions_with_the_i2t_score(adapter, setup):
     assert hit.path.endswith(".png") and Path(hit.path).is_file()  # a caption hit names its image's file
 
 
+@pytest.mark.slow
 def test_a_bare_backbone_has_no_second_stage_and_its_first_stage_is_its_score(backbone):
     scorer = backbone.scorer
     assert not backbone.has_second_stage and backbone.caches is None
@@ -132,6 +135,7 @@ def _reference(full, predicate):
     return [h.row for h in full if predicate(h.metadata)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("subset_rows", [4096, 0])  # 0: never score the kept rows directly, always over-fetch
 def test_filters_and_pages_match_a_brute_force_reference(adapter, setup, monkeypatch, subset_rows):
     import serve.search as search
@@ -273,6 +277,7 @@ def served_model(setup, method: str) -> tuple[str, Path]:
     return str(model), index
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", SERVED_MODELS)
 def test_every_models_served_recall_equals_evaluate_from_the_cache(setup, tmp_path, method):
     """The exactness check for the other adapters and a FILIP checkpoint: with a flat index and K covering the
@@ -515,6 +520,7 @@ def test_the_python_api_refuses_a_vector_without_direction(adapter):
     assert len(adapter.search_vector(np.ones(width), "image", k=3)) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ("backbone", "comalign", *SERVED_MODELS))
 def test_every_scorer_load_scorer_returns_takes_every_call_of_the_protocol(setup, method):
     """A user who swaps an adapter for its base (or a pre-trained model) keeps the calls: encode_pil (decoded images of

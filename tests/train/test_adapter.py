@@ -57,6 +57,7 @@ def _csv(path: Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- the run
+@pytest.mark.slow
 def test_run_writes_checkpoint_logs_and_the_final_table(run):
     summary = json.loads((run / "summary.json").read_text())
     rows = _csv(run / "metrics.csv")
@@ -115,6 +116,7 @@ def test_checkpoint_reloads_in_a_fresh_process_with_identical_scores(run, root):
         assert scorer.score_directed(i, t, d).tolist() == theirs[d]  # bit for bit
 
 
+@pytest.mark.slow
 def test_resume_continues_to_the_same_weights(run, root, tmp_path):
     out = tmp_path / "resumed"
     argv = adapter_argv(root, "comalign", out, "--epochs", "2", "--no-final-eval")
@@ -132,6 +134,7 @@ def test_resume_continues_to_the_same_weights(run, root, tmp_path):
     assert len(_csv(out / "metrics.csv")) == len(_csv(run / "metrics.csv"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_settings(root, run, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(run / "checkpoints", out / "checkpoints")
@@ -140,6 +143,7 @@ def test_resume_refuses_other_settings(root, run, tmp_path, capsys):
     assert "lr: 0.0005 -> 0.001" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ADAPTERS.names())
 def test_every_registered_method_trains_and_reloads(method, root, tmp_path):
     from PIL import Image
@@ -179,6 +183,7 @@ def _nan_cache(cache_path: Path, dst: Path, images: int | None) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_nan_steps_are_skipped_logged_and_abort_keeping_the_last_good_checkpoint(run, root, tmp_path, capsys):
     cache_path = Path(read_meta(run / "adapter.safetensors")["extraction"]["path"])
     some = _nan_cache(cache_path, tmp_path / "some-nan", 1)  # in about half the batches
@@ -207,6 +212,7 @@ def test_nan_steps_are_skipped_logged_and_abort_keeping_the_last_good_checkpoint
     assert state.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_divergence_before_any_good_state_does_not_claim_one(run, root, tmp_path, capsys):
     """The warning once named last.safetensors as "the last good state" when none existed."""
     cache_path = Path(read_meta(run / "adapter.safetensors")["extraction"]["path"])
@@ -293,6 +299,7 @@ def test_without_weights_it_fails_in_seconds_naming_them_before_building_anythin
     assert code == 2 and not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_promised_command_trains_on_the_embedded_toy_world(tmp_path, monkeypatch, capsys):
     """`python -m train.adapter --method comalign` with no --data and no --out: the default toy world (made small
     here) is generated at runs/toy, the run lands in runs/tiny-comalign, the output reads well in a log (short lines,

@@ -48,6 +48,7 @@ def trained(tmp_path_factory):
     return world, run, files, captions, before
 
 
+@pytest.mark.slow
 def test_a_copied_run_folder_scores_as_before_without_the_original_detector(trained, tmp_path):
     world, run, files, captions, before = trained
     meta = read_meta(run / "adapter.safetensors")
@@ -71,6 +72,7 @@ def test_a_copied_run_folder_scores_as_before_without_the_original_detector(trai
         load_scorer(str(moved))
 
 
+@pytest.mark.slow
 def test_annotations_given_when_scoring_replace_the_detector(trained, tmp_path, capsys):
     world, run, files, captions, before = trained
     scorer = load_scorer(str(run), annotations=world, use_annotations=True)

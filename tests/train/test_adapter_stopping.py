@@ -115,6 +115,7 @@ def _head(path):
         return {k: f.get_tensor(k) for k in f.keys() if k.startswith("head.")}
 
 
+@pytest.mark.slow
 def test_a_run_without_epochs_stops_by_the_rule_says_why_and_resumes_into_the_same_decisions(root, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_argv(root, out)) == 0

@@ -68,6 +68,7 @@ def _csv(path: Path) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- the run
+@pytest.mark.slow
 def test_unfreeze_trains_the_backbone_and_keeps_the_first_20_positions(run):
     original = load_backbone("tiny").model.state_dict()
     tuned = load_file(str(run / "backbone.safetensors"))
@@ -99,6 +100,7 @@ def test_unfreeze_trains_the_backbone_and_keeps_the_first_20_positions(run):
     assert n_opt == n_params - 1  # Adam state for every parameter but the unused logit_scale
 
 
+@pytest.mark.slow
 def test_epochs_are_evaluated_and_the_final_table_compares_the_frozen_base(run):
     history = json.loads((run / "history.json").read_text())
     assert [h["model"] for h in history] == ["base", "smartclip", "smartclip"]
@@ -146,6 +148,7 @@ def test_the_run_folder_alone_rebuilds_the_model_in_a_fresh_process(run, world, 
         load_scorer(str(moved / "adapter.safetensors"))
 
 
+@pytest.mark.slow
 def test_run_files_follow_the_umask_and_a_damaged_backbone_is_named(run, tmp_path):
     from adapters.load import load_scorer
     from extract.common.files import current_umask
@@ -206,6 +209,7 @@ def test_the_default_mode_leaves_the_backbone_untouched(world, tmp_path, monkeyp
 
 
 # --------------------------------------------------------------------------------------------- pieces
+@pytest.mark.slow
 def test_hard_negatives_are_tokenized_per_batch_and_trained_through_the_backbone(world, tmp_path):
     """--unfreeze --hard-negatives: each caption's negatives (drawn once, from the training captions) are tokenized
     with its batch, so the backbone being trained encodes them (NegCLIP's fine-tuning); the term is logged."""

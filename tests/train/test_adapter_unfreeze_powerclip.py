@@ -78,6 +78,7 @@ def test_regions_and_trees_from_the_data_are_the_caches(world, regions):
     assert live_i["region_valid"].any(1).all() and live_t["n_nodes"].min() > 0
 
 
+@pytest.mark.slow
 def test_unfreeze_trains_the_backbone_with_the_powerset_loss(run):
     original = load_backbone("toy-negclip").model.state_dict()
     tuned = load_file(str(run / "backbone.safetensors"))

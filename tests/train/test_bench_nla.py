@@ -18,6 +18,7 @@ TOY = ["--batch", "6", "--k", "4", "--dim", "16", "--m-low", "2", "--m-high", "4
        "--exact-batch", "4", "--mem-batch", "24", "--mem-m", "3", "--chunk-size", "5", "--repeats", "1"]
 
 
+@pytest.mark.slow
 def test_benchmark_runs_and_reports_consistent_figures(capsys, tmp_path):
     out = nb.run(nb.build_parser().parse_args([*TOY, "--json", str(tmp_path / "b.json")]))
     text = capsys.readouterr().out

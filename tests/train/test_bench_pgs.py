@@ -37,6 +37,7 @@ def test_batch_size_lists_shared_by_the_benchmarks():
             batch_sizes(bad)
 
 
+@pytest.mark.slow
 def test_compile_times_the_compiled_selection_and_says_how_many_patches_differ(capsys, monkeypatch, tmp_path):
     """Wiring only: aot_eager stands in for inductor (no C++ build), so no patch may differ."""
     from adapters.objectives.clip_pgs import compiled_order

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_benchmark_measures_every_configuration_at_every_batch_size(tmp_path):
     from train.bench.pretrain import CONFIGS, PHASES, main
 
@@ -59,6 +60,7 @@ def test_the_peak_is_the_named_parts_dense_figure_for_the_precision(monkeypatch,
     assert peak_tflops("cuda", precision) == peak
 
 
+@pytest.mark.slow
 def test_a_time_limit_stops_after_the_current_round_and_says_what_was_left(capsys):
     from train.bench.pretrain import BenchmarkOptions, benchmark
 

@@ -51,6 +51,7 @@ def test_the_run_prints_each_section_once_after_the_machine(bench):
         assert line.count("<- chosen") == 1 and "chosen: the cheapest setting within 0.005" in line, line
 
 
+@pytest.mark.slow
 def test_json_has_every_section_with_sane_figures(bench):
     data = bench.data
     assert set(data) >= {"context", "options", "sizes", "search", "startup", "targets", "markdown", "seconds"}
@@ -107,6 +108,7 @@ def test_paths_are_warmed_then_timed_in_interleaved_rounds_and_a_faster_wrapper_
     assert benchmark.wrap_ratio(np.array([8.6]), np.array([18.3]))[1] is False  # the path cannot beat its call
 
 
+@pytest.mark.slow
 def test_its_index_directories_open_and_search_as_users_search_them(bench):
     """The backbone directory: Searcher.open with the model, first-stage hits equal the bare FAISS search; the
     ComAlign directory: the re-ranked hits are the head's own scores of the exact top K, best first."""

@@ -11,6 +11,7 @@ from train.bench.serve_load import LoadOptions, check_url, load_test, parse_args
 
 
 
+@pytest.mark.slow
 def test_a_short_run_of_both_phases_has_no_errors(server):
     result = load_test(LoadOptions(url=server.url, clients=3, seconds=1.5, warmup=3, k=5, rerank=8))
     names = [p["name"] for p in result["phases"]]
@@ -24,6 +25,7 @@ def test_a_short_run_of_both_phases_has_no_errors(server):
     assert "re-ranked K=8" in text and "misses the bar" not in text and result["served"]["images"] == 12
 
 
+@pytest.mark.slow
 def test_the_request_cap_ends_a_phase_before_its_time_cap(server):
     result = load_test(LoadOptions(url=server.url, clients=2, seconds=120, max_requests=6, warmup=0, k=3))
     assert all(p["requests"] == 6 and p["seconds"] < 120 for p in result["phases"])  # ended by the request cap

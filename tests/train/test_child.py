@@ -30,6 +30,7 @@ def test_job_plan_shares_the_cores_and_the_gpus():
     assert job_plan(4, 32, 2) == (8, [0, 1, 0, 1])
 
 
+@pytest.mark.slow
 def test_a_job_returns_its_value_with_its_threads_and_a_failure_names_itself(tmp_path):
     """... and a job spawned beside the demo (train/demo_hard.py) starts its own data loaders and drawing workers the
     platform's default way, as a command's process does: a spawned child inherits "spawn" as its default, and each such

@@ -20,6 +20,7 @@ def world(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_base_trained_on_the_world_keeps_shape_apart_from_colour_and_a_random_one_ties_them(world, tmp_path, capsys):
     out = tmp_path / "probe.json"
     assert cp.main(["--data", str(world), "--model", "toy-clip-hard", "--model", "tiny", "--json-out", str(out)]) == 0

@@ -34,6 +34,7 @@ def report(world, tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_reports_are_written(report):
     out, rep = report
     assert list(rep["results"]) == ["tiny:none", "text only (tiny:none)"]  # the model, then the text-only floor
@@ -50,6 +51,7 @@ def test_reports_are_written(report):
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_retrieval_matches_brute_force(world, report):
     _, rep = report
     got = rep["results"]["tiny:none"]["retrieval"]
@@ -67,6 +69,7 @@ def test_retrieval_matches_brute_force(world, report):
     assert got["captions"] == len(caps)
 
 
+@pytest.mark.slow
 def test_compositional_per_type_matches_direct_computation(world, report):
     _, rep = report
     got = rep["results"]["tiny:none"]["compositional"]["toyworld"]["per_type"]
@@ -98,6 +101,7 @@ def test_item_correctness_rules():
     assert item_correct("group", s) == {"text": True, "image": True, "group": True}
 
 
+@pytest.mark.slow
 def test_side_by_side_and_malformed_benchmark_fails_before_models(world, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "examples.jsonl"
     bad.write_text('{"id": 0, "image_0": "a", "image_1": "b", "caption_0": "x", "caption_1": "y", '
@@ -117,6 +121,7 @@ def test_side_by_side_and_malformed_benchmark_fails_before_models(world, tmp_pat
     assert header == "| metric | tiny:none | text only (tiny:none) | tiny:none' |"
 
 
+@pytest.mark.slow
 def test_retrieval_from_the_feature_cache_matches_live_encoding(world, report, tmp_path):
     from extract.pipeline import build_cache
 
@@ -246,6 +251,7 @@ def test_linear_probe_with_non_finite_embeddings_is_a_named_skip(world):
     assert out["nonfinite_embeddings"] == 2 and "nan-model gave 2 non-finite image embedding" in out["skipped"]
 
 
+@pytest.mark.slow
 def test_an_adapter_is_evaluated_from_a_cache_extracted_with_its_settings(tmp_path_factory, tmp_path, capsys):
     """--model ADAPTER --cache CACHE scores the head on the cached arrays (checked against the head applied to them
     directly, per query); a cache extracted with other settings is refused, naming both."""
@@ -278,6 +284,7 @@ def test_an_adapter_is_evaluated_from_a_cache_extracted_with_its_settings(tmp_pa
     assert "components: ['entities', 'relations'] -> ['patches']" in err
 
 
+@pytest.mark.slow
 def test_an_adapter_evaluated_live_computes_each_batch_together(tmp_path_factory, tmp_path, monkeypatch):
     """An evaluation's images and captions come in batches fixed by its data and --batch-size: an adapter's live
     extraction computes each batch together there (AdapterScorer.encode_pil_bulk / encode_texts_bulk), as the cache
@@ -308,6 +315,7 @@ def test_an_adapter_evaluated_live_computes_each_batch_together(tmp_path_factory
     assert bulk["image_to_text"] == alone["image_to_text"]
 
 
+@pytest.mark.slow
 def test_an_adapter_on_coco_files_with_integer_ids_and_a_box_file_that_leaves_an_image_out(tmp_path_factory, tmp_path,
                                                                                             capsys):
     """--retrieval-data a COCO captions file and --annotations a COCO instances file (both keyed by int ids), the
@@ -347,6 +355,7 @@ def test_an_adapter_on_coco_files_with_integer_ids_and_a_box_file_that_leaves_an
 
 
 # ------------------------------------------------------------------------------------- multi-positive, intervals
+@pytest.mark.slow
 def test_multi_positive_retrieval_matches_the_reference(world, report):
     """The toy world's multi-positive section: any-true R@1 and mAP of the live run equal the per-query reference
     on the directly computed score matrix and satisfies() truth, overall and per caption kind."""
@@ -376,6 +385,7 @@ def test_multi_positive_retrieval_matches_the_reference(world, report):
     assert "retrieval T2I any-true R@1" in md and "T2I mAP [one-object in 2-object images]" in md
 
 
+@pytest.mark.slow
 def test_side_by_side_deltas_and_per_query_figures(world, tmp_path):
     """Two identical models: every delta is exactly 0 with a zero-width interval, nothing is marked; and each
     table figure with per-query values is 100 x the mean of those values (what the bootstrap resamples)."""

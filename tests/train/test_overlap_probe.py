@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 
 from extract.worlds import hardworld
 from train.eval.overlap_probe import main
 
 
+@pytest.mark.slow
 def test_boxes_read_chance_on_controlled_b_and_the_overlap_code_reads_the_front_object(tmp_path, capsys):
     world = tmp_path / "hard"
     hardworld.generate(world, 120, seed=2, workers=1)

@@ -114,6 +114,7 @@ def test_accumulated_step_gives_the_big_batch_gradient(toy):
 
 
 # --------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_run_writes_open_clip_checkpoints_that_load_everywhere(toy, tmp_path):
     import open_clip
 
@@ -285,6 +286,7 @@ def test_a_run_that_never_has_a_good_checkpoint_says_so(toy, tmp_path, capsys):
     assert not (out / "checkpoints").exists() or not any(p.is_dir() for p in (out / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 def test_a_resnet_tower_trains_with_clip_filip_powerclip_and_is_refused_by_patch_choosers(toy, tmp_path, capsys):
     from train.pretrain.engine import main
 

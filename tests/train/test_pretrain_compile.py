@@ -47,6 +47,7 @@ def _assert_same(method, eager, fast, atol):
         torch.testing.assert_close(g1[name] / scale, g0[name] / scale, rtol=0, atol=atol, msg=f"{method} {name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_compiled_step_gives_the_eager_loss_and_gradients(method):
     """aot_eager: dynamo's capture and AOT autograd's joint graph, the path inductor compiles, without the C++

@@ -172,6 +172,7 @@ def _same(a: list[list[dict]], b: list[list[dict]]) -> None:
 
 @pytest.mark.parametrize("workers, accum, resampled, stops", [(0, 1, True, (3, 9)), (2, 1, False, (5, 8)),
                                                                (2, 2, True, (7, 11))])
+@pytest.mark.slow
 def test_a_resumed_stream_sees_the_samples_of_the_uninterrupted_run(toy, tmp_path, parts, workers, accum, resampled,
                                                                     stops):
     spec = _stream_shards(toy, tmp_path)

@@ -51,6 +51,7 @@ def _rows(out: Path) -> list[dict]:
         return [{k: v for k, v in r.items() if k not in TIMES} for r in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 def test_reading_every_few_steps_gives_the_run_that_reads_every_step(toy, tmp_path, monkeypatch):
     extra = ("--batch-size", "4", "--epochs", "2", "--log-every-n-steps", "6", "--max-bad-steps", "4",
              "--save-every-n-steps", "7", "--debug-nan-steps", "6")

@@ -16,6 +16,7 @@ def world(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_probe_prints_a_row_per_weights(world, tmp_path, capsys):
     out = tmp_path / "probe.json"
     assert main(["--data", str(world), "--pretrained", "none", "--n-train", "60", "--n-test", "30",

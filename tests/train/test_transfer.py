@@ -25,6 +25,7 @@ def scored(tmp_path_factory):
     return out, json.loads((out / "transfer.json").read_text()), (out / "transfer.md").read_text()
 
 
+@pytest.mark.slow
 def test_each_world_shows_its_own_tests_and_the_runs_world_is_marked(scored):
     out, result, text = scored
     base, head = result["models"]
@@ -40,6 +41,7 @@ def test_each_world_shows_its_own_tests_and_the_runs_world_is_marked(scored):
     assert (out / "transfer.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_a_cell_is_what_train_eval_reports_for_that_model_on_that_world(scored):
     out, result, _ = scored
     head = result["models"][1]

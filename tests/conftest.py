@@ -219,9 +219,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config.getoption("write_durations"):
         from fixtures.balance import write_durations
 
-        whole = not terminalreporter.stats.get("deselected")  # -m / -k left tests out: the files' seconds stay
-        terminalreporter.write_line(f"seconds per test{' and per file' if whole else ''} written to "
-                                    f"{write_durations(reports, whole=whole)}")
+        # -m / -k leave tests out (under xdist the controller is not told which): the files' seconds stay as they are
+        whole = not (config.option.markexpr or config.option.keyword)
+        written = write_durations(reports, whole=whole, root=Path(__file__).resolve().parent.parent)
+        terminalreporter.write_line(f"seconds per test{' and per file' if whole else ''} written to {written}")
 
 
 def pytest_addoption(parser):

@@ -48,7 +48,10 @@ def test_a_runs_seconds_are_stored_per_file_and_read_back(tmp_path):
     assert measured(path) == {"a.py": 6.0, "b.py": 0.5}
     assert measured_tests(path) == {"a.py::t1": 3.04, "a.py::t2[x]": 7.5, "b.py::t": 0.5, "c.py::t": 0.25}
     write_durations([SimpleNamespace(nodeid="c.py::t", when="call", duration=1.0)], path)  # a whole run: its files
-    assert measured(path) == {"c.py": 1.0} and measured_tests(path)["a.py::t2[x]"] == 7.5
+    assert measured(path) == {"a.py": 6.0, "b.py": 0.5, "c.py": 1.0} and measured_tests(path)["a.py::t2[x]"] == 7.5
+    (tmp_path / "a.py").write_text("")  # with a root, what no longer exists under it goes (b.py, c.py: renamed)
+    write_durations([], path, root=tmp_path)
+    assert measured(path) == {"a.py": 6.0} and measured_tests(path) == {"a.py::t1": 3.04, "a.py::t2[x]": 7.5}
     path.write_text("{not json")
     assert measured(path) == {} and measured_tests(path) == {}  # unreadable: every file weighed from its markers
     assert measured(tmp_path / "missing.json") == {} and measured_tests(tmp_path / "missing.json") == {}

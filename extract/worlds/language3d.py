@@ -1,0 +1,176 @@
+"""What people say about a 3D scene (issue 82, its first part): the widened language's rules, each decided on the
+3D scene alone, never on a caption. Nothing here draws or writes a world yet; the captions, negatives and controlled
+sets that use these rules come next, and the rules are tested first on scenes built by hand.
+
+- **Object phrases** name any subset of CLEVR's four attributes, as CLEVR's referring expressions do (Johnson et al.
+  2017, section 3: size, colour, material, shape; CLEVR-Ref+ refers by any subset): "the small metal cube", "a red
+  thing", "the matte object". Material has two words a side ("metal" / "shiny", "rubber" / "matte"); a phrase
+  without a shape says "thing" or "object". A phrase matches an object when every attribute it names is the
+  object's (:meth:`Phrase.matches`).
+- **Counts** ("two red cubes", one to four): the number of the scene's objects the phrase matches. Partly hidden
+  objects count: a scene's count is of its objects, not of what shows (the worlds keep every object at least a
+  quarter visible, ``world3d.MAX_HIDDEN``).
+- **"between"** (A between B and C): where the objects stand on the floor (a stacked object where its base
+  stands): A's foot falls inside the middle of the segment from B to C (:data:`BETWEEN_T` from either end) and at
+  most :data:`BETWEEN_OFF` of its length off it. Betweenness does not change with the viewpoint the way left and
+  right do, so the floor, not the image, decides it; B and C leave room for A (their footprints apart by at least
+  A's). ``lenient``: the wider bounds a hard negative must fail as well, as ``world3d.relations`` does for the
+  other predicates.
+- **"next to"** (A next to B): both on the same level (the floor, or one top), their footprints at most
+  :data:`NEAR_GAP` apart, and no third object between them; never a stacked pair (that is "on").
+- **Phrasings**: each predicate in several surface forms; the last form of each is held out of the training
+  captions and used only at test (:func:`forms`): a base may have seen it in pre-training, as a web-trained CLIP has
+  seen every word a user's small training set lacks.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from extract.worlds import world3d as w3
+
+ATTRIBUTES = ("size", "colour", "material", "shape")  # the order a phrase says them in, as CLEVR's templates do
+MATERIAL_WORDS = {"metal": ("metal", "shiny"), "rubber": ("rubber", "matte")}
+NO_SHAPE = ("thing", "object")
+NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four"}
+#: surface forms per predicate; the last of each is the held-out one (test captions only)
+PHRASINGS = {"on": ("on", "on top of", "sitting on", "resting on"),
+             "under": ("under", "beneath", "underneath"),
+             "left of": ("to the left of", "left of", "on the left side of"),
+             "right of": ("to the right of", "right of", "on the right side of"),
+             "in front of": ("in front of", "closer to the camera than"),
+             "behind": ("behind", "in back of"),
+             "next to": ("next to", "beside"),
+             "between": ("between",)}  # one form: nothing held out
+# "between" on the floor (module docstring): A's foot inside the segment's middle, near the line
+BETWEEN_T, BETWEEN_OFF = 0.2, 0.2
+LENIENT_BETWEEN_T, LENIENT_BETWEEN_OFF = 0.05, 0.4
+# "next to": footprints at most this far apart (world units; a small sphere is 0.7 across, the arena 5)
+NEAR_GAP, LENIENT_NEAR_GAP = 1.2, 2.0
+
+
+@dataclass(frozen=True)
+class Phrase:
+    """An object phrase: any subset of the four attributes (None: not said)."""
+
+    size: str | None = None
+    colour: str | None = None
+    material: str | None = None
+    shape: str | None = None
+
+    def __post_init__(self):
+        known = {"size": w3.SIZES, "colour": w3.WIDE, "material": w3.MATERIALS, "shape": w3.SHAPES}
+        for name in ATTRIBUTES:
+            value = getattr(self, name)
+            if value is not None and value not in known[name]:
+                raise ValueError(f"{value!r} is not a {name} of the 3D world ({', '.join(known[name])})")
+
+    @classmethod
+    def of(cls, obj: w3.Object3D, said: Sequence[str] = ATTRIBUTES) -> Phrase:
+        """The phrase naming ``obj`` by the attributes in ``said``."""
+        unknown = set(said) - set(ATTRIBUTES)
+        if unknown:
+            raise ValueError(f"no attribute {sorted(unknown)}: say any of {', '.join(ATTRIBUTES)}")
+        return cls(**{name: getattr(obj, name) for name in said})
+
+    def said(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+    def matches(self, obj: w3.Object3D) -> bool:
+        return all(getattr(obj, name) == getattr(self, name) for name in self.said())
+
+    def words(self, plural: bool = False, material_word: int = 0, no_shape_word: int = 0) -> str:
+        """The phrase in words, without an article or a number: "small red metal cube", "shiny things"
+        (``material_word`` / ``no_shape_word`` pick among the synonyms)."""
+        parts = [self.size, self.colour]
+        if self.material is not None:
+            parts.append(MATERIAL_WORDS[self.material][material_word])
+        noun = self.shape if self.shape is not None else NO_SHAPE[no_shape_word]
+        parts.append(noun + "s" if plural else noun)
+        return " ".join(p for p in parts if p is not None)
+
+
+def count(scene: w3.Scene3D, phrase: Phrase) -> int:
+    """How many of the scene's objects the phrase matches, partly hidden ones included."""
+    return sum(phrase.matches(o) for o in scene.objects)
+
+
+def referent(scene: w3.Scene3D, phrase: Phrase) -> int | None:
+    """The index of the one object the phrase picks out ("the small metal cube"), None when it matches none or
+    several: a definite phrase must refer."""
+    found = [k for k, o in enumerate(scene.objects) if phrase.matches(o)]
+    return found[0] if len(found) == 1 else None
+
+
+def counted(n: int, phrase: Phrase, **word_choice) -> str:
+    """ "two red cubes", "one small thing" (one to four)."""
+    if n not in NUMBERS:
+        raise ValueError(f"counts are said from one to four, not {n}")
+    return f"{NUMBERS[n]} {phrase.words(plural=n > 1, **word_choice)}"
+
+
+def _foot(scene: w3.Scene3D, k: int) -> np.ndarray:
+    """Where object ``k`` stands on the floor: its own base, or its stack's."""
+    objs = scene.objects
+    while objs[k].support is not None:
+        k = objs[k].support
+    return np.array([objs[k].x, objs[k].y])
+
+
+def between(scene: w3.Scene3D, a: int, b: int, c: int, lenient: bool = False) -> bool:
+    """Object ``a`` between ``b`` and ``c`` (module docstring); three distinct objects."""
+    if len({a, b, c}) < 3:
+        raise ValueError("between takes three different objects")
+    t_min, off_max = (LENIENT_BETWEEN_T, LENIENT_BETWEEN_OFF) if lenient else (BETWEEN_T, BETWEEN_OFF)
+    pa, pb, pc = _foot(scene, a), _foot(scene, b), _foot(scene, c)
+    line = pc - pb
+    length = float(np.hypot(*line))
+    objs = scene.objects
+    if length == 0.0 or (not lenient and length < objs[b].reach + objs[c].reach + 2 * objs[a].reach):
+        return False  # one stack, or no room for a between them
+    t = float(np.dot(pa - pb, line)) / length ** 2
+    off = abs(float(line[0] * (pa - pb)[1] - line[1] * (pa - pb)[0])) / length
+    return t_min <= t <= 1 - t_min and off <= off_max * length
+
+
+def gap(scene: w3.Scene3D, a: int, b: int) -> float:
+    """The floor distance between two objects' footprints (negative where they overlap, as a stack's levels do)."""
+    oa, ob = scene.objects[a], scene.objects[b]
+    return math.hypot(oa.x - ob.x, oa.y - ob.y) - oa.reach - ob.reach
+
+
+def next_to(scene: w3.Scene3D, a: int, b: int, lenient: bool = False) -> bool:
+    """Object ``a`` next to ``b`` (module docstring). ``lenient``: near by the wider bound, whatever stands between
+    (what a hard negative must not be even so)."""
+    if a == b:
+        raise ValueError("next to takes two different objects")
+    oa, ob = scene.objects[a], scene.objects[b]
+    if oa.support == b or ob.support == a:
+        return False  # a stack: "on" / "under"
+    if lenient:
+        return gap(scene, a, b) <= LENIENT_NEAR_GAP
+    if abs(oa.z - ob.z) > 1e-6 or gap(scene, a, b) > NEAR_GAP:
+        return False
+    others = (k for k in range(len(scene.objects)) if k not in (a, b))
+    return not any(between(scene, k, a, b, lenient=True) for k in others)
+
+
+def forms(predicate: str, split: str) -> tuple[str, ...]:
+    """The surface forms of ``predicate`` a caption of ``split`` may use: every form but the held-out one in the
+    training split, every form at test (the held-out phrasing row reads the held-out one alone), all of them where a
+    predicate has only one."""
+    if predicate not in PHRASINGS:
+        raise ValueError(f"no predicate {predicate!r}: {', '.join(PHRASINGS)}")
+    if split not in ("train", "val", "test"):
+        raise ValueError(f"split is train, val or test, not {split!r}")
+    every = PHRASINGS[predicate]
+    return every[:-1] if split == "train" and len(every) > 1 else every
+
+
+def held_out(predicate: str) -> str | None:
+    """The form of ``predicate`` no training caption uses (None: it has one form)."""
+    every = PHRASINGS[predicate]
+    return every[-1] if len(every) > 1 else None

@@ -38,9 +38,11 @@ def test_a_phrase_names_any_subset_of_the_four_attributes_and_matches_by_those_a
 
 
 def test_a_count_includes_the_hidden_object_and_a_definite_phrase_must_refer():
-    # a small red cube straight behind a large gray cube, as the front camera sees it: hidden, still counted
-    scene = _scene(_obj("red", "cube", 0.0, -1.0), _obj("gray", "cube", 0.0, 0.0, size="large"),
-                   _obj("red", "cube", 0.0, 1.4), _obj("red", "sphere", 1.8, 0.0, material="metal"))
+    # a small red cube straight behind a large gray cube, as the front camera sees it (the ray over the large cube's
+    # back edge passes 0.4 above the small one's top): hidden, still counted
+    scene = _scene(_obj("red", "cube", -1.6, -0.8), _obj("gray", "cube", 0.0, 0.0, size="large"),
+                   _obj("red", "cube", 0.0, 1.7), _obj("red", "sphere", 1.8, 0.0, material="metal"))
+    assert all(w3.clear_of(o, scene.objects[:k]) for k, o in enumerate(scene.objects))  # a scene that can stand
     behind = scene.camera.to_camera(scene.objects[2].centre[None])[0, 2] > \
         scene.camera.to_camera(scene.objects[1].centre[None])[0, 2]
     assert behind  # the hidden one is the farther of the two on the camera's line

@@ -57,6 +57,9 @@ def test_a_runs_seconds_are_stored_per_file_and_read_back(tmp_path):
     assert measured(tmp_path / "missing.json") == {} and measured_tests(tmp_path / "missing.json") == {}
     write_durations([SimpleNamespace(nodeid="d.py::t", when="call", duration=2.0)], path, whole=False)
     assert measured(path) == {} and measured_tests(path) == {"d.py::t": 2.0}  # over an unreadable file: anew
+    path.write_text(json.dumps({"seconds": [1], "tests": {"d.py::t": "x", "e.py::t": 1.5}}))  # parts that do not read
+    write_durations([SimpleNamespace(nodeid="f.py::t", when="call", duration=0.5)], path)
+    assert measured(path) == {"f.py": 0.5} and measured_tests(path) == {"e.py::t": 1.5, "f.py::t": 0.5}
 
 
 def test_the_shipped_durations_name_files_that_exist():

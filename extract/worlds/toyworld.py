@@ -562,6 +562,12 @@ class ToyWorldOptions:
                           help="--world 3d: the scenes' colours, CLEVR's eight (the default) or 24 (wide: sixteen "
                                "more, for pre-training a base; mixed: the same 24, CLEVR's drawn twice as often; "
                                "the controlled tests keep CLEVR's)")
+    language: str = option("whatsup", choices=world3d_layout.LANGUAGES,
+                           help="--world 3d: the captions, What'sUp's one shape (the default: one relation, six "
+                                "predicates each said one way, colour and shape) or wide (as people write them: any of "
+                                "size / colour / material / shape, counts, chains and conjunctions, between, next to, "
+                                "several phrasings with one per predicate held out of training; "
+                                "extract/worlds/captions3d.py)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
@@ -603,6 +609,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
         parser.error("--spp sets the 3D world's path tracing: add --world 3d, or drop --spp")
     if opts.palette != "clevr" and opts.world != "3d":
         parser.error("--palette sets the 3D world's colours: add --world 3d, or drop --palette")
+    if opts.language != "whatsup" and opts.world != "3d":
+        parser.error("--language sets the 3D world's captions: add --world 3d, or drop --language")
     if opts.world != "version2" and (opts.long_captions or opts.phrases):
         which = "--hard" if opts.world == "hard" else "--world 3d"
         parser.error(f"{which} has its own scenes and predicate words: drop --long-captions / --phrases")
@@ -615,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.world == "3d":
             print(world3d_layout.format_summary(world3d_layout.generate(
                 opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp or 32, holdout=opts.holdout,
-                splits=opts.splits, workers=opts.workers, palette=opts.palette)))
+                splits=opts.splits, workers=opts.workers, palette=opts.palette, language=opts.language)))
             return
         if opts.hard:
             print(hardworld.format_summary(hardworld.generate(

@@ -12,6 +12,9 @@ pre-training a base, 24 colours in the scenes, ``world3d.PALETTES``, and ``"pale
   colour, shape, as the other worlds; the material is not named), one relation said from either side ("a red cube on a blue cylinder" or "a blue
   cylinder under a red cube"), and a long one listing every object with one relation. The named relation is drawn
   predicate first, uniformly among those the scene holds, so the six predicates are as even as the scenes allow.
+  With ``language="wide"`` (``--language wide``) the captions are instead as people write them: any of the four
+  attributes, counts, chains and conjunctions, "between", "next to", several phrasings with one per predicate held
+  out of training (:mod:`extract.worlds.captions3d`), and the record carries the wide language's tables.
 - **Hard negatives** of every type from the world's own vocabulary, each false of the scene even by the lenient
   table; in the train split none names a held-out combination, and no train image shows one.
 - **Controlled tests**: per set, two objects of one size (Controlled-A: both flat-topped, so either can carry the
@@ -32,7 +35,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from extract.worlds import hardworld
+from extract.worlds import captions3d, hardworld, language3d
 from extract.worlds import world3d as w3
 from extract.worlds.hardworld import WORDS, scene_captions, scene_negatives, zero_shot_crop
 from extract.worlds.shared import (CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, NEGATIVE_TYPES, SPLITS, WHATSUP_DIR,
@@ -40,6 +43,7 @@ from extract.worlds.shared import (CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES,
                                    split_of, write_split, write_whatsup)
 
 VERSION = 1
+LANGUAGES = ("whatsup", "wide")  # the captions a world's scenes get (module docstring; extract.worlds.captions3d)
 SETS_PER = 20  # one controlled set of each test per 20 scenes
 CROP_IDS = 10_000_000  # the pretrain split's crop image ids start here (a world has fewer scenes)
 CENTRE = 0.4  # the named pair's centre on the floor: within this of the world's centre, each axis
@@ -56,6 +60,7 @@ class Settings3D:
     holdout: frozenset = frozenset()
     splits: tuple = (0.8, 0.1, 0.1)
     palette: str = "clevr"  # the scenes' colours (world3d.PALETTES); the controlled tests keep CLEVR's
+    language: str = "whatsup"  # the captions: What'sUp's one shape, or "wide" (extract.worlds.captions3d)
 
     @property
     def colours(self) -> dict:
@@ -93,6 +98,52 @@ def allowed_pairs(settings: Settings3D, split: str) -> list[tuple[str, str]]:
             if split != "train" or (c, s) not in settings.holdout]
 
 
+def _record(index: int, split: str, scene3d: w3.Scene3D, vis: list[dict], settings: Settings3D) -> dict:
+    return {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split, "width": settings.size,
+            "height": settings.size, "objects": _object_records(scene3d, vis)}
+
+
+def _camera(scene3d: w3.Scene3D) -> dict:
+    return {"origin": list(scene3d.camera.origin), "target": list(scene3d.camera.target), "fov": scene3d.camera.fov}
+
+
+def _items(index: int, split: str, captions: list[dict], negatives) -> list[dict]:
+    items = []
+    for caption in captions:
+        found = negatives(caption)
+        if found:
+            items.append({"image_id": index, "caption_id": caption["id"], "split": split,
+                          "positive": caption["text"], "negatives": found})
+    return items
+
+
+def _whatsup_scene(index: int, split: str, scene3d: w3.Scene3D, vis: list[dict],
+                   settings: Settings3D) -> tuple[dict, list[dict]]:
+    """Version 1's scene: What'sUp's captions (module docstring) and the hard world's negatives."""
+    rng = np.random.default_rng([settings.seed, index, VERSION, 1])  # the words' own generator
+    strict = [list(r) for r in w3.relations(scene3d)]
+    scene = {**_record(index, split, scene3d, vis, settings), "relations": strict,
+             "lenient": [list(r) for r in w3.relations(scene3d, lenient=True)], "named": _named(rng, strict),
+             "camera": _camera(scene3d)}
+    scene["captions"] = scene_captions(scene, scene["named"], rng)
+    return scene, _items(index, split, scene["captions"], lambda caption: scene_negatives(
+        scene, caption, rng, settings.holdout, w3.PREDICATES, settings.colours, w3.SHAPES))
+
+
+def _wide_scene(index: int, split: str, scene3d: w3.Scene3D, vis: list[dict],
+                settings: Settings3D) -> tuple[dict, list[dict]]:
+    """The wide language's scene (extract.worlds.captions3d): its record carries the language's tables (next to,
+    a stack's directions, between), so its captions are judged by the wide rules wherever they are read."""
+    rng = np.random.default_rng([settings.seed, index, VERSION, 2])  # the wide words' own generator
+    tables = language3d.tables(scene3d)
+    scene = {**_record(index, split, scene3d, vis, settings),
+             **{key: tables[key] for key in ("relations", "lenient", "between", "lenient_between")},
+             "camera": _camera(scene3d)}
+    scene["captions"], scene["named"] = captions3d.scene_captions(scene, rng, split)
+    return scene, _items(index, split, scene["captions"], lambda caption: captions3d.scene_negatives(
+        scene, caption, rng, split, settings.holdout, tuple(settings.colours)))
+
+
 def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[dict, list[dict]]:
     """Scene ``index`` (and its negatives' items), rendered and saved under ``out_dir`` when given."""
     from PIL import Image
@@ -100,23 +151,13 @@ def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[
     split = split_of(index, settings.splits)
     scene3d, vis = w3.build_scene(settings.seed, index, settings.size, allowed=allowed_pairs(settings, split),
                                   need_relation=True)
-    rng = np.random.default_rng([settings.seed, index, VERSION, 1])  # the words' own generator
-    objects = _object_records(scene3d, vis)
-    strict = [list(r) for r in w3.relations(scene3d)]
-    scene = {"image_id": index, "file_name": f"images/{index:06d}.png", "split": split, "width": settings.size,
-             "height": settings.size, "objects": objects, "relations": strict,
-             "lenient": [list(r) for r in w3.relations(scene3d, lenient=True)], "named": _named(rng, strict),
-             "camera": {"origin": list(scene3d.camera.origin), "target": list(scene3d.camera.target),
-                        "fov": scene3d.camera.fov}}
-    scene["captions"] = scene_captions(scene, scene["named"], rng)
-    items = []
-    for caption in scene["captions"]:
-        negatives = scene_negatives(scene, caption, rng, settings.holdout, w3.PREDICATES, settings.colours, w3.SHAPES)
-        if negatives:
-            items.append({"image_id": index, "caption_id": caption["id"], "split": split,
-                          "positive": caption["text"], "negatives": negatives})
+    if settings.language == "wide":
+        scene, items = _wide_scene(index, split, scene3d, vis, settings)
+    else:
+        scene, items = _whatsup_scene(index, split, scene3d, vis, settings)
     # every object's crop (partly hidden ones included): val / test, the zero-shot set; train, the "pretrain"
     # split's (write_pretrain)
+    objects = scene["objects"]
     for k, obj in enumerate(objects):
         obj["crop"] = f"objects/{index:06d}-{k}.png"
     if out_dir is not None:
@@ -265,28 +306,39 @@ def _build(job: tuple[int, Settings3D, str]) -> tuple[dict, list[dict]]:
 
 
 def _vocabulary(settings: Settings3D) -> dict:
-    return {"colours": {k: list(v) for k, v in settings.colours.items()}, "shapes": list(w3.SHAPES),
-            "sizes": {k: v for k, v in w3.SIZES.items()}, "materials": list(w3.MATERIALS),
-            "predicates": list(w3.PREDICATES), "words": {p: WORDS[p] for p in w3.PREDICATES},
+    common = {"colours": {k: list(v) for k, v in settings.colours.items()}, "shapes": list(w3.SHAPES),
+              "sizes": {k: v for k, v in w3.SIZES.items()}, "materials": list(w3.MATERIALS)}
+    if settings.language == "wide":
+        return {**common, "predicates": list(language3d.WIDE_PREDICATES) + ["between"],
+                "phrasings": {p: list(f) for p, f in language3d.PHRASINGS.items()},
+                "held_out_phrasings": {p: language3d.held_out(p) for p in language3d.PHRASINGS
+                                       if language3d.held_out(p)},
+                "material_words": {k: list(v) for k, v in language3d.MATERIAL_WORDS.items()},
+                "caption_kinds": list(captions3d.KINDS), "negative_types": list(captions3d.NEGATIVE_TYPES),
+                "max_hidden": w3.MAX_HIDDEN, "caption_id": f"image_id * {hardworld.CAPTION_SLOTS} + k"}
+    return {**common, "predicates": list(w3.PREDICATES), "words": {p: WORDS[p] for p in w3.PREDICATES},
             "negative_types": list(NEGATIVE_TYPES), "max_hidden": w3.MAX_HIDDEN,
             "caption_id": f"image_id * {hardworld.CAPTION_SLOTS} + k"}
 
 
 def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp: int = 32,
              holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
-             workers: int | None = None, palette: str = "clevr") -> dict:
+             workers: int | None = None, palette: str = "clevr", language: str = "whatsup") -> dict:
     """Write ``n`` 3D scenes and both controlled tests to ``out_dir`` in the toy worlds' layout; a summary
     (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output; ``palette``: the
     scenes' colours (``"wide"``: CLEVR's and :data:`world3d.EXTRA_COLOURS`, for pre-training a base; ``"mixed"``:
-    the same, CLEVR's drawn twice as often, :func:`allowed_pairs`)."""
+    the same, CLEVR's drawn twice as often, :func:`allowed_pairs`); ``language``: the captions (:data:`LANGUAGES`;
+    ``"wide"``: :mod:`extract.worlds.captions3d`)."""
     started = time.perf_counter()
     if n < 1 or seed < 0 or size < 32 or spp < 1:
         raise ValueError(f"--world 3d needs n >= 1, seed >= 0, size >= 32 and spp >= 1; got n={n}, seed={seed}, "
                          f"size={size}, spp={spp}")
     if palette not in w3.PALETTES:
         raise ValueError(f"--palette {palette!r}: choose one of {', '.join(w3.PALETTES)}")
+    if language not in LANGUAGES:
+        raise ValueError(f"--language {language!r}: choose one of {', '.join(LANGUAGES)}")
     settings = Settings3D(int(n), int(seed), int(size), int(spp), parse_holdout3d(holdout), parse_splits(splits),
-                          palette)
+                          palette, language)
     workers = max(1, int(workers or 1))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -300,13 +352,21 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
                                                             "shapes": list(w3.SHAPES)}}
     if palette != "clevr":  # absent for CLEVR's: the worlds made before the option keep their bytes
         core["palette"] = palette
+    if language != "whatsup":  # the same
+        core["language"] = language
     dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)}, "scenes": scenes})
     dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
         write_split(out, split, [s for s in scenes if s["split"] == split], settings.seed, VERSION)
     write_pretrain(out, scenes, settings)
-    counts = count_files(scenes, items, settings.holdout)
-    counts["named_predicates"] = {p: sum(s["named"]["predicate"] == p for s in scenes) for p in w3.PREDICATES}
+    wide = settings.language == "wide"
+    counts = count_files(scenes, items, settings.holdout, captions3d.NEGATIVE_TYPES if wide else NEGATIVE_TYPES)
+    predicates = language3d.WIDE_PREDICATES if wide else w3.PREDICATES
+    counts["named_predicates"] = {p: sum((s["named"] or {}).get("predicate") == p for s in scenes) for p in predicates}
+    if wide:
+        counts["caption_kinds"] = {k: sum(c["kind"] == k for s in scenes for c in s["captions"])
+                                   for k in captions3d.KINDS}
+        counts["held_out_phrasings"] = sum(c["struct"]["style"]["held_out"] for s in scenes for c in s["captions"])
     counts["partly_hidden_objects"] = sum(o["visible"] < 0.999 for s in scenes for o in s["objects"])
     tests = generate_controlled(out, settings, workers)
     counts["controlled_sets"] = {f"controlled-{k}": len(v["sets"]) for k, v in tests.items()}

@@ -141,3 +141,18 @@ def test_statements_are_decided_on_the_scene_and_their_negatives_fail_even_lenie
     assert not lang.holds(row, lang.Related(lang.Phrase(shape="cube"), "next to", lang.Phrase(shape="cylinder")))
     with pytest.raises(ValueError, match="no 3D rule"):
         lang.holds(row, lang.Related(middle.subject, "above", middle.first))
+
+
+def test_a_stacked_object_takes_its_stacks_directions_in_the_wide_tables():
+    """world3d's own table gives a stacked object no direction; the wide language's says "A on B and right of C"
+    where B, A's base, is right of C (a stack stands where its base stands)."""
+    base = _obj("purple", "cylinder", 1.5, 0.0, size="large")
+    top = _obj("red", "cube", 1.5, 0.0, z=base.top, support=0)
+    scene = _scene(base, top, _obj("green", "sphere", -1.5, 0.0))
+    assert (0, "right of", 2) in w3.relations(scene) and (1, "right of", 2) not in w3.relations(scene)
+    table = lang.relation_table(scene)
+    assert [1, "right of", 2] in table and [2, "left of", 1] in table and [1, "on", 0] in table
+    assert [1, "right of", 0] not in table  # never a direction within one stack
+    cube, cylinder, sphere = (lang.Phrase(shape=s) for s in ("cube", "cylinder", "sphere"))
+    assert lang.holds(scene, lang.Related(cube, "on", cylinder, also=("right of", sphere)))
+    assert lang.is_negative(scene, lang.Related(cube, "on", cylinder, also=("left of", sphere)))

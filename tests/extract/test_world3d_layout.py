@@ -141,7 +141,8 @@ def test_the_toy_world_command_writes_it_with_world_3d_and_refuses_what_it_canno
                        (["--world", "3d", "--long-captions"], "--world 3d has its own scenes"),
                        (["--world", "3d", "--holdout", "red circle"], "shape in cube, sphere, cylinder"),
                        (["--hard", "--spp", "8"], "--spp sets the 3D world's path tracing"),
-                       (["--hard", "--palette", "wide"], "--palette sets the 3D world's colours")):
+                       (["--hard", "--palette", "wide"], "--palette sets the 3D world's colours"),
+                       (["--language", "wide"], "--language sets the 3D world's captions")):
         with pytest.raises(SystemExit):
             main(["--out", str(tmp_path / "x"), *argv])
         assert said in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""extract/worlds/captions3d.py: the 3D world's wide language on disk (``--language wide``). Every caption is true of
+its scene and every negative false even leniently, by the one judge (``hardworld.satisfies``) on the tables the
+scene's record carries; each kind of caption and each type of negative occurs; the held-out phrasings appear in no
+training caption or negative and do appear at test; the same bytes with 1 and 2 workers; the text of each shape of
+caption. One tiny world (60 scenes, 32 px, 2 samples a pixel) shared by the tests."""
+import hashlib
+import json
+import re
+
+import pytest
+
+pytest.importorskip("mitsuba", reason="the 3D world renders with Mitsuba 3 (the render3d extra)")
+
+from extract.worlds import captions3d, language3d, world3d, world3d_layout  # noqa: E402
+from extract.worlds.hardworld import satisfies  # noqa: E402
+
+HOLDOUT = "red cube,blue sphere"
+N = 60
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wide") / "world"
+    world3d_layout.generate(out, N, seed=3, size=32, spp=2, holdout=HOLDOUT, language="wide")
+    annotations = json.loads((out / "annotations.json").read_text())
+    negatives = json.loads((out / "negatives.json").read_text())["items"]
+    return out, annotations, negatives
+
+
+def _texts(annotations, negatives, split):
+    scenes = [s for s in annotations["scenes"] if s["split"] == split]
+    return ([c["text"] for s in scenes for c in s["captions"]]
+            + [n["text"] for item in negatives if item["split"] == split for n in item["negatives"]])
+
+
+@pytest.mark.slow
+def test_captions_are_true_and_negatives_false_even_leniently_of_every_kind_and_type(world):
+    out, annotations, negatives = world
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["language"] == "wide" and annotations["meta"]["negative_types"] == list(captions3d.NEGATIVE_TYPES)
+    scenes = {s["image_id"]: s for s in annotations["scenes"]}
+    kinds = {c["kind"] for s in scenes.values() for c in s["captions"]}
+    assert kinds == set(captions3d.KINDS)
+    for scene in scenes.values():
+        for caption in scene["captions"]:
+            assert satisfies(scene, caption["struct"]), caption["text"]
+            assert caption["text"] == captions3d.render(caption["struct"])
+    held = {("red", "cube"), ("blue", "sphere")}
+    types = set()
+    for item in negatives:
+        scene = scenes[item["image_id"]]
+        for negative in item["negatives"]:
+            types.add(negative["type"])
+            assert not satisfies(scene, negative["struct"], lenient=True), negative["text"]
+            assert negative["text"] != item["positive"]
+            if item["split"] == "train":
+                assert not held & {(o.get("colour"), o.get("shape")) for o in negative["struct"]["objects"]}
+    assert types == set(captions3d.NEGATIVE_TYPES)
+    # the record's tables are what the language's rules say of the 3D scene the record keeps
+    for scene in scenes.values():
+        tables = language3d.tables(world3d.scene_from_record(scene))
+        assert all(tables[key] == scene[key] for key in ("relations", "lenient", "between", "lenient_between"))
+    counts = meta["counts"]
+    assert counts["caption_kinds"]["between"] > 0 and counts["named_predicates"]["next to"] > 0
+
+
+@pytest.mark.slow
+def test_held_out_phrasings_are_absent_from_every_training_text_and_present_at_test(world):
+    _, annotations, negatives = world
+    held = [language3d.held_out(p) for p in language3d.PHRASINGS if language3d.held_out(p)]
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, held)) + r")\b")
+    assert not [t for t in _texts(annotations, negatives, "train") if pattern.search(t)]
+    later = [t for split in ("val", "test") for t in _texts(annotations, negatives, split) if pattern.search(t)]
+    assert later  # the held-out row has something to read
+    flagged = [c for s in annotations["scenes"] for c in s["captions"] if c["struct"]["style"]["held_out"]]
+    assert flagged and all(s["split"] != "train" for s in annotations["scenes"] for c in s["captions"]
+                           if c["struct"]["style"]["held_out"])
+    assert all(pattern.search(c["text"]) for c in flagged)
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_the_same_bytes_with_one_and_two_workers(world, tmp_path):
+    def digest(folder):
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+    world3d_layout.generate(tmp_path / "two", N, seed=3, size=32, spp=2, holdout=HOLDOUT, language="wide", workers=2)
+    assert digest(world[0]) == digest(tmp_path / "two")
+
+
+def test_each_shape_of_caption_reads_as_people_write_it():
+    style = {"material": 1, "thing": 0, "forms": ["on top of", "to the right of"], "held_out": False}
+    cube, cylinder = {"size": "small", "material": "metal", "shape": "cube"}, {"colour": "purple", "shape": "cylinder"}
+    sphere = {"colour": "green", "shape": "sphere"}
+    chain = {"objects": [cube, cylinder, sphere], "relations": [[0, "on", 1], [1, "right of", 2]], "style": style}
+    assert captions3d.render(chain) == ("a small shiny cube on top of a purple cylinder, which is to the right of a "
+                                        "green sphere")
+    conjunction = {**chain, "relations": [[0, "on", 1], [0, "right of", 2]]}
+    assert captions3d.render(conjunction) == ("a small shiny cube on top of a purple cylinder and to the right of a "
+                                              "green sphere")
+    between = {"objects": [{"material": "rubber"}, cylinder, sphere], "relations": [[0, "between", 1, 2]],
+               "style": {**style, "forms": []}}
+    assert captions3d.render(between) == "a matte thing between a purple cylinder and a green sphere"
+    count = {"objects": [{"colour": "red", "shape": "cube"}, {"material": "metal"}], "relations": [],
+             "counts": [[0, 2], [1, 1]], "style": style}
+    assert captions3d.render(count) == "two red cubes and one shiny thing"
+    # a count negative changes the number only; a replaced relation keeps a held-out caption's phrasing held out
+    rng = __import__("numpy").random.default_rng(0)
+    assert [c["counts"] for c in captions3d.candidates(count, "count", rng, "test")] == [
+        [[0, 1], [1, 1]], [[0, 3], [1, 1]], [[0, 4], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [1, 3]], [[0, 2], [1, 4]]]
+    held = {**chain, "relations": [[0, "on", 1]], "style": {**style, "forms": ["resting on"], "held_out": True}}
+    replaced = captions3d.candidates(held, "replace-rel", rng, "test")
+    assert {c["style"]["forms"][0] for c in replaced} == {language3d.held_out(q) for q in language3d.WIDE_PREDICATES
+                                                         if q != "on"}
+    with pytest.raises(ValueError, match="no negative type"):
+        captions3d.candidates(held, "replace-everything", rng, "test")

@@ -21,8 +21,8 @@ Relations (ComAlign, sec. III-A)
       hangs off a verb the verb joins the predicate ("playing with"), when it hangs off a copula
       ("the circle is to the left of ...") the copula does not; an adjective in between does ("full of");
     - multi-word prepositions come out whole ("next to", "in front of", "on top of", "to the left of",
-      "on the left side of", ... see ``_match_multiword_prep``); their inner nouns ("left", "front", "top")
-      are never entities.
+      "on the left side of", "closer to the camera than", ... see ``_match_multiword_prep``); their inner nouns
+      ("left", "front", "top", "camera") are never entities.
     Conjoined objects give one triplet each. Ordered by the predicate's position, deduplicated by text,
     at most ``max_relations``. ``Relation.text`` is "subject predicate object".
 Phrase tree (PowerCLIP, sec. 3.3; constituency-style, derived from the dependency parse)
@@ -71,8 +71,9 @@ from extract.components.text_pack import Phrase, PhraseTree, Relation, TextCompo
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
 # every cache fingerprint built from these components.
-RULES_VERSION = 3  # 2: clause nodes in the phrase tree; caps keep inner nodes. 3: conjoined prepositions share
-# their subject ("A on B and right of C": two triplets). Phrase.count is read, not packed
+RULES_VERSION = 4  # 2: clause nodes in the phrase tree; caps keep inner nodes. 3: conjoined prepositions share
+# their subject ("A on B and right of C": two triplets). Phrase.count is read, not packed. 4: a comparative of
+# distance from the viewer is one preposition ("closer to the camera than": in front of, said another way)
 #: numerals a count is read from (Phrase.count): the words up to twelve, and digits
 NUMBER_WORDS = {w: n for n, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
                                              "nine", "ten", "eleven", "twelve"))}
@@ -125,6 +126,10 @@ _SPATIAL_NOUNS = frozenset({"left", "right", "front", "back", "top", "bottom", "
 _SPATIAL_MODIFIERS = frozenset({"left", "right", "far", "upper", "lower", "top", "bottom", "front", "back",
                                 "rear", "very"})
 _MAX_SPATIAL_WORDS = 3  # "the far left side of"
+# "closer to the camera than", "farther from the viewer than": a comparative of distance from whoever looks, read as
+# one preposition (its "camera" is the frame of reference, never an entity)
+_COMPARATIVES = frozenset({"closer", "nearer", "farther", "further"})
+_VIEWERS = frozenset({"camera", "viewer", "observer"})
 # adverb/adjective + preposition pairs that act as one preposition
 _PREP_PAIRS = frozenset({("next", "to"), ("close", "to"), ("near", "to"), ("adjacent", "to"), ("far", "from"),
                          ("away", "from"), ("out", "of"), ("ahead", "of"), ("inside", "of"), ("outside", "of"),
@@ -307,10 +312,14 @@ class _Caption:
     def _match_multiword_prep(self, i: int) -> int:
         """Length of the multi-word preposition starting at word i (0 if none): a preposition, an
         optional determiner, up to three spatial words ending in a spatial noun, then "of" ("to the left
-        of", "in front of", "on top of", "on the left side of"); or one of :data:`_PREP_PAIRS` ("next to")."""
+        of", "in front of", "on top of", "on the left side of"); or one of :data:`_PREP_PAIRS` ("next to"); or a
+        comparative of distance from the viewer ("closer to the camera than")."""
         w, n = self.lower, self.n
         if i + 1 < n and (w[i], w[i + 1]) in _PREP_PAIRS and self.pos[i + 1] == self.ids.ADP:
             return 2
+        if w[i] in _COMPARATIVES and i + 1 < n and w[i + 1] in ("to", "from"):
+            j = i + 2 + (i + 2 < n and w[i + 2] in _FRAME_DETS)
+            return j + 2 - i if j + 1 < n and w[j] in _VIEWERS and w[j + 1] == "than" else 0
         if w[i] not in _FRAME_PREPS or self.pos[i] != self.ids.ADP:
             return 0
         j = i + 1 + (i + 1 < n and w[i + 1] in _FRAME_DETS)
@@ -504,7 +513,12 @@ class TextComponentExtractor:
             while c.dep[root] == ids.CONJ and c.head[root] != root and c.dep[c.head[root]] in ids.PREP:
                 root = c.head[root]
                 root = _outermost(c, group_of[root]) if root in group_of else root  # "to the left of A and behind B"
-            subjects, predicate = self._prep_subject(c, c.head[root], entity_words)
+            if c.head[root] == root:  # the group heads the sentence ("a sphere closer to the camera than a cube"):
+                # its subject is the entity the parser hung on it before it
+                subjects = [k for k in c.children[root] if k in entity_words and k < p[0]][-1:]
+                predicate = []
+            else:
+                subjects, predicate = self._prep_subject(c, c.head[root], entity_words)
             found.append((p[0], subjects, predicate + p, objs))
         out, seen = [], set()
         for _, subjects, predicate, objs in sorted(found, key=lambda f: f[0]):

@@ -41,6 +41,10 @@ from extract.worlds.shared import article, join_words
 KINDS = ("object", "relation", "count", "chain", "conjunction", "between")
 NEGATIVE_TYPES = ("replace-size", "replace-colour", "replace-material", "replace-shape", "swap-att", "swap-obj",
                   "replace-rel", "count")
+#: the benchmark's rows beyond the negative types (train.eval reads them as tags): which caption and which change
+ROWS = {"chain": (("chain", "conjunction"), ("replace-rel", "swap-obj")), "between": (("between",), ("swap-obj",)),
+        "next to": (("relation",), ("replace-rel", "swap-obj")),
+        "held-out phrasing": (("relation",), ("replace-rel", "swap-obj"))}
 HELD_OUT_SHARE = 0.5  # of val / test relation captions, said in their predicate's held-out form
 SUBSETS = [s for r in range(1, 5) for s in itertools.combinations(lang.ATTRIBUTES, r)]
 
@@ -289,6 +293,19 @@ def acceptable(record: dict, struct: dict, split: str, holdout: frozenset) -> bo
     return not satisfies(record, struct, lenient=True)
 
 
+def rows(caption: dict, neg_type: str) -> list[str]:
+    """The benchmark rows a negative of ``neg_type`` for ``caption`` counts in besides its type (:data:`ROWS`): a
+    chain's relations changed, the middle of "between" swapped, a "next to" caption's relation changed, a held-out
+    phrasing's relation changed."""
+    struct = caption["struct"]
+    found = [row for row, (kinds, types) in ROWS.items() if caption["kind"] in kinds and neg_type in types]
+    if "next to" in found and struct["relations"][0][1] != "next to":
+        found.remove("next to")
+    if "held-out phrasing" in found and not struct["style"]["held_out"]:
+        found.remove("held-out phrasing")
+    return found
+
+
 def scene_negatives(record: dict, caption: dict, rng: np.random.Generator, split: str, holdout: frozenset,
                     colours: Sequence[str] = tuple(w3.COLOURS)) -> list[dict]:
     """One acceptable hard negative of each type for ``caption`` (drawn in a random order), none saying what the
@@ -299,6 +316,6 @@ def scene_negatives(record: dict, caption: dict, rng: np.random.Generator, split
         for k in rng.permutation(len(found)):
             text = render(found[k])
             if text != caption["text"] and acceptable(record, found[k], split, holdout):
-                out.append({"type": neg_type, "text": text, "struct": found[k]})
+                out.append({"type": neg_type, "text": text, "struct": found[k], "rows": rows(caption, neg_type)})
                 break
     return out

@@ -56,6 +56,20 @@ def test_captions_are_true_and_negatives_false_even_leniently_of_every_kind_and_
             if item["split"] == "train":
                 assert not held & {(o.get("colour"), o.get("shape")) for o in negative["struct"]["objects"]}
     assert types == set(captions3d.NEGATIVE_TYPES)
+    # each negative names its benchmark rows beyond its type: a chain's relation changed, the middle of "between"
+    # swapped with an end, a "next to" caption's relation changed, a held-out phrasing's relation changed
+    captions = {c["id"]: c for s in scenes.values() for c in s["captions"]}
+    rows = {}
+    for item in negatives:
+        caption = captions[item["caption_id"]]
+        for negative in item["negatives"]:
+            assert negative["rows"] == captions3d.rows(caption, negative["type"])
+            for row in negative["rows"]:
+                rows.setdefault(row, []).append((caption, negative["type"]))
+    assert set(rows) == set(captions3d.ROWS)
+    assert all(c["kind"] == "between" and t == "swap-obj" for c, t in rows["between"])
+    assert all(c["struct"]["style"]["held_out"] for c, _ in rows["held-out phrasing"])
+    assert all(c["struct"]["relations"][0][1] == "next to" for c, _ in rows["next to"])
     # the record's tables are what the language's rules say of the 3D scene the record keeps
     for scene in scenes.values():
         tables = language3d.tables(world3d.scene_from_record(scene))

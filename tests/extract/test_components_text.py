@@ -54,6 +54,7 @@ def words(caption, tokens, spans):
     ("a red circle and a red circle", ["red circle", "circle"]),  # deduplicated
     ("a red circle to the left of a blue square", ["red circle", "circle", "blue square", "square"]),  # no "left"
     ("a cat in front of a tv on top of a desk", ["cat", "tv", "desk"]),  # no "front", "top"
+    ("a sphere closer to the camera than a cube", ["sphere", "cube"]),  # no "camera"
     ("the", []),
     ("it is red and very shiny", []),  # no noun
     ("", []),
@@ -92,6 +93,13 @@ def test_entities_are_capped_in_caption_order():
     ("a red cube to the left of a blue sphere and behind a green cylinder",
      [("red cube", "to the left of", "blue sphere"), ("red cube", "behind", "green cylinder")]),
     ("a cat on a mat and a dog under a table", [("cat", "on", "mat"), ("dog", "under", "table")]),  # two subjects
+    # a comparative of distance from the viewer is one preposition; its "camera" is no entity (issue 82's held-out
+    # phrasing of "in front of"), whether the parser makes it the root or hangs it on the subject
+    ("a brown sphere closer to the camera than a gray cube", [("brown sphere", "closer to the camera than",
+                                                               "gray cube")]),
+    ("a red thing closer to the camera than a cylinder, which is left of a cube",
+     [("red thing", "closer to the camera than", "cylinder"), ("cylinder", "left of", "cube")]),
+    ("the cube is farther from the viewer than the sphere", [("cube", "farther from the viewer than", "sphere")]),
     ("a small red circle", []),
     ("the", []),
 ])

@@ -662,3 +662,24 @@ def test_toyworld_controlled_sets_are_four_way_items(world):
         assert item.images == tuple(str((world / s["file_name"]).resolve()) for s in entry["scenes"])
         assert item.texts == tuple(s["caption"] for s in entry["scenes"])  # caption k belongs to image k
         assert item.subtype == "four-way" and item.tags == (("held-out four-way",) if entry["heldout"] else ())
+
+
+def test_a_negatives_rows_become_its_items_tags_and_a_bad_rows_field_is_refused(world, tmp_path):
+    """The 3D wide language writes each negative's benchmark rows beyond its type (extract.worlds.captions3d.ROWS:
+    "chain", "between", "next to", "held-out phrasing"); the reader tags the item with them, so train.eval's table
+    has those rows, and refuses a field that is not a list of names."""
+    import shutil
+
+    copy = tmp_path / "world"
+    shutil.copytree(world, copy)
+    data = json.loads((copy / "negatives.json").read_text())
+    k = next(i for i, item in enumerate(data["items"]) if item["split"] == "test")
+    data["items"][k]["negatives"][0]["rows"] = ["chain", "held-out phrasing"]
+    (copy / "negatives.json").write_text(json.dumps(data))
+    tagged = [i for i in read_toyworld(copy).items if "chain" in i.tags]
+    assert len(tagged) == 1 and tagged[0].texts[1] == data["items"][k]["negatives"][0]["text"]
+    assert "held-out phrasing" in tagged[0].tags
+    data["items"][k]["negatives"][0]["rows"] = "chain"
+    (copy / "negatives.json").write_text(json.dumps(data))
+    with pytest.raises(BenchmarkFormatError, match="'rows' must be a list of row names"):
+        read_toyworld(copy)

@@ -383,6 +383,10 @@ def read_toyworld(world_dir: str | os.PathLike, split: str = "test",
             tags = (f"held-out {neg_type}", "held-out all") if _names_any(positive, heldout) else ()
             if neg_type == "swap-att" and _one_shape_pair(neg.get("struct")):
                 tags += (SAME_SHAPE_SWAP,)
+            rows = neg.get("rows", [])  # the 3D wide language's rows beyond the type (extract.worlds.captions3d.ROWS)
+            if not isinstance(rows, list) or not all(isinstance(r, str) and r for r in rows):
+                raise format_error(neg_file, neg_where, "'rows' must be a list of row names")
+            tags += tuple(rows)
             pending.append(Pending(Item(f"{caption_id}/{neg_type}", (image,), (positive, text), neg_type, tags=tags),
                                     f"{neg_file}: {neg_where}"))
     return finish("toyworld", "text", pending)

@@ -10,8 +10,8 @@ relations, counts; judged by ``hardworld.satisfies`` on the scene's tables) and 
   six of ``world3d`` and "next to"), in one of its surface forms (``language3d.PHRASINGS``); in val and test, half
   the relation captions say their predicate in its held-out form, which no training caption or negative uses;
 - **count**: "two red cubes" (and sometimes "and one gray sphere", a second phrase matching other objects), the
-  number drawn first, uniformly among the counts one to four some phrase of the scene has, so no number is the
-  likelier one in the captions;
+  attributes said drawn first, then the number among those phrases of that kind count in the scene, so a caption's
+  number and its negative's are equally plausible for the phrase (:func:`_counted`);
 - **chain** ("A left of B, which is behind C") or **conjunction** ("A on B and to the right of C"), the kind and the
   two predicates drawn first;
 - **between** ("A between B and C") where the scene has such a triple.
@@ -22,9 +22,12 @@ always "a" (a "the" would have to change between a caption and its negative, a c
 
 Hard negatives, each false of the scene even by its lenient tables and, in the train split, naming no held-out
 (colour, shape): ``replace-size`` / ``-colour`` / ``-material`` / ``-shape`` (one attribute of one phrase),
+``replace-obj`` (a related phrase replaced by the phrase of another object of the scene, one the relation does not
+reach even leniently: "A next to B" -> "A next to C", where C stands far from A),
 ``swap-att`` (one kind of attribute swapped between two phrases), ``swap-obj`` (two phrases swapped: a relation's
-sides, a chain's objects, the middle of "between" with an end), ``replace-rel`` (one relation's predicate, said in a
-form of the same family: a held-out caption's negative in the held-out form too), ``count`` (the number changed).
+sides, a chain's objects, the middle of "between" with an end), ``replace-rel`` (one relation's predicate by its
+converse, :data:`CONVERSE`, said in a form of the same family: a held-out caption's negative in the held-out form
+too), ``count`` (the number changed).
 """
 from __future__ import annotations
 
@@ -39,12 +42,20 @@ from extract.worlds.hardworld import CAPTION_SLOTS, satisfies
 from extract.worlds.shared import article, join_words
 
 KINDS = ("object", "relation", "count", "chain", "conjunction", "between")
-NEGATIVE_TYPES = ("replace-size", "replace-colour", "replace-material", "replace-shape", "swap-att", "swap-obj",
-                  "replace-rel", "count")
+NEGATIVE_TYPES = ("replace-size", "replace-colour", "replace-material", "replace-shape", "replace-obj", "swap-att",
+                  "swap-obj", "replace-rel", "count")
 #: the benchmark's rows beyond the negative types (train.eval reads them as tags): which caption and which change
 ROWS = {"chain": (("chain", "conjunction"), ("replace-rel", "swap-obj")), "between": (("between",), ("swap-obj",)),
-        "next to": (("relation",), ("replace-rel", "swap-obj")),
+        "next to": (("relation",), ("replace-obj",)),
         "held-out phrasing": (("relation",), ("replace-rel", "swap-obj"))}
+#: what replace-rel says instead: the converse, false of the pair whenever the predicate holds, and as likely in a
+#: caption as the predicate itself (the world is as often seen from either side), so the word that changes tells a
+#: blind model nothing. Any other replacement leaks: "on" / "under" hold only for stacks but are false of nearly every
+#: pair, so with a free choice they were twice as common in negatives as in captions, and "next to" (false only far
+#: apart) half as common (a text-only model on the 2,000-scene world: "next to" rows 66-90 where chance is 50).
+#: "next to" has no converse: its row reads replace-obj (another object, far from the first).
+CONVERSE = {"left of": "right of", "right of": "left of", "on": "under", "under": "on", "in front of": "behind",
+            "behind": "in front of"}
 HELD_OUT_SHARE = 0.5  # of val / test relation captions, said in their predicate's held-out form
 SUBSETS = [s for r in range(1, 5) for s in itertools.combinations(lang.ATTRIBUTES, r)]
 
@@ -136,29 +147,44 @@ def _relation(rng: np.random.Generator, record: dict, split: str) -> tuple[dict,
     return struct, {"subject": i, "predicate": predicate, "object": j}
 
 
-def _count(rng: np.random.Generator, record: dict) -> dict | None:
-    found: dict[int, dict[tuple, dict]] = {}
+def _counted(rng: np.random.Generator, record: dict, taken: frozenset = frozenset()) -> tuple | None:
+    """(phrase, its count, the counts its template could say) for a count caption, or None. The template (which
+    attributes a phrase says) is drawn first, among those whose phrases in this scene count at least two different
+    numbers from one to four; then the number, uniformly among those; then a phrase of that template and count. A
+    count negative says another of the template's numbers (:func:`candidates`), so a caption's number and its
+    negative's are drawn from one set: a blind model cannot tell them apart by how plausible a number is for a phrase
+    (within a template the values are exchangeable: no colour is likelier than another). Drawn freely (the number
+    first, the negative any other), "one cylinder" was nearly always false and "four small things" true, and a
+    bag-of-words model on pairs chose the true count 80% of the time. ``taken``: objects a phrase must not match."""
+    found: dict[tuple, dict[int, dict[tuple, dict]]] = {}
     for obj in record["objects"]:
         for said in SUBSETS:
             phrase = {a: obj[a] for a in said}
-            n = len(_matching(record, phrase))
-            if n <= 4:
-                found.setdefault(n, {})[tuple(sorted(phrase.items()))] = phrase
-    if not found:
+            matches = _matching(record, phrase)
+            if len(matches) <= 4 and not taken.intersection(matches):
+                found.setdefault(said, {}).setdefault(len(matches), {})[tuple(sorted(phrase.items()))] = phrase
+    templates = [t for t in SUBSETS if len(found.get(t, {})) >= 2]
+    if not templates:
         return None
-    n = sorted(found)[int(rng.integers(len(found)))]
-    keys = sorted(found[n])
-    phrase = found[n][keys[int(rng.integers(len(keys)))]]
-    objects, counts = [phrase], [[0, n]]
+    by_count = found[templates[int(rng.integers(len(templates)))]]
+    numbers = sorted(by_count)
+    n = numbers[int(rng.integers(len(numbers)))]
+    keys = sorted(by_count[n])
+    return by_count[n][keys[int(rng.integers(len(keys)))]], n, numbers
+
+
+def _count(rng: np.random.Generator, record: dict) -> dict | None:
+    first = _counted(rng, record)
+    if first is None:
+        return None
+    objects, counts, options = [first[0]], [[0, first[1]]], [first[2]]
     if rng.random() < 0.5:  # a second phrase, about other objects
-        taken = set(_matching(record, phrase))
-        others = sorted({key: p for m, ps in found.items() for key, p in ps.items()
-                         if not taken & set(_matching(record, p))}.items())
-        if others:
-            second = others[int(rng.integers(len(others)))][1]
-            objects.append(second)
-            counts.append([1, len(_matching(record, second))])
-    return {"objects": objects, "relations": [], "counts": counts, "style": _style(rng)}
+        second = _counted(rng, record, frozenset(_matching(record, first[0])))
+        if second is not None:
+            objects.append(second[0])
+            counts.append([1, second[1]])
+            options.append(second[2])
+    return {"objects": objects, "relations": [], "counts": counts, "count_options": options, "style": _style(rng)}
 
 
 def _two_relations(rng: np.random.Generator, record: dict, split: str) -> tuple[str, dict] | None:
@@ -239,9 +265,9 @@ def _values(attribute: str, colours: Sequence[str]) -> Sequence[str]:
 
 
 def candidates(struct: dict, neg_type: str, rng: np.random.Generator, split: str,
-               colours: Sequence[str] = tuple(w3.COLOURS)) -> list[dict]:
-    """Every candidate of ``neg_type`` for caption ``struct`` in a fixed order (a replaced relation's form drawn
-    from ``rng``)."""
+               colours: Sequence[str] = tuple(w3.COLOURS), record: dict | None = None) -> list[dict]:
+    """Every candidate of ``neg_type`` for caption ``struct`` in a fixed order (a replaced relation's form and
+    another object's phrase drawn from ``rng``; ``replace-obj`` needs the scene's ``record``)."""
     objects = struct["objects"]
     if neg_type not in NEGATIVE_TYPES:
         raise ValueError(f"no negative type {neg_type!r}: {', '.join(NEGATIVE_TYPES)}")
@@ -249,6 +275,16 @@ def candidates(struct: dict, neg_type: str, rng: np.random.Generator, split: str
     if attribute in lang.ATTRIBUTES:
         return [_changed(struct, k, **{attribute: v}) for k, o in enumerate(objects) if attribute in o
                 for v in _values(attribute, colours) if v != o[attribute]]
+    if neg_type == "replace-obj":
+        if not struct["relations"] or record is None:
+            return []
+        out = []
+        for k in range(len(objects)):
+            for other in sorted(_nameable(record)):
+                changed = _changed(struct)
+                changed["objects"][k] = _referring(rng, record, other)
+                out.append(changed)
+        return out
     if neg_type == "swap-att":
         out = []
         for i, j in itertools.combinations(range(len(objects)), 2):
@@ -267,14 +303,14 @@ def candidates(struct: dict, neg_type: str, rng: np.random.Generator, split: str
             swapped["objects"][i], swapped["objects"][j] = dict(objects[j]), dict(objects[i])
             out.append(swapped)
         return out
-    if neg_type == "replace-rel":
+    if neg_type == "replace-rel":  # the converse, in the caption's phrasing family
         held = struct["style"]["held_out"]
-        return [_changed(struct, relation=(r, [rel[0], q, rel[2]]), form=_form(rng, q, split, held))
-                for r, rel in enumerate(struct["relations"]) if len(rel) == 3  # "between" has no replacement
-                for q in lang.WIDE_PREDICATES if q != rel[1]]
-    out = []  # "count": one number changed
+        return [_changed(struct, relation=(r, [rel[0], CONVERSE[rel[1]], rel[2]]),
+                         form=_form(rng, CONVERSE[rel[1]], split, held))
+                for r, rel in enumerate(struct["relations"]) if rel[1] in CONVERSE]  # not "next to", "between"
+    out = []  # "count": one number changed, to another its template could say (_counted)
     for r, (_, n) in enumerate(struct.get("counts", ())):
-        for m in lang.NUMBERS:
+        for m in struct["count_options"][r]:
             if m != n:
                 counts = [list(c) for c in struct["counts"]]
                 counts[r][1] = m
@@ -295,8 +331,8 @@ def acceptable(record: dict, struct: dict, split: str, holdout: frozenset) -> bo
 
 def rows(caption: dict, neg_type: str) -> list[str]:
     """The benchmark rows a negative of ``neg_type`` for ``caption`` counts in besides its type (:data:`ROWS`): a
-    chain's relations changed, the middle of "between" swapped, a "next to" caption's relation changed, a held-out
-    phrasing's relation changed."""
+    chain's relations changed, the middle of "between" swapped, a "next to" caption's object replaced by one far
+    from the other, a held-out phrasing's relation changed."""
     struct = caption["struct"]
     found = [row for row, (kinds, types) in ROWS.items() if caption["kind"] in kinds and neg_type in types]
     if "next to" in found and struct["relations"][0][1] != "next to":
@@ -312,7 +348,7 @@ def scene_negatives(record: dict, caption: dict, rng: np.random.Generator, split
     caption says."""
     out = []
     for neg_type in NEGATIVE_TYPES:
-        found = candidates(caption["struct"], neg_type, rng, split, colours)
+        found = candidates(caption["struct"], neg_type, rng, split, colours, record)
         for k in rng.permutation(len(found)):
             text = render(found[k])
             if text != caption["text"] and acceptable(record, found[k], split, holdout):

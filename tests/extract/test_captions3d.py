@@ -57,7 +57,7 @@ def test_captions_are_true_and_negatives_false_even_leniently_of_every_kind_and_
                 assert not held & {(o.get("colour"), o.get("shape")) for o in negative["struct"]["objects"]}
     assert types == set(captions3d.NEGATIVE_TYPES)
     # each negative names its benchmark rows beyond its type: a chain's relation changed, the middle of "between"
-    # swapped with an end, a "next to" caption's relation changed, a held-out phrasing's relation changed
+    # swapped with an end, a "next to" caption's object replaced by a far one, a held-out phrasing's relation changed
     captions = {c["id"]: c for s in scenes.values() for c in s["captions"]}
     rows = {}
     for item in negatives:
@@ -69,7 +69,16 @@ def test_captions_are_true_and_negatives_false_even_leniently_of_every_kind_and_
     assert set(rows) == set(captions3d.ROWS)
     assert all(c["kind"] == "between" and t == "swap-obj" for c, t in rows["between"])
     assert all(c["struct"]["style"]["held_out"] for c, _ in rows["held-out phrasing"])
-    assert all(c["struct"]["relations"][0][1] == "next to" for c, _ in rows["next to"])
+    assert all(c["struct"]["relations"][0][1] == "next to" and t == "replace-obj" for c, t in rows["next to"])
+    # a count caption's number and its negative's come from one set: the numbers its kind of phrase (the attributes
+    # it says) counts in the scene, so neither is the likelier for the phrase
+    for scene in scenes.values():
+        for caption in (c for c in scene["captions"] if c["kind"] == "count"):
+            for (k, n), options in zip(caption["struct"]["counts"], caption["struct"]["count_options"]):
+                said = tuple(caption["struct"]["objects"][k])
+                counted = {sum(all(o[a] == other[a] for a in said) for o in scene["objects"])
+                           for other in scene["objects"]}
+                assert n in options and len(options) >= 2 and set(options) <= counted
     # the record's tables are what the language's rules say of the 3D scene the record keeps
     for scene in scenes.values():
         tables = language3d.tables(world3d.scene_from_record(scene))
@@ -116,15 +125,22 @@ def test_each_shape_of_caption_reads_as_people_write_it():
                "style": {**style, "forms": []}}
     assert captions3d.render(between) == "a matte thing between a purple cylinder and a green sphere"
     count = {"objects": [{"colour": "red", "shape": "cube"}, {"material": "metal"}], "relations": [],
-             "counts": [[0, 2], [1, 1]], "style": style}
+             "counts": [[0, 2], [1, 1]], "count_options": [[1, 2, 3], [1, 4]], "style": style}
     assert captions3d.render(count) == "two red cubes and one shiny thing"
-    # a count negative changes the number only; a replaced relation keeps a held-out caption's phrasing held out
+    # a count negative changes one number only, to another its kind of phrase counts in the scene
     rng = __import__("numpy").random.default_rng(0)
     assert [c["counts"] for c in captions3d.candidates(count, "count", rng, "test")] == [
-        [[0, 1], [1, 1]], [[0, 3], [1, 1]], [[0, 4], [1, 1]], [[0, 2], [1, 2]], [[0, 2], [1, 3]], [[0, 2], [1, 4]]]
+        [[0, 1], [1, 1]], [[0, 3], [1, 1]], [[0, 2], [1, 4]]]
+    # replace-rel says the converse (as likely in a caption as the predicate: no word a blind model can read), in
+    # the caption's phrasing family; "next to" has none
     held = {**chain, "relations": [[0, "on", 1]], "style": {**style, "forms": ["resting on"], "held_out": True}}
     replaced = captions3d.candidates(held, "replace-rel", rng, "test")
-    assert {c["style"]["forms"][0] for c in replaced} == {language3d.held_out(q) for q in language3d.WIDE_PREDICATES
-                                                         if q != "on"}
+    assert [(c["relations"], c["style"]["forms"]) for c in replaced] == [([[0, "under", 1]], ["underneath"])]
+    assert captions3d.candidates({**held, "relations": [[0, "next to", 1]]}, "replace-rel", rng, "test") == []
+    both = captions3d.candidates({**chain, "style": {**style, "forms": ["on top of", "right of"]}}, "replace-rel",
+                                 rng, "train")
+    assert [c["relations"] for c in both] == [[[0, "under", 1], [1, "right of", 2]], [[0, "on", 1], [1, "left of", 2]]]
+    assert all(f in language3d.forms(p, "train") for c in both for (_, p, _), f in zip(c["relations"],
+                                                                                       c["style"]["forms"]))
     with pytest.raises(ValueError, match="no negative type"):
         captions3d.candidates(held, "replace-everything", rng, "test")

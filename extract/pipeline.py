@@ -46,7 +46,7 @@ from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
-PIPELINE_VERSION = 4  # 2: ventity_image_size; 3: ventity_overlap; 4: its symmetry features
+PIPELINE_VERSION = 5  # 2: ventity_image_size; 3: ventity_overlap; 4: its symmetry features; 5: entity_count
 #: distinct entity / relation / role phrases whose embeddings a shard builder keeps (a phrase is embedded on its own,
 #: so it has one embedding whatever caption it came from)
 PHRASE_MEMO = 100_000
@@ -433,6 +433,8 @@ class ShardBuilder:
                 if component in self.want:
                     out[f"{kind}_embed"], out[f"{kind}_valid"] = self._embed_phrases(write(packed[f"{kind}_text"]),
                                                                                      cap)
+            if "entities" in self.want:  # "two red cubes": the number, apart from the phrase it counts
+                out["entity_count"] = packed["entity_count"]
             if "roles" in self.want:  # each relation's subject, predicate and object embedded on its own
                 for k, role in enumerate(("subject", "predicate", "object")):
                     rows = [[triple[k] for triple in row] for row in packed["role_text"]]

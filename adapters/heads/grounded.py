@@ -18,7 +18,7 @@ Inputs (cached by ``python -m extract``):
   relation triplet of the parse its subject, predicate and object phrases, each embedded on its own by the
   text tower (component ``roles``).
 
-Score of image i and caption t (all three terms are differentiable; nothing here knows a predicate's name):
+Score of image i and caption t (every term is differentiable; nothing here knows a predicate's name):
 
   grounding   g(x, b) = <x, c_b> + <A x, G(box_b)>: phrase x against box b, the base's own cosine between the
               phrase and the crop, plus a learned term that lets a phrase ask for a box's geometry (a crop is
@@ -36,7 +36,15 @@ Score of image i and caption t (all three terms are differentiable; nothing here
               costs at most log(eps), so a box the detector got wrong cannot sink a caption without bound, and
               w_R can be large enough to decide where the relations are read well. R(i, t) = mean over the
               caption's triplets; a caption without a relation gets 0, so it falls back to the other terms.
-  total       S(i, t) = <base_i, base_t> + w_E E(i, t) + w_R R(i, t).
+  counts      for a phrase with a numeral n ("two red cubes": the parse keeps the number apart from the phrase,
+              ``entity_count``), each box holds it with q_b = sigmoid((g(x, b) - theta) / tau_C), independently, so
+              the number that do is Poisson-binomial over the boxes (exact, one pass over them), and
+              C(x, n) = log(eps + (1 - eps) P(exactly n)); C(i, t) = mean over the caption's counted phrases, 0 for a
+              caption without a numeral (CountBench, Paiss et al. 2023: CLIP's pooled embedding counts little better
+              than a prior; here the count is read off the boxes the phrase grounds to). Its own loss (``count_loss``):
+              -log P(exactly n) in the caption's own image: the numbers are one distribution, so no negative is
+              needed to teach it.
+  total       S(i, t) = <base_i, base_t> + w_E E(i, t) + w_R R(i, t) + w_C C(i, t).
 
 Every learned part starts where it changes nothing it should not: A is zero (grounding = the base's cosine), w_E
 and w_R are small (w_R stays at 0.25 unless learned: the field's comment), and the base's own cosine stays in the
@@ -101,6 +109,13 @@ class GroundedConfig:
     relation_floor: float = field(default=0.02, metadata={
         "help": "P(triplet holds) is read as eps + (1 - eps) P: one triplet costs a caption at most log(eps) "
                 "(0: off)"})
+    counts: bool = field(default=True, metadata={
+        "help": "read a numeral (\"two red cubes\") from how many boxes the phrase grounds to (the count term; off: "
+                "a counted phrase is an entity like any other)"})
+    count_weight: float = field(default=0.25, metadata={"help": "weight w_C of the count term"})
+    count_loss: float = field(default=1.0, metadata={
+        "help": "weight of the count term's own loss: -log P(as many boxes hold the phrase as its numeral says) in "
+                "the caption's own image"})
     logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
     appearance: bool = field(default=True, metadata={
         "help": "let the predicate read who owns two boxes' overlap in the pixels (ventity_overlap, "
@@ -112,8 +127,9 @@ class GroundedConfig:
             raise ValueError("grounded: hidden must be >= 1")
         if not self.temperature > 0:
             raise ValueError("grounded: temperature must be > 0")
-        if self.entity_weight < 0 or self.relation_weight < 0 or self.relation_loss < 0:
-            raise ValueError("grounded: entity_weight, relation_weight and relation_loss must be >= 0")
+        if min(self.entity_weight, self.relation_weight, self.relation_loss, self.count_weight, self.count_loss) < 0:
+            raise ValueError("grounded: entity_weight, relation_weight, relation_loss, count_weight and count_loss "
+                             "must be >= 0")
         if not (0 <= self.same_box_prior < 1 and 0 <= self.relation_floor < 1):
             raise ValueError("grounded: same_box_prior and relation_floor must lie in [0, 1)")
 
@@ -168,8 +184,8 @@ class Grounded(AdapterHead):
     extract_options: dict = {}
     image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size",
                   "ventity_overlap")
-    text_keys = ("text_embed", "entity_embed", "entity_valid", "role_subject_embed", "role_predicate_embed",
-                 "role_object_embed", "role_valid")
+    text_keys = ("text_embed", "entity_embed", "entity_valid", "entity_count", "role_subject_embed",
+                 "role_predicate_embed", "role_object_embed", "role_valid")
     #: NegCLIP's hard negatives unless the run says otherwise: the relation term learns from converses
     hard_negatives = "all"
     #: the head's learning rate (train.adapter's default for it): its small MLPs start from zero or from nothing and
@@ -191,6 +207,12 @@ class Grounded(AdapterHead):
         self.relation_weight = nn.Parameter(torch.tensor(float(config.relation_weight)),
                                             requires_grad=config.relations and config.relation_weight_learned)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(config.logit_scale_init)))
+        if config.counts:
+            # a box holds a phrase with probability sigmoid((g - threshold) / temperature); the threshold starts
+            # between what the base's cosine gives a crop of the thing named and one of another (~0.3 and ~0.1 on the
+            # shipped bases), the temperature sharp enough that two boxes of one kind count as two
+            self.count_threshold = nn.Parameter(torch.tensor(0.2))
+            self.count_log_temperature = nn.Parameter(torch.tensor(math.log(0.05)))
         if config.appearance:
             # the pixels' evidence of who owns the overlap enters H's first layer through its own weights, zero at the
             # start and drawn from no random stream: the head starts as the geometry-only one, to the bit, and where
@@ -223,9 +245,11 @@ class Grounded(AdapterHead):
 
     def encode_text(self, batch: dict[str, Tensor]) -> Reps:
         pred = F.normalize(batch["role_predicate_embed"].float(), dim=-1)
+        valid = batch["entity_valid"].bool()
+        count = batch["entity_count"].long() if "entity_count" in batch else torch.zeros_like(valid, dtype=torch.long)
         return {"base": F.normalize(batch["text_embed"].float(), dim=-1),
                 "entity": F.normalize(batch["entity_embed"].float(), dim=-1),
-                "entity_valid": batch["entity_valid"].bool(),
+                "entity_valid": valid, "entity_count": count * valid,
                 "subject": F.normalize(batch["role_subject_embed"].float(), dim=-1),
                 "object": F.normalize(batch["role_object_embed"].float(), dim=-1),
                 "predicate": self.predicate(pred), "predicate_bias": self.predicate_bias(pred)[..., 0],
@@ -237,7 +261,7 @@ class Grounded(AdapterHead):
         most 4 boxes of 10): the same scores, a fraction of the [I, T, R, E, E] work."""
         p, r = _trim(text_reps["entity_valid"]), _trim(text_reps["role_valid"])
         img = Grounded.trimmed_images(image_reps)
-        txt = {**text_reps, "entity": text_reps["entity"][:, :p], "entity_valid": text_reps["entity_valid"][:, :p]}
+        txt = {**text_reps, **{k: text_reps[k][:, :p] for k in ("entity", "entity_valid", "entity_count")}}
         txt.update({k: text_reps[k][:, :r] for k in ("subject", "object", "predicate", "predicate_bias", "role_valid")})
         return img, txt
 
@@ -305,14 +329,50 @@ class Grounded(AdapterHead):
         ok = text_reps["role_valid"][None].float()
         return self.relation_triplets(image_reps, text_reps).sum(-1) / ok.sum(-1).clamp_min(1)
 
+    def count_log_probs(self, image_reps: Reps, phrases: Tensor, counts: Tensor, paired: bool = False) -> Tensor:
+        """log P(exactly n boxes hold the phrase) [I, K] for K counted phrases [K, D] with numerals n [K] (``paired``:
+        phrase k in image k only, [K]): each box holds it independently with probability sigmoid((g(x, b) -
+        threshold) / temperature), so the number that do is Poisson-binomial, computed exactly over the boxes; floored
+        at eps as the relation term is (one miscounted phrase costs at most log eps)."""
+        img = {k: image_reps[k] for k in ("crops", "box_geom", "box_valid")}
+        g = self.grounding(phrases[:, None] if paired else phrases[None], img, paired)   # [K, 1, E] / [I, 1, K, E]
+        g = g[:, 0]                                                                       # [K, E] / [I, K, E]
+        box_ok = img["box_valid"] if paired else img["box_valid"][:, None, :]
+        temperature = self.count_log_temperature.exp().clamp(1e-3, 1.0)
+        p = torch.sigmoid((g - self.count_threshold) / temperature) * box_ok
+        dist = torch.zeros(*p.shape[:-1], p.shape[-1] + 1, dtype=p.dtype, device=p.device)
+        dist[..., 0] = 1.0
+        for b in range(p.shape[-1]):  # add one box: n of them hold it if n did before and it does not, or n - 1 did
+            pb = p[..., b:b + 1]
+            dist = torch.cat([dist[..., :1] * (1 - pb), dist[..., 1:] * (1 - pb) + dist[..., :-1] * pb], -1)
+        n = counts.clamp(max=p.shape[-1])
+        said = dist.gather(-1, (n if paired else n.expand(*dist.shape[:-1]))[..., None])[..., 0]
+        said = said * (counts <= p.shape[-1])  # more than there are boxes: impossible here
+        eps = self.config.relation_floor or 1e-6
+        return torch.log(eps + (1 - eps) * said)
+
+    def count_term(self, image_reps: Reps, text_reps: Reps) -> Tensor:
+        """C(i, t) [I, T]: mean over the caption's counted phrases of :meth:`count_log_probs` (0 for a caption
+        without a numeral). Only the counted phrases are grounded (a caption or two of a batch count anything)."""
+        counted = text_reps["entity_count"] > 0                                          # [T, P]
+        out = image_reps["base"].new_zeros(len(image_reps["base"]), len(text_reps["base"]))
+        if not counted.any():
+            return out
+        t, slot = counted.nonzero(as_tuple=True)
+        logp = self.count_log_probs(image_reps, text_reps["entity"][t, slot], text_reps["entity_count"][t, slot])
+        per = counted.sum(-1).clamp_min(1).float()
+        return out.index_add(1, t, logp / per[t])
+
     def parts(self, image_reps: Reps, text_reps: Reps) -> dict[str, Tensor]:
         out = {"base": image_reps["base"] @ text_reps["base"].T, "entity": self.entity_term(image_reps, text_reps)}
         out["relation"] = self.relation_term(image_reps, text_reps) if self.config.relations else \
             torch.zeros_like(out["base"])
+        out["count"] = self.count_term(image_reps, text_reps) if self.config.counts else torch.zeros_like(out["base"])
         return out
 
     def combine(self, parts: dict[str, Tensor]) -> Tensor:
-        return parts["base"] + self.entity_weight * parts["entity"] + self.relation_weight * parts["relation"]
+        return parts["base"] + self.entity_weight * parts["entity"] + self.relation_weight * parts["relation"] \
+            + self.config.count_weight * parts["count"]
 
     def score(self, image_reps: Reps, text_reps: Reps, chunk_elements: int = 1 << 24) -> Tensor:
         """S [I, T]; images in chunks so the [I, T, R, E, E] pair scores stay under ``chunk_elements``."""
@@ -387,8 +447,9 @@ class Grounded(AdapterHead):
             if image_arrays is not None and len(grounded) == 2:
                 overlaps.append(self.overlap_evidence(img, txt, image_arrays, slot, grounded["subject"],
                                                       grounded["object"]))
-        terms = {k: float(parts[k][0]) for k in ("base", "entity", "relation")}
-        weights = {"base": 1.0, "entity": float(self.entity_weight), "relation": float(self.relation_weight)}
+        terms = {k: float(parts[k][0]) for k in ("base", "entity", "relation", "count")}
+        weights = {"base": 1.0, "entity": float(self.entity_weight), "relation": float(self.relation_weight),
+                   "count": self.config.count_weight}
         return {"components": out, "terms": terms, "weights": weights, "overlaps": overlaps}
 
     @torch.no_grad()
@@ -440,6 +501,15 @@ class Grounded(AdapterHead):
         else:
             out["relation"] = out["relation_sum"] = torch.zeros_like(out["base"])
         out["has_relation"] = usable.any(-1)
+        counted = txt["entity_count"] > 0                                                   # [N, P]
+        out["count"] = out["count_sum"] = torch.zeros_like(out["base"])
+        if self.config.counts and counted.any():
+            n, slot = counted.nonzero(as_tuple=True)
+            logp = self.count_log_probs({k: img[k][n] for k in ("crops", "box_geom", "box_valid")},
+                                        txt["entity"][n, slot], txt["entity_count"][n, slot], paired=True)
+            out["count_sum"] = out["count_sum"].index_add(0, n, logp)   # log P(every numeral of the text holds)
+            out["count"] = out["count"].index_add(0, n, logp / counted.sum(-1).float()[n])
+        out["has_count"] = counted.any(-1) & self.config.counts
         return out
 
     def negative_parts(self, image_reps: Reps, negative_reps: Reps) -> dict[str, Tensor]:
@@ -469,7 +539,9 @@ class Grounded(AdapterHead):
           (:data:`RELATION_NEGATIVES`: the types that change who is where and nothing else; a replace-att negative
           names something absent, which grounding, a softmax over the boxes, cannot say). In a softmax a relation
           that holds of every pair costs nothing once its sigmoid saturates; here the converse must score low, so
-          the predicate has to read the geometry.
+          the predicate has to read the geometry;
+        - the count term's own objective (``count_loss``): -log P(as many boxes hold each counted phrase as its
+          numeral says) in the caption's own image, which needs no negative: the numbers are one distribution.
 
         Sums over the local items divided by the global count, times world_size: DDP's mean is the global mean."""
         scale = self.logit_scale.clamp(max=math.log(MAX_LOGIT_SCALE)).exp()
@@ -488,6 +560,8 @@ class Grounded(AdapterHead):
             ok = negs["has_relation"][:, slots] & valid[:, slots]
             bce, count = bce - (_log1mexp(negs["relation_sum"][:, slots]) * ok).sum(), count + ok.sum()
             terms["relation_bce"] = (bce, count)
+        if self.config.counts and self.config.count_loss > 0:
+            terms["count_nll"] = (-(pos["count_sum"] * pos["has_count"]).sum(), pos["has_count"].sum())
         out, total = {}, logits.new_zeros(())
         for name, (value, count) in terms.items():
             count = count.float()
@@ -495,7 +569,7 @@ class Grounded(AdapterHead):
                 count = count.clone()
                 dist.all_reduce(count)
             term = value / count.clamp_min(1) * world_size
-            weight = self.config.relation_loss if name == "relation_bce" else 1.0
+            weight = {"relation_bce": self.config.relation_loss, "count_nll": self.config.count_loss}.get(name, 1.0)
             total, out[name] = total + weight * term, term
         out["hard_negatives"] = out.pop("choice")
         return {"loss": total, **out}

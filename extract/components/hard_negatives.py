@@ -69,7 +69,7 @@ ATTRIBUTES = {
     "size": ("small", "large", "big", "little", "tiny", "huge", "giant", "short", "tall", "long", "wide",
              "narrow", "thick", "thin"),
     "material": ("wooden", "metal", "metallic", "plastic", "glass", "stone", "brick", "leather", "paper",
-                 "ceramic", "concrete", "steel", "cotton", "wool"),
+                 "ceramic", "concrete", "steel", "cotton", "wool", "rubber", "shiny", "matte"),  # CLEVR's two, 2 ways
     "age": ("old", "young", "new", "ancient", "modern"),
     "state": ("open", "closed", "empty", "full", "wet", "dry", "clean", "dirty", "broken", "lit"),
     "pattern": ("striped", "spotted", "checkered", "plaid", "dotted", "floral"),
@@ -79,8 +79,9 @@ _CATEGORY = {word: name for name, words in ATTRIBUTES.items() for word in words}
 #: predicates whose converse is certainly false when they hold (replace-rel draws it half the time)
 CONVERSES = {
     "to the left of": "to the right of", "left of": "right of", "on the left of": "on the right of",
-    "above": "below", "over": "under", "on": "under", "on top of": "under", "in front of": "behind",
-    "inside": "outside", "in": "outside",
+    "on the left side of": "on the right side of", "above": "below", "over": "under", "on": "under",
+    "on top of": "under", "sitting on": "beneath", "resting on": "underneath", "in front of": "behind",
+    "closer to the camera than": "in back of", "inside": "outside", "in": "outside",
 }
 CONVERSES.update({v: k for k, v in list(CONVERSES.items()) if v not in CONVERSES})
 #: predicates for which swapping subject and object says the same thing

@@ -98,7 +98,8 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
 
     Returns: ``entity_text`` / ``relation_text``: list (C) of lists of str, at most max_entities /
     max_relations each; ``role_text``: list (C) of lists of (subject, predicate, object) strings, one per
-    relation of ``relation_text``; ``n_entities``, ``n_relations``, ``n_leaves``, ``n_nodes``, ``phrases_cut``:
+    relation of ``relation_text``; ``entity_count``: int16 [C, max_entities], the number a numeral on each entity
+    says (:attr:`Phrase.count`; 0: none); ``n_entities``, ``n_relations``, ``n_leaves``, ``n_nodes``, ``phrases_cut``:
     int32 [C]; ``leaf_tokens``: bool [C, max_leaves, L], row k = tokens of leaf k; ``node_leaves``:
     bool [C, max_nodes, max_leaves], row j = leaves of node j. Rows past n_leaves / n_nodes are all False.
 
@@ -110,9 +111,12 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
     node_leaves = np.zeros((c_n, max_nodes, max_leaves), bool)
     counts = {k: np.zeros(c_n, np.int32) for k in ("n_entities", "n_relations", "n_leaves", "n_nodes", "phrases_cut")}
     entity_text, relation_text, role_text = [], [], []
+    entity_count = np.zeros((c_n, max_entities), np.int16)
     any_leaf = any_tokens = False
     for i, comp in enumerate(components):
         entity_text.append([p.text for p in comp.entities[:max_entities]])
+        entity_count[i, :len(entity_text[-1])] = [min(p.count or 0, np.iinfo(np.int16).max)
+                                                  for p in comp.entities[:max_entities]]
         relation_text.append([r.text for r in comp.relations[:max_relations]])
         role_text.append([(r.subject.text, r.predicate.text, r.object.text) for r in comp.relations[:max_relations]])
         leaves = comp.tree.leaves
@@ -136,5 +140,5 @@ def pack(components: Sequence[TextComponents], context_length: int, max_entities
         raise ValueError("no phrase carries token indices: extract the components with "
                          "tokenized=backbone.tokenize(captions) before packing them")
     return {"entity_text": entity_text, "relation_text": relation_text, "role_text": role_text,
-            "leaf_tokens": leaf_tokens,
+            "entity_count": entity_count, "leaf_tokens": leaf_tokens,
             "node_leaves": node_leaves, **counts}

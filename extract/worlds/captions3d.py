@@ -89,12 +89,13 @@ def render(struct: dict) -> str:
     return text
 
 
-def _form(rng: np.random.Generator, predicate: str, split: str, held: bool) -> str:
+def _form(rng: np.random.Generator, predicate: str, held: bool, every: bool = False) -> str:
     """A surface form of ``predicate``: its held-out one for a held-out caption (its first where it has none),
-    else one of the training forms (``language3d.forms``), whatever the split."""
+    else one of the training forms (``language3d.forms``), whatever the split; ``every``: any of its forms (a world
+    for pre-training a base, which may meet every word, as a web-trained CLIP has)."""
     if held:
         return lang.held_out(predicate) or lang.PHRASINGS[predicate][0]
-    choices = lang.forms(predicate, "train")
+    choices = lang.PHRASINGS[predicate] if every else lang.forms(predicate, "train")
     return choices[int(rng.integers(len(choices)))]
 
 
@@ -132,7 +133,7 @@ def _any_phrase(rng: np.random.Generator, obj: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- captions
-def _relation(rng: np.random.Generator, record: dict, split: str) -> tuple[dict, dict] | None:
+def _relation(rng: np.random.Generator, record: dict, split: str, every: bool) -> tuple[dict, dict] | None:
     ok = _nameable(record)
     table = [(i, p, j) for i, p, j in record["relations"] if i in ok and j in ok]
     predicates = sorted({p for _, p, _ in table}, key=lang.WIDE_PREDICATES.index)
@@ -141,9 +142,9 @@ def _relation(rng: np.random.Generator, record: dict, split: str) -> tuple[dict,
     predicate = predicates[int(rng.integers(len(predicates)))]
     pairs = [(i, j) for i, p, j in table if p == predicate]
     i, j = pairs[int(rng.integers(len(pairs)))]
-    held = split != "train" and lang.held_out(predicate) is not None and rng.random() < HELD_OUT_SHARE
+    held = not every and split != "train" and lang.held_out(predicate) is not None and rng.random() < HELD_OUT_SHARE
     struct = {"objects": [_referring(rng, record, i), _referring(rng, record, j)], "relations": [[0, predicate, 1]],
-              "style": _style(rng, [_form(rng, predicate, split, held)], held)}
+              "style": _style(rng, [_form(rng, predicate, held, every)], held)}
     return struct, {"subject": i, "predicate": predicate, "object": j}
 
 
@@ -187,7 +188,7 @@ def _count(rng: np.random.Generator, record: dict) -> dict | None:
     return {"objects": objects, "relations": [], "counts": counts, "count_options": options, "style": _style(rng)}
 
 
-def _two_relations(rng: np.random.Generator, record: dict, split: str) -> tuple[str, dict] | None:
+def _two_relations(rng: np.random.Generator, record: dict, every: bool) -> tuple[str, dict] | None:
     ok = _nameable(record)
     table = [(i, p, j) for i, p, j in record["relations"] if i in ok and j in ok]
     options = {"chain": [(i, p, j, q, k) for i, p, j in table for j2, q, k in table if j2 == j and k != i],
@@ -203,7 +204,7 @@ def _two_relations(rng: np.random.Generator, record: dict, split: str) -> tuple[
     i, j, k = triples[int(rng.integers(len(triples)))]
     second = [1, q, 2] if kind == "chain" else [0, q, 2]
     return kind, {"objects": [_referring(rng, record, x) for x in (i, j, k)], "relations": [[0, p, 1], second],
-                  "style": _style(rng, [_form(rng, p, split, False), _form(rng, q, split, False)])}
+                  "style": _style(rng, [_form(rng, p, False, every), _form(rng, q, False, every)])}
 
 
 def _between(rng: np.random.Generator, record: dict) -> dict | None:
@@ -217,20 +218,22 @@ def _between(rng: np.random.Generator, record: dict) -> dict | None:
             "style": _style(rng)}
 
 
-def scene_captions(record: dict, rng: np.random.Generator, split: str) -> tuple[list[dict], dict | None]:
+def scene_captions(record: dict, rng: np.random.Generator, split: str,
+                   every: bool = False) -> tuple[list[dict], dict | None]:
     """The scene's captions (module docstring) as ``{"id", "kind", "text", "struct"}``, each checked true of the
-    scene, and the relation caption's pair (``named``; None where the scene relates nothing)."""
+    scene, and the relation caption's pair (``named``; None where the scene relates nothing). ``every``: any
+    phrasing in any split, none held out (:func:`_form`)."""
     structs = [("object", {"objects": [_any_phrase(rng, o)], "relations": [], "style": _style(rng)})
                for o in record["objects"]]
     named = None
-    relation = _relation(rng, record, split)
+    relation = _relation(rng, record, split, every)
     if relation is not None:
         structs.append(("relation", relation[0]))
         named = relation[1]
     count = _count(rng, record)
     if count is not None:
         structs.append(("count", count))
-    two = _two_relations(rng, record, split)
+    two = _two_relations(rng, record, every)
     if two is not None:
         structs.append(two)
     between = _between(rng, record)
@@ -264,8 +267,8 @@ def _values(attribute: str, colours: Sequence[str]) -> Sequence[str]:
             "shape": w3.SHAPES}[attribute]
 
 
-def candidates(struct: dict, neg_type: str, rng: np.random.Generator, split: str,
-               colours: Sequence[str] = tuple(w3.COLOURS), record: dict | None = None) -> list[dict]:
+def candidates(struct: dict, neg_type: str, rng: np.random.Generator, colours: Sequence[str] = tuple(w3.COLOURS),
+               record: dict | None = None, every: bool = False) -> list[dict]:
     """Every candidate of ``neg_type`` for caption ``struct`` in a fixed order (a replaced relation's form and
     another object's phrase drawn from ``rng``; ``replace-obj`` needs the scene's ``record``)."""
     objects = struct["objects"]
@@ -306,7 +309,7 @@ def candidates(struct: dict, neg_type: str, rng: np.random.Generator, split: str
     if neg_type == "replace-rel":  # the converse, in the caption's phrasing family
         held = struct["style"]["held_out"]
         return [_changed(struct, relation=(r, [rel[0], CONVERSE[rel[1]], rel[2]]),
-                         form=_form(rng, CONVERSE[rel[1]], split, held))
+                         form=_form(rng, CONVERSE[rel[1]], held, every))
                 for r, rel in enumerate(struct["relations"]) if rel[1] in CONVERSE]  # not "next to", "between"
     out = []  # "count": one number changed, to another its template could say (_counted)
     for r, (_, n) in enumerate(struct.get("counts", ())):
@@ -343,12 +346,12 @@ def rows(caption: dict, neg_type: str) -> list[str]:
 
 
 def scene_negatives(record: dict, caption: dict, rng: np.random.Generator, split: str, holdout: frozenset,
-                    colours: Sequence[str] = tuple(w3.COLOURS)) -> list[dict]:
+                    colours: Sequence[str] = tuple(w3.COLOURS), every: bool = False) -> list[dict]:
     """One acceptable hard negative of each type for ``caption`` (drawn in a random order), none saying what the
-    caption says."""
+    caption says (``every``: :func:`scene_captions`')."""
     out = []
     for neg_type in NEGATIVE_TYPES:
-        found = candidates(caption["struct"], neg_type, rng, split, colours, record)
+        found = candidates(caption["struct"], neg_type, rng, colours, record, every)
         for k in rng.permutation(len(found)):
             text = render(found[k])
             if text != caption["text"] and acceptable(record, found[k], split, holdout):

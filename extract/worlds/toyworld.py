@@ -568,6 +568,10 @@ class ToyWorldOptions:
                                 "size / colour / material / shape, counts, chains and conjunctions, between, next to, "
                                 "several phrasings with one per predicate held out of training; "
                                 "extract/worlds/captions3d.py)")
+    every_phrasing: bool = option(False, action="store_true",
+                                  help="--language wide: every phrasing in every split, none held out of training (a "
+                                       "world to pre-train a base on, which may meet every word as a web-trained CLIP "
+                                       "has; a head's world keeps one phrasing per predicate for its test)")
     phrases: Any = option("", metavar="PREDICATE=WORDS,...",
                           help='other words for predicates in every caption and negative, e.g. "left of=above,'
                                'above=to the left of" (the meaning stays the predicate\'s: a test that a model learns '
@@ -611,6 +615,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ToyWorldOptions:
         parser.error("--palette sets the 3D world's colours: add --world 3d, or drop --palette")
     if opts.language != "whatsup" and opts.world != "3d":
         parser.error("--language sets the 3D world's captions: add --world 3d, or drop --language")
+    if opts.every_phrasing and opts.language != "wide":
+        parser.error("--every-phrasing sets the wide language's phrasings: add --world 3d --language wide")
     if opts.world != "version2" and (opts.long_captions or opts.phrases):
         which = "--hard" if opts.world == "hard" else "--world 3d"
         parser.error(f"{which} has its own scenes and predicate words: drop --long-captions / --phrases")
@@ -623,7 +629,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.world == "3d":
             print(world3d_layout.format_summary(world3d_layout.generate(
                 opts.out, opts.n, opts.seed, size=opts.size, spp=opts.spp or 32, holdout=opts.holdout,
-                splits=opts.splits, workers=opts.workers, palette=opts.palette, language=opts.language)))
+                splits=opts.splits, workers=opts.workers, palette=opts.palette, language=opts.language,
+                every_phrasing=opts.every_phrasing)))
             return
         if opts.hard:
             print(hardworld.format_summary(hardworld.generate(

@@ -61,6 +61,7 @@ class Settings3D:
     splits: tuple = (0.8, 0.1, 0.1)
     palette: str = "clevr"  # the scenes' colours (world3d.PALETTES); the controlled tests keep CLEVR's
     language: str = "whatsup"  # the captions: What'sUp's one shape, or "wide" (extract.worlds.captions3d)
+    every_phrasing: bool = False  # wide: every phrasing in every split, none held out (a world to pre-train a base on)
 
     @property
     def colours(self) -> dict:
@@ -139,9 +140,10 @@ def _wide_scene(index: int, split: str, scene3d: w3.Scene3D, vis: list[dict],
     scene = {**_record(index, split, scene3d, vis, settings),
              **{key: tables[key] for key in ("relations", "lenient", "between", "lenient_between")},
              "camera": _camera(scene3d)}
-    scene["captions"], scene["named"] = captions3d.scene_captions(scene, rng, split)
+    every = settings.every_phrasing
+    scene["captions"], scene["named"] = captions3d.scene_captions(scene, rng, split, every)
     return scene, _items(index, split, scene["captions"], lambda caption: captions3d.scene_negatives(
-        scene, caption, rng, split, settings.holdout, tuple(settings.colours)))
+        scene, caption, rng, split, settings.holdout, tuple(settings.colours), every))
 
 
 def build_scene(index: int, settings: Settings3D, out_dir: str | None) -> tuple[dict, list[dict]]:
@@ -323,12 +325,14 @@ def _vocabulary(settings: Settings3D) -> dict:
 
 def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp: int = 32,
              holdout: str | Iterable = (), splits: str | Sequence[float] = (0.8, 0.1, 0.1),
-             workers: int | None = None, palette: str = "clevr", language: str = "whatsup") -> dict:
+             workers: int | None = None, palette: str = "clevr", language: str = "whatsup",
+             every_phrasing: bool = False) -> dict:
     """Write ``n`` 3D scenes and both controlled tests to ``out_dir`` in the toy worlds' layout; a summary
     (settings, ``counts``, ``workers``, ``seconds``). ``workers`` never changes the output; ``palette``: the
     scenes' colours (``"wide"``: CLEVR's and :data:`world3d.EXTRA_COLOURS`, for pre-training a base; ``"mixed"``:
     the same, CLEVR's drawn twice as often, :func:`allowed_pairs`); ``language``: the captions (:data:`LANGUAGES`;
-    ``"wide"``: :mod:`extract.worlds.captions3d`)."""
+    ``"wide"``: :mod:`extract.worlds.captions3d`); ``every_phrasing`` (wide only): no phrasing held out of the train
+    split, for a world a base is pre-trained on."""
     started = time.perf_counter()
     if n < 1 or seed < 0 or size < 32 or spp < 1:
         raise ValueError(f"--world 3d needs n >= 1, seed >= 0, size >= 32 and spp >= 1; got n={n}, seed={seed}, "
@@ -337,8 +341,10 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
         raise ValueError(f"--palette {palette!r}: choose one of {', '.join(w3.PALETTES)}")
     if language not in LANGUAGES:
         raise ValueError(f"--language {language!r}: choose one of {', '.join(LANGUAGES)}")
+    if every_phrasing and language != "wide":
+        raise ValueError("--every-phrasing sets the wide language's phrasings: add --language wide")
     settings = Settings3D(int(n), int(seed), int(size), int(spp), parse_holdout3d(holdout), parse_splits(splits),
-                          palette, language)
+                          palette, language, bool(every_phrasing))
     workers = max(1, int(workers or 1))
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
@@ -354,6 +360,8 @@ def generate(out_dir: str | os.PathLike, n: int, seed: int, size: int = 96, spp:
         core["palette"] = palette
     if language != "whatsup":  # the same
         core["language"] = language
+    if every_phrasing:
+        core["every_phrasing"] = True
     dump_json(out / "annotations.json", {"meta": {**core, **_vocabulary(settings)}, "scenes": scenes})
     dump_json(out / "negatives.json", {"items": items})
     for split in SPLITS:
@@ -378,17 +386,19 @@ def _crop_side(box: Sequence[int]) -> int:
     return hardworld.CROP_SCALE * max(box[2] - box[0], box[3] - box[1])  # zero_shot_crop's square
 
 
-def crop_records(scene: dict) -> list[dict]:
+def crop_records(scene: dict, material: bool = False) -> list[dict]:
     """The scene's object crops as scenes of one caption each, "a {colour} {shape}": no size (a crop is scaled
-    to fill a third of its square, so it cannot show one) and no material (the world's captions never name it).
-    Ids: ``CROP_IDS + image_id * 8 + k`` (8 objects at most), caption id ``image id * CAPTION_SLOTS``, so neither
-    meets a scene's."""
+    to fill a third of its square, so it cannot show one) and no material (What'sUp's captions never name it);
+    ``material`` (the wide language, which does): "a {colour} {material} {shape}", its two words in turn ("a red
+    shiny cube", "a blue rubber sphere"). Ids: ``CROP_IDS + image_id * 8 + k`` (8 objects at most), caption id
+    ``image id * CAPTION_SLOTS``, so neither meets a scene's."""
     records = []
     for k, obj in enumerate(scene["objects"]):
         image_id, side = CROP_IDS + scene["image_id"] * 8 + k, _crop_side(obj["box"])
+        said = f" {language3d.MATERIAL_WORDS[obj['material']][(scene['image_id'] + k) % 2]}" if material else ""
         records.append({"image_id": image_id, "file_name": obj["crop"], "width": side, "height": side,
                         "captions": [{"id": image_id * hardworld.CAPTION_SLOTS,
-                                      "text": f"a {obj['colour']} {obj['shape']}"}]})
+                                      "text": f"a {obj['colour']}{said} {obj['shape']}"}]})
     return records
 
 
@@ -399,13 +409,18 @@ def write_pretrain(out: Path, scenes: list[dict], settings: Settings3D) -> None:
     of a scene, partly hidden, and no caption says which pixels are which (``extract/models/bases/README.md``, the
     3D bases). ``train.pretrain --split pretrain`` trains on it; every other reader uses ``train``."""
     train = [s for s in scenes if s["split"] == "train"]
-    write_split(out, "pretrain", train + [c for s in train for c in crop_records(s)], settings.seed, VERSION)
+    material = settings.language == "wide"
+    write_split(out, "pretrain", train + [c for s in train for c in crop_records(s, material)], settings.seed, VERSION)
 
 
 def format_summary(summary: dict) -> str:
     counts = summary["counts"]
-    return hardworld.format_summary(summary, headline=(
+    text = hardworld.format_summary(summary, headline=(
         f"toyworld (3d): {summary['n']} scenes ({summary['size']}x{summary['size']} px, {summary['spp']} samples a "
         f"pixel, seed {summary['seed']}, {counts['objects']} objects, {counts['partly_hidden_objects']} partly hidden) "
         f"-> {summary['out']} in {summary['seconds']:.1f} s with {summary['workers']} worker(s) "
         f"({summary['n'] / summary['seconds']:.1f} scenes/s, controlled images included)"))
+    if "caption_kinds" in counts:  # the wide language
+        text += ("\n  captions by kind: " + ", ".join(f"{k}={v}" for k, v in counts["caption_kinds"].items())
+                 + f" ({counts['held_out_phrasings']} in a held-out phrasing, val and test only)")
+    return text

@@ -223,9 +223,10 @@ def test_negatives_loss_trains_the_relation_term_only_on_relational_negatives():
     neg_reps = {k: v[:, None] for k, v in nt.items()}
     valid = torch.ones(8, 1, dtype=torch.bool)
     attribute = head.negatives_loss(img, txt, neg_reps, valid, ("replace-att",))
-    assert set(attribute) == {"loss", "hard_negatives"}  # the choice among the own negatives only
+    # the choice among the own negatives only (the count term's loss is there on every rank, 0 without numerals)
+    assert set(attribute) == {"loss", "hard_negatives", "count_nll"} and attribute["count_nll"].item() == 0
     out = head.negatives_loss(img, txt, neg_reps, valid, ("replace-rel",))
-    assert set(out) == {"loss", "hard_negatives", "relation_bce"}
+    assert set(out) == {"loss", "hard_negatives", "relation_bce", "count_nll"}
     assert math.isfinite(out["loss"].item()) and out["relation_bce"].item() > 0
     out["relation_bce"].backward()
     assert head.pair_code[0].weight.grad.abs().sum() > 0 and head.predicate.weight.grad.abs().sum() > 0
@@ -608,3 +609,75 @@ def test_the_evidence_is_what_the_head_reads_and_what_the_pixels_say():
                                          images)["overlaps"]  # "b in front of a": subject b (box 1), object a
             assert (e["subject"], e["object"]) == (1, 0) and e["region"] is not None and e["read"]
             assert e["owner"] == ("subject" if b_is_front else "object"), (e["votes"], b_is_front)
+
+
+# --------------------------------------------------------------------------------------------- counts
+def counted_text(items: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Captions of one counted phrase each: (object index, the numeral it says; 0 for none)."""
+    out = text_batch([[] for _ in items])
+    out["entity_count"] = torch.zeros(len(items), P, dtype=torch.long)
+    for t, (obj, n) in enumerate(items):
+        out["entity_embed"][t, 0], out["entity_valid"][t, 0], out["entity_count"][t, 0] = OBJECTS[obj], True, n
+        out["text_embed"][t] = OBJECTS[obj]
+    return out
+
+
+def crowd(g: torch.Generator, copies: int) -> tuple[tuple[int, list[float]], ...]:
+    """``copies`` boxes of object 0 and the rest of the E slots other objects, anywhere."""
+    objs = [0] * copies + [int(k) for k in torch.randint(1, 4, (E - copies,), generator=g)]
+    return tuple((o, box_at(*(torch.rand(2, generator=g) * 44 + 10).tolist())) for o in objs)
+
+
+def test_the_count_is_poisson_binomial_over_the_boxes_as_every_subset_of_them_says():
+    """The fast path (a pass over the boxes) against the reference: the probability of each subset of boxes
+    holding the phrase, summed by size."""
+    import itertools
+
+    torch.manual_seed(0)
+    head = spread_head(1)
+    with torch.no_grad():
+        head.count_threshold.fill_(0.1)
+    g = torch.Generator().manual_seed(2)
+    img = head.encode_image(image_batch([crowd(g, 2), crowd(g, 1)]))
+    img["box_valid"][1, 3] = False  # an empty slot holds nothing
+    phrases, numerals = F.normalize(torch.randn(3, D), dim=-1), torch.tensor([1, 2, 5])
+    got = head.count_log_probs(img, phrases, numerals).exp()                          # [I, K]
+    temperature = head.count_log_temperature.exp()
+    p = torch.sigmoid((head.grounding(phrases[None], img)[:, 0] - head.count_threshold) / temperature)
+    p = p * img["box_valid"][:, None]
+    eps = head.config.relation_floor
+    for i in range(2):
+        for k, n in enumerate(numerals.tolist()):
+            exact = sum(math.prod(float(p[i, k, b]) if b in chosen else 1 - float(p[i, k, b]) for b in range(E))
+                        for chosen in itertools.combinations(range(E), n)) if n <= E else 0.0
+            assert float(got[i, k]) == pytest.approx(eps + (1 - eps) * exact, rel=1e-5, abs=1e-7)
+    paired = head.count_log_probs(img, phrases[:2], numerals[:2], paired=True).exp()
+    assert torch.allclose(paired, torch.stack([got[0, 0], got[1, 1]]))
+
+
+def test_a_numeral_is_read_from_how_many_boxes_hold_its_phrase_once_the_count_term_has_learned():
+    """Scenes with one to three copies of one object among others: trained on its own loss (the caption's
+    numeral in its own image), the count term puts each caption above the same caption with another number, in
+    scenes it never saw; a caption without a numeral gets no count term, and --no-counts has none."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    copies = torch.randint(1, 4, (96,), generator=g).tolist()
+    images = image_batch([crowd(g, c) for c in copies])
+    head = Grounded(GroundedConfig(hidden=16), D)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.0)
+    text = counted_text([(0, c) for c in copies])
+    for _ in range(60):
+        pos = head.paired_parts(head.encode_image(images), head.encode_text(text))
+        loss = -(pos["count_sum"] * pos["has_count"]).sum() / pos["has_count"].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    test_copies = torch.randint(1, 4, (48,), generator=g).tolist()
+    img = head.encode_image(image_batch([crowd(g, c) for c in test_copies]))
+    right = head.paired_parts(img, head.encode_text(counted_text([(0, c) for c in test_copies])))["count"]
+    wrong = head.paired_parts(img, head.encode_text(counted_text([(0, c % 3 + 1) for c in test_copies])))["count"]
+    assert (right > wrong).float().mean() >= 0.9
+    plain = head.paired_parts(img, head.encode_text(counted_text([(0, 0)] * 48)))
+    assert not plain["has_count"].any() and (plain["count"] == 0).all()
+    off = Grounded(GroundedConfig(hidden=16, counts=False), D)
+    assert (off.paired_parts(off.encode_image(images), off.encode_text(text))["count"] == 0).all()

@@ -129,18 +129,44 @@ def test_each_shape_of_caption_reads_as_people_write_it():
     assert captions3d.render(count) == "two red cubes and one shiny thing"
     # a count negative changes one number only, to another its kind of phrase counts in the scene
     rng = __import__("numpy").random.default_rng(0)
-    assert [c["counts"] for c in captions3d.candidates(count, "count", rng, "test")] == [
+    assert [c["counts"] for c in captions3d.candidates(count, "count", rng)] == [
         [[0, 1], [1, 1]], [[0, 3], [1, 1]], [[0, 2], [1, 4]]]
     # replace-rel says the converse (as likely in a caption as the predicate: no word a blind model can read), in
     # the caption's phrasing family; "next to" has none
     held = {**chain, "relations": [[0, "on", 1]], "style": {**style, "forms": ["resting on"], "held_out": True}}
-    replaced = captions3d.candidates(held, "replace-rel", rng, "test")
+    replaced = captions3d.candidates(held, "replace-rel", rng)
     assert [(c["relations"], c["style"]["forms"]) for c in replaced] == [([[0, "under", 1]], ["underneath"])]
-    assert captions3d.candidates({**held, "relations": [[0, "next to", 1]]}, "replace-rel", rng, "test") == []
+    assert captions3d.candidates({**held, "relations": [[0, "next to", 1]]}, "replace-rel", rng) == []
     both = captions3d.candidates({**chain, "style": {**style, "forms": ["on top of", "right of"]}}, "replace-rel",
-                                 rng, "train")
+                                 rng)
     assert [c["relations"] for c in both] == [[[0, "under", 1], [1, "right of", 2]], [[0, "on", 1], [1, "left of", 2]]]
     assert all(f in language3d.forms(p, "train") for c in both for (_, p, _), f in zip(c["relations"],
                                                                                        c["style"]["forms"]))
     with pytest.raises(ValueError, match="no negative type"):
-        captions3d.candidates(held, "replace-everything", rng, "test")
+        captions3d.candidates(held, "replace-everything", rng)
+
+
+@pytest.mark.slow
+def test_a_world_for_pre_training_a_base_says_every_phrasing_and_names_its_crops_materials(tmp_path):
+    """``every_phrasing``: the held-out phrasings in the train split too (a base may meet every word, as a
+    web-trained CLIP has; a head's world keeps them for its test), none flagged held out; a wide world's crops
+    name their material, so a base pre-trained on its ``pretrain`` split can learn the words; the command refuses the
+    option without the wide language."""
+    import csv
+
+    from extract.worlds.toyworld import main
+
+    world3d_layout.generate(tmp_path / "b", 30, seed=5, size=32, spp=2, language="wide", every_phrasing=True)
+    annotations = json.loads((tmp_path / "b" / "annotations.json").read_text())
+    assert json.loads((tmp_path / "b" / "meta.json").read_text())["every_phrasing"] is True
+    held = [language3d.held_out(p) for p in language3d.PHRASINGS if language3d.held_out(p)]
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, held)) + r")\b")
+    train = [c for s in annotations["scenes"] if s["split"] == "train" for c in s["captions"]]
+    assert any(pattern.search(c["text"]) for c in train)
+    assert not any(c["struct"]["style"]["held_out"] for s in annotations["scenes"] for c in s["captions"])
+    with open(tmp_path / "b" / "pretrain.csv") as f:
+        crops = [row for row in csv.DictReader(f) if row["filepath"].startswith("objects/")]
+    words = {w for pair in language3d.MATERIAL_WORDS.values() for w in pair}
+    assert crops and all(row["title"].split()[2] in words for row in crops)
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x"), "--world", "3d", "--every-phrasing"])

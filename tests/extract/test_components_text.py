@@ -471,3 +471,12 @@ def test_a_numeral_is_the_phrases_count_not_its_words(ex):
     assert [p.count for p in ex.extract(["there are 4 gray spheres behind the cube"])[0].entities] == [4, 4, None]
     assert [p.count for p in ex.extract(["a dozen eggs"])[0].entities] == [None, None]  # no plain number
     assert all(p.count is None for p in ex.extract(["a red circle left of a blue square"])[0].entities)
+    # packed for the cache apart from the text: the count a head reads (0: no numeral), slot by slot
+    from extract.models.backbone import load_backbone
+
+    backbone = load_backbone("tiny")
+    texts = ["two red cubes to the left of a blue sphere", "a red circle left of a blue square"]
+    comps = ex.extract(texts, backbone.tokenize(texts))
+    packed = pack(comps, backbone.context_length, 3, 2, 24, 47)
+    assert packed["entity_count"].tolist() == [[2, 2, 0], [0, 0, 0]]
+    assert packed["entity_text"][0] == ["red cubes", "cubes", "blue sphere"]

@@ -114,7 +114,7 @@ class PhraseMap:
 class ComponentMatch:
     """One text component of a ComAlign query and the image component that wins its max in FGM (eq. 2-4).
 
-    kind: "entity" | "relation" (| "subject" | "object": grounded heads); index: its slot among the caption's components of that kind; text: the component
+    kind: "entity" | "relation" (| "subject" | "object" | "count": grounded heads); index: its slot among the caption's components of that kind; text: the component
     as embedded ("small red circle", "red circle to the left of blue square"); score: max over the image's valid
     components of that kind of <t, v> (0 when the image has none: eq. 3's empty-set convention); image_index /
     box: the winner's slot and box (original px), None when there is none.
@@ -675,7 +675,8 @@ class Heatmapper:
         parts = scorer.head.explain_score(image_reps, text_reps, arrays)
         args = scorer.extractor.args
         relations = comp.relations[:args.max_relations]
-        names = {"entity": [p.text for p in comp.entities[:args.max_entities]],
+        entities = comp.entities[:args.max_entities]
+        names = {"entity": [p.text for p in entities], "count": [f"{p.count} {p.text}" for p in entities],
                  "subject": [r.subject.text for r in relations], "object": [r.object.text for r in relations],
                  "relation": [r.text for r in relations]}
         boxes = arrays["ventity_boxes"][0]

@@ -419,8 +419,9 @@ class Grounded(AdapterHead):
     def explain_score(self, image_reps: Reps, text_reps: Reps, image_arrays: dict | None = None) -> dict:
         """The score of one image and one text (reps of one item each) from its parts, for serving's heatmaps:
         ``components``: (kind, slot, score, box slot or None) for each text entity (its best box and grounding g),
-        each triplet's subject and object (the box the soft grounding puts most weight on, and that weight) and the
-        triplet itself (P(it holds), no box); ``terms`` base / entity / relation and ``weights`` (1, w_E, w_R), whose
+        each counted phrase (P(exactly as many boxes hold it as its numeral says), no box), each triplet's subject and
+        object (the box the soft grounding puts most weight on, and that weight) and the triplet itself (P(it
+        holds), no box); ``terms`` base / entity / relation / count and ``weights`` (1, w_E, w_R, w_C), whose
         weighted sum is :meth:`score`; ``overlaps``: given ``image_arrays`` (the arrays ``image_reps`` were encoded
         from: ``ventity_boxes``, ``ventity_image_size``, ``ventity_overlap``), for each triplet whose subject and
         object were grounded, the overlap evidence of that pair of boxes (:meth:`overlap_evidence`), else []."""
@@ -432,6 +433,10 @@ class Grounded(AdapterHead):
             g = self.grounding(txt["entity"], img, paired=True)[0].masked_fill(~box_ok[None], NEG)   # [P, E]
             for slot in txt["entity_valid"][0].nonzero().flatten().tolist():
                 out.append(("entity", slot, float(g[slot].max()), int(g[slot].argmax())))
+        if self.config.counts:  # P(exactly as many boxes hold the phrase as its numeral says)
+            for slot in (txt["entity_count"][0] > 0).nonzero().flatten().tolist():
+                logp = self.count_log_probs(img, txt["entity"][0, slot:slot + 1], txt["entity_count"][0, slot:slot + 1])
+                out.append(("count", slot, float(logp.exp()[0, 0]), None))
         tau = self.log_temperature.exp().clamp(1e-3, 1.0)
         held = self.relation_triplets(img, txt, paired=True)[0] if self.config.relations else None
         for slot in txt["role_valid"][0].nonzero().flatten().tolist():

@@ -681,3 +681,19 @@ def test_a_numeral_is_read_from_how_many_boxes_hold_its_phrase_once_the_count_te
     assert not plain["has_count"].any() and (plain["count"] == 0).all()
     off = Grounded(GroundedConfig(hidden=16, counts=False), D)
     assert (off.paired_parts(off.encode_image(images), off.encode_text(text))["count"] == 0).all()
+
+
+def test_explain_score_gives_each_counted_phrase_the_probability_of_its_number():
+    head = spread_head(4)
+    g = torch.Generator().manual_seed(1)
+    img = head.encode_image(image_batch([crowd(g, 2)]))
+    txt = head.encode_text(counted_text([(0, 2)]))
+    parts = head.explain_score(img, txt)
+    (count,) = [c for c in parts["components"] if c[0] == "count"]
+    expected = head.count_log_probs(img, txt["entity"][0, :1], txt["entity_count"][0, :1]).exp()[0, 0]
+    assert count[1] == 0 and count[3] is None and count[2] == pytest.approx(float(expected))
+    assert parts["weights"]["count"] == head.config.count_weight
+    score = sum(parts["weights"][k] * parts["terms"][k] for k in parts["weights"])
+    assert score == pytest.approx(float(head.score(img, txt)[0, 0]), abs=1e-5)
+    assert not [c for c in head.explain_score(img, head.encode_text(counted_text([(0, 0)])))["components"]
+                if c[0] == "count"]

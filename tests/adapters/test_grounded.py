@@ -643,7 +643,9 @@ def test_the_count_is_poisson_binomial_over_the_boxes_as_every_subset_of_them_sa
     phrases, numerals = F.normalize(torch.randn(3, D), dim=-1), torch.tensor([1, 2, 5])
     got = head.count_log_probs(img, phrases, numerals).exp()                          # [I, K]
     temperature = head.count_log_temperature.exp()
-    p = torch.sigmoid((head.grounding(phrases[None], img)[:, 0] - head.count_threshold) / temperature)
+    ask = phrases @ head.count_geometry.T  # the count's own ask of the box geometry
+    g = torch.einsum("kd,ied->ike", phrases, img["crops"]) + torch.einsum("kh,ieh->ike", ask, img["box_geom"])
+    p = torch.sigmoid((g - head.count_threshold) / temperature)
     p = p * img["box_valid"][:, None]
     eps = head.config.relation_floor
     for i in range(2):
@@ -679,6 +681,13 @@ def test_a_numeral_is_read_from_how_many_boxes_hold_its_phrase_once_the_count_te
     assert (right > wrong).float().mean() >= 0.9
     plain = head.paired_parts(img, head.encode_text(counted_text([(0, 0)] * 48)))
     assert not plain["has_count"].any() and (plain["count"] == 0).all()
+    # the count's loss trains its own parts only: the grounding the entity and relation terms read is left alone
+    head.zero_grad()
+    pos = head.paired_parts(head.encode_image(images), head.encode_text(text))
+    (-(pos["count_sum"]).sum()).backward()
+    assert head.count_geometry.grad.abs().sum() > 0 and head.count_threshold.grad != 0
+    assert all(p.grad is None or not p.grad.any() for p in (*head.box_code.parameters(),
+                                                             *head.phrase_geometry.parameters()))
     off = Grounded(GroundedConfig(hidden=16, counts=False), D)
     assert (off.paired_parts(off.encode_image(images), off.encode_text(text))["count"] == 0).all()
 

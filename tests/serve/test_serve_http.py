@@ -324,6 +324,7 @@ def _raw_post(server, route: str, body: bytes, extra: str = "", length: int | No
     return answer
 
 
+@pytest.mark.slow
 def test_a_refused_body_gets_its_answer_not_a_connection_reset(server, monkeypatch):
     """A body over the limit that says its length (up to DRAIN_FACTOR x the limit) is read to its end before the
     413, so the client reads the answer: answered with unread bytes in the socket, the close sent a reset that

@@ -356,6 +356,7 @@ BAD_INDEXES = {  # name -> (how the copy is damaged, the message's fragment)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BAD_INDEXES))
 def test_a_missing_half_written_or_tampered_index_is_one_error_line(setup, tmp_path, capsys, name):
     damage, message = BAD_INDEXES[name]

@@ -99,6 +99,8 @@ def synthetic_arrays(keys: Sequence[str], n: int, dim: int, grid: tuple[int, int
             out[key] = unit(n, r)
         elif key in ("ventity_valid", "entity_valid"):
             out[key] = np.ones((n, e), bool)
+        elif key == "entity_count":  # no numerals: every phrase as a caption without a count says it
+            out[key] = np.zeros((n, e), np.int16)
         elif key in ("vrelation_valid", "relation_valid", "role_valid"):
             out[key] = np.ones((n, r), bool)
         elif key == "ventity_image_size":  # the boxes below are in a 224-px image

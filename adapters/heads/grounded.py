@@ -218,8 +218,9 @@ class Grounded(AdapterHead):
             self.count_threshold = nn.Parameter(torch.tensor(0.2))
             self.count_log_temperature = nn.Parameter(torch.tensor(math.log(0.05)))
             # what a counted phrase asks of a box's geometry ("two large cubes"), its own: trained through the shared
-            # A and box code, the count's loss moved the grounding the relation term reads (Controlled-B's group
-            # 46 -> 10 on the wide 3D world, one seed; 46 with the count in the score but no count loss)
+            # A and box code, the count's loss moves the grounding the relation term reads (one seed on the wide 3D
+            # world: Controlled-B's group 10, 46 with the count's loss off; it swings 10-100 across seeds there, so
+            # the evidence is thin, but the count has no business moving what the other terms read)
             # (zero, and drawn from no random stream: every other weight and the runs' draws stay as they were)
             self.count_geometry = nn.Parameter(torch.zeros(config.hidden, embed_dim))
         if config.appearance:

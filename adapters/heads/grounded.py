@@ -256,7 +256,7 @@ class Grounded(AdapterHead):
     def encode_text(self, batch: dict[str, Tensor]) -> Reps:
         pred = F.normalize(batch["role_predicate_embed"].float(), dim=-1)
         valid = batch["entity_valid"].bool()
-        count = batch["entity_count"].long() if "entity_count" in batch else torch.zeros_like(valid, dtype=torch.long)
+        count = batch["entity_count"].long()
         return {"base": F.normalize(batch["text_embed"].float(), dim=-1),
                 "entity": F.normalize(batch["entity_embed"].float(), dim=-1),
                 "entity_valid": valid, "entity_count": count * valid,

@@ -39,7 +39,7 @@ import numpy as np
 from extract.worlds import language3d as lang
 from extract.worlds import world3d as w3
 from extract.worlds.hardworld import CAPTION_SLOTS, satisfies
-from extract.worlds.shared import article, join_words
+from extract.worlds.shared import article, join_words, matches
 
 KINDS = ("object", "relation", "count", "chain", "conjunction", "between")
 NEGATIVE_TYPES = ("replace-size", "replace-colour", "replace-material", "replace-shape", "replace-obj", "swap-att",
@@ -105,7 +105,7 @@ def _style(rng: np.random.Generator, forms: Sequence[str] = (), held: bool = Fal
 
 # ------------------------------------------------------------------------------------------------- phrases
 def _matching(record: dict, said: dict) -> list[int]:
-    return [k for k, o in enumerate(record["objects"]) if all(o[key] == v for key, v in said.items())]
+    return [k for k, o in enumerate(record["objects"]) if matches(o, said)]
 
 
 def _referring(rng: np.random.Generator, record: dict, k: int) -> dict:

@@ -83,8 +83,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from extract.worlds.shared import (COLOURS, CONTROLLED_A, CONTROLLED_B, CONTROLLED_FILES, NEGATIVE_TYPES, SHAPES,
-                                   SPLITS, WHATSUP_DIR, combos, count_files, describe, draw_shape, dump_json, mutations,
-                                   parse_holdout, parse_splits, render_struct, split_of, write_split, write_whatsup)
+                                   SPLITS, WHATSUP_DIR, combos, count_files, describe, draw_shape, dump_json, matches,
+                                   mutations, parse_holdout, parse_splits, render_struct, split_of, write_split,
+                                   write_whatsup)
 
 HARD_VERSION = 1
 PREDICATES = ("left of", "right of", "above", "below", "on", "under", "in front of", "behind")
@@ -219,10 +220,6 @@ def relation_tables(objects: list[dict], size: int) -> tuple[list[list], list[li
     return strict, lenient, visible
 
 
-def _matches(obj: dict, wanted: dict) -> bool:
-    return all(obj[key] == value for key, value in wanted.items())
-
-
 def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     """Whether caption ``struct`` is true of hard-world ``scene``: its objects map injectively onto scene objects with
     the attributes named, every ``[i, predicate, j]`` is in the scene's ``relations`` (``lenient``: its ``lenient``
@@ -233,11 +230,11 @@ def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     objects = scene["objects"]
     if "count" in struct and struct["count"] != len(objects):
         return False
-    if any(sum(_matches(o, struct["objects"][k]) for o in objects) != n for k, n in struct.get("counts", ())):
+    if any(sum(matches(o, struct["objects"][k]) for o in objects) != n for k, n in struct.get("counts", ())):
         return False
     table = {tuple(r) for r in scene["lenient" if lenient else "relations"]}
     threes = {tuple(r) for r in scene.get("lenient_between" if lenient else "between", ())}
-    options = [[k for k, obj in enumerate(objects) if _matches(obj, w)] for w in struct["objects"]]
+    options = [[k for k, obj in enumerate(objects) if matches(obj, w)] for w in struct["objects"]]
 
     def holds(used: tuple, relation: list) -> bool:
         if len(relation) == 4:  # [i, "between", j, k]

@@ -121,12 +121,17 @@ def counted(n: int, phrase: Phrase, **word_choice) -> str:
     return f"{NUMBERS[n]} {phrase.words(plural=n > 1, **word_choice)}"
 
 
+def _base(scene: w3.Scene3D, k: int) -> int:
+    """The object at the bottom of ``k``'s stack (``k`` itself on the floor)."""
+    while scene.objects[k].support is not None:
+        k = scene.objects[k].support
+    return k
+
+
 def _foot(scene: w3.Scene3D, k: int) -> np.ndarray:
     """Where object ``k`` stands on the floor: its own base, or its stack's."""
-    objs = scene.objects
-    while objs[k].support is not None:
-        k = objs[k].support
-    return np.array([objs[k].x, objs[k].y])
+    base = scene.objects[_base(scene, k)]
+    return np.array([base.x, base.y])
 
 
 def between(scene: w3.Scene3D, a: int, b: int, c: int, lenient: bool = False) -> bool:
@@ -188,12 +193,6 @@ def held_out(predicate: str) -> str | None:
 # ------------------------------------------------------------------------------------------------- tables
 WIDE_PREDICATES = (*w3.PREDICATES, "next to")  # two-place predicates of the wide language ("between" takes three)
 DIRECTIONS = ("left of", "right of", "in front of", "behind")
-
-
-def _base(scene: w3.Scene3D, k: int) -> int:
-    while scene.objects[k].support is not None:
-        k = scene.objects[k].support
-    return k
 
 
 def relation_table(scene: w3.Scene3D, lenient: bool = False) -> list[list]:

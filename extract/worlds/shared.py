@@ -235,6 +235,12 @@ def mutations(struct: dict, neg_type: str, predicates: Sequence[str], colours: I
     return _MUTATORS[neg_type](struct, predicates, tuple(colours), tuple(shapes))
 
 
+def matches(obj: dict, wanted: dict) -> bool:
+    """Whether a scene object has every attribute a caption's phrase names (any subset of its keys): the one rule
+    every world's judge and caption writer reads."""
+    return all(obj[key] == value for key, value in wanted.items())
+
+
 def combos(struct: dict) -> list[tuple[str, str]]:
     return [(o["colour"], o["shape"]) for o in struct["objects"]]
 

@@ -11,8 +11,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from extract.worlds import hardworld
-from extract.worlds.shared import (COUNT_WORDS, NEGATIVE_TYPES, article, combos, describe, join_words, mutations, noun,
-                                   render_struct)
+from extract.worlds.shared import (COUNT_WORDS, NEGATIVE_TYPES, article, combos, describe, join_words, matches,
+                                   mutations, noun, render_struct)
 
 
 VERSION = 2  # 2: captions name directions only, long-caption clauses in either order (no caption prior)
@@ -102,10 +102,6 @@ def relation_holds(a: Sequence[int], predicate: str, b: Sequence[int], side: int
     raise ValueError(f"unknown predicate {predicate!r}; expected one of {PREDICATES}")
 
 
-def _matches(obj: dict, wanted: dict) -> bool:
-    return all(obj[key] == value for key, value in wanted.items())
-
-
 def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     """Whether caption ``struct`` is true of ``scene`` (an entry of ``annotations["scenes"]``).
 
@@ -121,7 +117,7 @@ def satisfies(scene: dict, struct: dict, *, lenient: bool = False) -> bool:
     if "count" in struct and struct["count"] != len(objects):
         return False
     wanted = struct["objects"]
-    options = [[k for k, obj in enumerate(objects) if _matches(obj, w)] for w in wanted]
+    options = [[k for k, obj in enumerate(objects) if matches(obj, w)] for w in wanted]
     for assignment in itertools.product(*options):
         if len(set(assignment)) < len(assignment):
             continue

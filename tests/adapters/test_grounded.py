@@ -50,7 +50,7 @@ def text_batch(triplets: list[list[tuple[int, int, int]]]) -> dict[str, torch.Te
     """triplets: per caption, (subject object, predicate, object object) for each relation (at most R)."""
     n = len(triplets)
     out = {"text_embed": torch.zeros(n, D), "entity_embed": torch.zeros(n, P, D),
-           "entity_valid": torch.zeros(n, P, dtype=torch.bool)}
+           "entity_valid": torch.zeros(n, P, dtype=torch.bool), "entity_count": torch.zeros(n, P, dtype=torch.long)}
     for role in ("subject", "predicate", "object"):
         out[f"role_{role}_embed"] = torch.zeros(n, R, D)
     out["role_valid"] = torch.zeros(n, R, dtype=torch.bool)
@@ -620,7 +620,6 @@ def test_the_evidence_is_what_the_head_reads_and_what_the_pixels_say():
 def counted_text(items: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Captions of one counted phrase each: (object index, the numeral it says; 0 for none)."""
     out = text_batch([[] for _ in items])
-    out["entity_count"] = torch.zeros(len(items), P, dtype=torch.long)
     for t, (obj, n) in enumerate(items):
         out["entity_embed"][t, 0], out["entity_valid"][t, 0], out["entity_count"][t, 0] = OBJECTS[obj], True, n
         out["text_embed"][t] = OBJECTS[obj]

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from extract.components.overlap import FEATURES as OVERLAP_FEATURES
+from extract.components.thumbnails import SIDE as THUMB_SIDE
 from extract.models.backbone import FrozenBackbone, load_backbone
 from extract.cache import CacheDir, FeatureCache, settings_diff
 from extract.common.cli import check_options, progress, run_job
@@ -46,7 +47,8 @@ from extract.common.source_args import open_options
 
 # Bump when a code change alters what is cached for the same settings: the fingerprint then changes and old
 # caches are rebuilt instead of silently reused.
-PIPELINE_VERSION = 5  # 2: ventity_image_size; 3: ventity_overlap; 4: its symmetry features; 5: entity_count
+PIPELINE_VERSION = 6  # 2: ventity_image_size; 3: ventity_overlap; 4: its symmetry features; 5: entity_count;
+#                        6: ventity_pixels
 #: distinct entity / relation / role phrases whose embeddings a shard builder keeps (a phrase is embedded on its own,
 #: so it has one embedding whatever caption it came from)
 PHRASE_MEMO = 100_000
@@ -352,6 +354,7 @@ class ShardBuilder:
 
         from extract.components.overlap import ownership
         from extract.components.regions import crop_regions, gt_boxes, relation_boxes
+        from extract.components.thumbnails import thumbnails
 
         a, d = self.args, self.bb.embed_dim
         n, E, R = len(image_ids), a.max_entities, a.max_relations
@@ -362,6 +365,8 @@ class ShardBuilder:
                "vrelation_pairs": np.zeros((n, R, 2), np.int16),
                # who owns each pair's overlap, from the pixels (extract/components/overlap.py)
                "ventity_overlap": np.zeros((n, E, E, OVERLAP_FEATURES), np.float16),
+               # each box's own pixels, small: what the crop's embedding may lose (extract/components/thumbnails.py)
+               "ventity_pixels": np.zeros((n, E, THUMB_SIDE, THUMB_SIDE, 3), np.uint8),
                # (width, height) of the image the boxes are in: box geometry in image units needs it
                "ventity_image_size": np.asarray([(r.shape[1], r.shape[0]) for r in raws], np.float32).reshape(n, 2)}
         pils = [Image.fromarray(r) for r in raws]
@@ -384,6 +389,7 @@ class ShardBuilder:
                     where += [(kind, i, j) for j in range(k)]
             out["vrelation_pairs"][i, : len(pairs)] = pairs
             out["ventity_overlap"][i] = ownership(raws[i], boxes, E)
+            out["ventity_pixels"][i] = thumbnails(raws[i], boxes, E)
         if crops:
             emb = self._encode_image_tensor(torch.cat(crops)).astype(np.float16)
             for (kind, i, j), e in zip(where, emb):

@@ -22,7 +22,9 @@ Score of image i and caption t (every term is differentiable; nothing here knows
 
   grounding   g(x, b) = <x, c_b> + <A x, G(box_b)>: phrase x against box b, the base's own cosine between the
               phrase and the crop, plus a learned term that lets a phrase ask for a box's geometry (a crop is
-              resized to the backbone's input, so "small" / "large" can only be read from the box);
+              resized to the backbone's input, so "small" / "large" can only be read from the box); with ``pixels``,
+              G(box_b) + P(pix_b), P a small learned code of the box's own pixels at 12 x 12 (what the crop's
+              embedding loses: material on the wide 3D world, extract/components/thumbnails.py);
   entities    E(i, t) = mean over the caption's entity phrases of max_b g(x, b);
   relations   for a triplet (s, p, o): the subject and object are grounded softly,
               a_s(b) = softmax_b(g(s, b) / tau), a_o likewise, and the predicate scores every ordered pair of
@@ -71,6 +73,7 @@ from adapters.heads.base import AdapterHead, Reps
 from adapters.losses.contrastive import gather, local_rows
 from adapters.registry import ADAPTERS
 from extract.components.overlap import FEATURES as OVERLAP_FEATURES, RULES as OVERLAP_RULES
+from extract.components.thumbnails import SIDE as THUMB_SIDE
 
 MAX_LOGIT_SCALE = 100.0  # CLIP's clamp on exp(logit_scale)
 BOX_FEATURES = 7    # x0, y0, x1, y1, w, h, sqrt(area): one box in image units
@@ -78,6 +81,9 @@ PAIR_FEATURES = 12  # see pair_features
 NEG = -1e4          # "impossible" in log space: finite, so 0 x NEG stays 0 in masked sums and gradients
 #: hard-negative types that change who is where and nothing else: what the relation term is trained to reject
 RELATION_NEGATIVES = ("swap-obj", "replace-rel")
+#: hard-negative types that change what a phrase names: what the entity term's own loss (``entity_loss``) rejects
+#: (swap-att is not one: both swapped phrases often name objects the scene holds, only not where the caption says)
+ENTITY_NEGATIVES = ("replace-att", "replace-obj")
 
 
 @dataclass
@@ -120,7 +126,19 @@ class GroundedConfig:
     count_loss: float = field(default=1.0, metadata={
         "help": "weight of the count term's own loss: -log P(as many boxes hold the phrase as its numeral says) in "
                 "the caption's own image"})
+    # off by default for now, as counts and pixels: the other worlds' tables were measured without it
+    entity_loss: float = field(default=0.0, metadata={
+        "help": "weight of the entity term's own loss: each phrase a replace-att / replace-obj negative changes "
+                "grounds better than its changed version in the box the caption's phrase grounds to (logistic, in "
+                "units of the grounding temperature); what teaches an attribute the base's words hardly tell apart, "
+                "such as material on the wide 3D world (0: off)"})
     logit_scale_init: float = field(default=1 / 0.07, metadata={"help": "initial softmax scale 1/tau (CLIP's init)"})
+    # off by default: it adds weights every world's head would train, and the other worlds' tables were measured
+    # without it; on for the wide 3D world, whose captions name material (train/adapter/wide3d.md)
+    pixels: bool = field(default=False, metadata={
+        "help": "let a phrase read each box's own pixels (ventity_pixels, a 12x12 thumbnail, "
+                "extract/components/thumbnails.py) through a small learned code beside its geometry: what the base's "
+                "crop embedding loses, such as material (off: the crop's embedding and the box's geometry)"})
     appearance: bool = field(default=True, metadata={
         "help": "let the predicate read who owns two boxes' overlap in the pixels (ventity_overlap, "
                 "extract/components/overlap.py) next to their geometry: in front of / behind, which boxes cannot tell "
@@ -131,9 +149,10 @@ class GroundedConfig:
             raise ValueError("grounded: hidden must be >= 1")
         if not self.temperature > 0:
             raise ValueError("grounded: temperature must be > 0")
-        if min(self.entity_weight, self.relation_weight, self.relation_loss, self.count_weight, self.count_loss) < 0:
-            raise ValueError("grounded: entity_weight, relation_weight, relation_loss, count_weight and count_loss "
-                             "must be >= 0")
+        if min(self.entity_weight, self.relation_weight, self.relation_loss, self.count_weight, self.count_loss,
+               self.entity_loss) < 0:
+            raise ValueError("grounded: entity_weight, relation_weight, relation_loss, count_weight, count_loss and "
+                             "entity_loss must be >= 0")
         if not (0 <= self.same_box_prior < 1 and 0 <= self.relation_floor < 1):
             raise ValueError("grounded: same_box_prior and relation_floor must lie in [0, 1)")
 
@@ -187,7 +206,7 @@ class Grounded(AdapterHead):
     components = ("entities", "roles")
     extract_options: dict = {}
     image_keys = ("image_embed", "ventity_embed", "ventity_valid", "ventity_boxes", "ventity_image_size",
-                  "ventity_overlap")
+                  "ventity_overlap", "ventity_pixels")
     text_keys = ("text_embed", "entity_embed", "entity_valid", "entity_count", "role_subject_embed",
                  "role_predicate_embed", "role_object_embed", "role_valid")
     #: NegCLIP's hard negatives unless the run says otherwise: the relation term learns from converses
@@ -223,6 +242,11 @@ class Grounded(AdapterHead):
             # the evidence is thin, but the count has no business moving what the other terms read)
             # (zero, and drawn from no random stream: every other weight and the runs' draws stay as they were)
             self.count_geometry = nn.Parameter(torch.zeros(config.hidden, embed_dim))
+        if config.pixels:
+            # P(pixels of b), added to the box code G(box b): the phrase's ask A x reads both, so a phrase learns what
+            # to ask of a box's look as it learns what to ask of its geometry, and A = 0 at the start keeps the score
+            # the base's cosine until it does
+            self.pixel_code = nn.Sequential(nn.Linear(THUMB_SIDE * THUMB_SIDE * 3, h), nn.GELU(), nn.Linear(h, h))
         if config.appearance:
             # the pixels' evidence of who owns the overlap enters H's first layer through its own weights, zero at the
             # start and drawn from no random stream: the head starts as the geometry-only one, to the bit, and where
@@ -241,9 +265,13 @@ class Grounded(AdapterHead):
         pairs = geom.new_zeros(*geom.shape[:2], geom.shape[1], self.config.hidden)
         pairs[:, :e, :e] = self.code_pairs(pair_features(geom[:, :e]),
                                            batch["ventity_overlap"][:, :e, :e] if self.config.appearance else None)
+        box = self.box_code(geom)
+        if self.config.pixels:
+            thumbs = batch["ventity_pixels"]
+            box = box + self.pixel_code(thumbs.reshape(*thumbs.shape[:2], -1).float() / 255.0 - 0.5)
         return {"base": F.normalize(batch["image_embed"].float(), dim=-1),
                 "crops": F.normalize(batch["ventity_embed"].float(), dim=-1),
-                "box_valid": valid, "box_geom": self.box_code(geom), "pairs": pairs}
+                "box_valid": valid, "box_geom": box, "pairs": pairs}
 
     def code_pairs(self, geometry: Tensor, overlap: Tensor | None) -> Tensor:
         """H of every pair: its geometry [..., PAIR_FEATURES] through the pair code, the overlap evidence [...,
@@ -544,6 +572,30 @@ class Grounded(AdapterHead):
         parts = self.paired_parts(images, {name: v.flatten(0, 1) for name, v in negative_reps.items()})
         return {name: v.view(n, k) for name, v in parts.items()}
 
+    def entity_margins(self, image_reps: Reps, text_reps: Reps, negative_reps: Reps, valid: Tensor,
+                       slots: list[int]) -> tuple[Tensor, Tensor]:
+        """For the entity loss: (g(x, b*) - g(x', b*)) / tau [N, S, P] and where it counts, for each phrase x of a
+        caption that its negative in slot ``slots[s]`` changed into x' (the same slot of the negative's phrases, a
+        different embedding), b* the box x grounds to best in the caption's own image (an index: no gradient
+        through the choice). On that box, not anywhere in the image: a negative drawn from the text alone ("a matte
+        cube" for "a shiny cube") may be true of another object of the scene, and the entity term's max over the
+        boxes would then teach the head that a true phrase is false; of the box the caption's phrase names, the
+        changed phrase is false (as long as that phrase grounds right). In units of the soft grounding's temperature,
+        detached: this loss has no say in how sharply the relation term grounds."""
+        img = self.trimmed_images(image_reps)
+        box_ok = img["box_valid"]                                                          # [N, E]
+        x, x_neg = text_reps["entity"], negative_reps["entity"][:, slots]                   # [N, P, D], [N, S, P, D]
+        n, s, p = x_neg.shape[:3]
+        g = self.grounding(x, img, paired=True).masked_fill(~box_ok[:, None], NEG)          # [N, P, E]
+        best = g.argmax(-1)                                                                 # [N, P]
+        g_pos = g.gather(-1, best[..., None])[..., 0]                                       # [N, P]
+        g_neg = self.grounding(x_neg.reshape(n, s * p, -1), img, paired=True).view(n, s, p, -1)
+        g_neg = g_neg.gather(-1, best[:, None, :, None].expand(n, s, p, 1))[..., 0]         # [N, S, P]
+        tau = self.log_temperature.exp().clamp(1e-3, 1.0).detach()
+        ok = (text_reps["entity_valid"][:, None] & negative_reps["entity_valid"][:, slots]
+              & (x_neg != x[:, None]).any(-1) & valid[:, slots, None] & box_ok.any(1)[:, None, None])
+        return (g_pos[:, None] - g_neg) / tau, ok
+
     def negatives_loss(self, image_reps: Reps, text_reps: Reps, negative_reps: Reps, negative_valid: Tensor,
                        types: tuple[str, ...], rank: int = 0, world_size: int = 1) -> dict[str, Tensor]:
         """How this head takes its hard negatives (``train.adapter.negatives.NegativeLoss`` calls it in place of
@@ -559,6 +611,13 @@ class Grounded(AdapterHead):
           names something absent, which grounding, a softmax over the boxes, cannot say). In a softmax a relation
           that holds of every pair costs nothing once its sigmoid saturates; here the converse must score low, so
           the predicate has to read the geometry;
+        - the entity term's own objective (``entity_loss``, off by default): for each phrase a replace-att /
+          replace-obj negative changed (:data:`ENTITY_NEGATIVES`: the types that change what a phrase names), a
+          logistic loss on g(phrase, b*) - g(changed phrase, b*), b* the box the caption's phrase grounds to
+          (:meth:`entity_margins`). In the choice among all of a caption's negatives an attribute the
+          base's words hardly tell apart (material on the wide 3D world: "a metal cube" and "a rubber cube" at a
+          cosine of 0.97 in toy-clip-3d-mixed) is a small share of the signal; told directly which phrase names the
+          object, the same parts read it (train/adapter/wide3d.md);
         - the count term's own objective (``count_loss``): -log P(as many boxes hold each counted phrase as its
           numeral says) in the caption's own image, which needs no negative: the numbers are one distribution.
 
@@ -579,6 +638,10 @@ class Grounded(AdapterHead):
             ok = negs["has_relation"][:, slots] & valid[:, slots]
             bce, count = bce - (_log1mexp(negs["relation_sum"][:, slots]) * ok).sum(), count + ok.sum()
             terms["relation_bce"] = (bce, count)
+        slots = [j for j, t in enumerate(types) if t in ENTITY_NEGATIVES]
+        if self.config.entity_loss > 0 and slots:
+            margin, ok = self.entity_margins(image_reps, text_reps, negative_reps, valid, slots)
+            terms["entity_logistic"] = ((F.softplus(-margin) * ok).sum(), ok.sum())
         if self.config.counts and self.config.count_loss > 0:
             terms["count_nll"] = (-(pos["count_sum"] * pos["has_count"]).sum(), pos["has_count"].sum())
         out, total = {}, logits.new_zeros(())
@@ -588,7 +651,8 @@ class Grounded(AdapterHead):
                 count = count.clone()
                 dist.all_reduce(count)
             term = value / count.clamp_min(1) * world_size
-            weight = {"relation_bce": self.config.relation_loss, "count_nll": self.config.count_loss}.get(name, 1.0)
+            weight = {"relation_bce": self.config.relation_loss, "count_nll": self.config.count_loss,
+                      "entity_logistic": self.config.entity_loss}.get(name, 1.0)
             total, out[name] = total + weight * term, term
         out["hard_negatives"] = out.pop("choice")
         return {"loss": total, **out}

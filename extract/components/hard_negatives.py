@@ -34,6 +34,8 @@ Types (the toy world's names and meanings, :data:`extract.worlds.toyworld.NEGATI
 Dropped candidates
     - the same structure as the positive: a swap of equal words, a swap across a symmetric predicate
       (:data:`SYMMETRIC`: "next to", "near", ...), a subject and object of the same text;
+    - the same meaning in other words: a replacement or a swap within one :data:`SYNONYMS` group ("shiny" /
+      "metal", "on" / "on top of");
     - ambiguous ones: two referents with the same full name, or a mention that now fits two referents
       ("the red circle" when the caption names a small and a large red circle);
     - any naming a forbidden (attribute, noun) pair (``forbid``: the held-out combinations of a toy world).
@@ -75,6 +77,26 @@ ATTRIBUTES = {
     "pattern": ("striped", "spotted", "checkered", "plaid", "dotted", "floral"),
 }
 _CATEGORY = {word: name for name, words in ATTRIBUTES.items() for word in words}
+#: words and predicates that say the same thing, or nothing certainly different: a replacement or a swap within one
+#: group is dropped, as it may be true of the image ("a shiny cube" -> "a metal cube" is not a negative; the wide 3D
+#: world says each material two ways and each predicate in several phrasings, and before these groups a third of
+#: its material negatives and a share of its replace-rel ones named the caption's own meaning in other words)
+SYNONYMS = (
+    ("gray", "grey"), ("gold", "golden"), ("small", "little", "tiny"), ("large", "big", "huge", "giant"),
+    ("metal", "metallic", "steel", "shiny"), ("rubber", "matte"),
+    ("on", "on top of", "sitting on", "resting on", "atop"), ("under", "beneath", "underneath"),
+    ("left of", "to the left of", "on the left of", "on the left side of"),
+    ("right of", "to the right of", "on the right of", "on the right side of"),
+    ("in front of", "closer to the camera than"), ("behind", "in back of"),
+    ("next to", "beside", "near", "close to", "by", "adjacent to"),
+)
+_GROUP = {word: k for k, group in enumerate(SYNONYMS) for word in group}
+
+
+def synonyms(a: str, b: str) -> bool:
+    """True where ``a`` and ``b`` are one word or in one :data:`SYNONYMS` group (case-insensitive)."""
+    a, b = a.lower(), b.lower()
+    return a == b or (a in _GROUP and _GROUP.get(a) == _GROUP.get(b))
 
 #: predicates whose converse is certainly false when they hold (replace-rel draws it half the time)
 CONVERSES = {
@@ -328,16 +350,17 @@ class _Candidates:
         s, v = self.s, self.vocab
         if kind == "replace-att":
             return [(k, cat, new) for k, r in enumerate(s.referents) for cat, word in sorted(r.attributes.items())
-                    for new in v.attributes.get(cat, []) if new != word]
+                    for new in v.attributes.get(cat, []) if not synonyms(new, word)]
         if kind == "replace-obj":  # a noun replaces one of the same number (no "three cat")
             return [(k, new) for k, r in enumerate(s.referents) if r.head not in GENERIC_NOUNS for new in v.nouns
                     if new != r.head and plural(new) == plural(r.head) and new not in GENERIC_NOUNS]
         if kind == "replace-rel":
-            return [(n, new) for n, rel in enumerate(s.relations) for new in v.predicates if new != rel.predicate]
+            return [(n, new) for n, rel in enumerate(s.relations) for new in v.predicates
+                    if not synonyms(new, rel.predicate)]
         if kind == "swap-att":
             return [(i, j, cat) for i, j in itertools.combinations(range(len(self.attrs)), 2)
                     for cat in sorted(self.attrs[i].keys() & self.attrs[j].keys())
-                    if self.attrs[i][cat] != self.attrs[j][cat]]
+                    if not synonyms(self.attrs[i][cat], self.attrs[j][cat])]
         if kind == "swap-obj":
             return [(n,) for n in range(len(s.relations))]
         raise ValueError(f"unknown hard-negative type {kind!r}; expected one of {', '.join(NEGATIVE_TYPES)}")

@@ -7,8 +7,9 @@ relations, counts; judged by ``hardworld.satisfies`` on the scene's tables) and 
 - **object** (one per object): the object by a random non-empty subset of size, colour, material and shape, "a
   small shiny cube", "a red thing";
 - **relation**: one pair the scene relates, the predicate drawn first, uniformly among those the scene holds (the
-  six of ``world3d`` and "next to"), in one of its surface forms (``language3d.PHRASINGS``); in val and test, half
-  the relation captions say their predicate in its held-out form, which no training caption or negative uses;
+  six of ``world3d`` and "next to"), in one of its surface forms (``language3d.PHRASINGS``); in test, half the
+  relation captions say their predicate in its held-out form, which no training or validation caption or negative
+  uses (validation chooses the checkpoint, so a held-out form there would choose it partly on the forms it tests);
 - **count**: "two red cubes" (and sometimes "and one gray sphere", a second phrase matching other objects), the
   attributes said drawn first, then the number among those phrases of that kind count in the scene, so a caption's
   number and its negative's are equally plausible for the phrase (:func:`_counted`);
@@ -56,7 +57,7 @@ ROWS = {"chain": (("chain", "conjunction"), ("replace-rel", "swap-obj")), "betwe
 #: "next to" has no converse: its row reads replace-obj (another object, far from the first).
 CONVERSE = {"left of": "right of", "right of": "left of", "on": "under", "under": "on", "in front of": "behind",
             "behind": "in front of"}
-HELD_OUT_SHARE = 0.5  # of val / test relation captions, said in their predicate's held-out form
+HELD_OUT_SHARE = 0.5  # of test relation captions, said in their predicate's held-out form
 SUBSETS = [s for r in range(1, 5) for s in itertools.combinations(lang.ATTRIBUTES, r)]
 
 
@@ -142,7 +143,10 @@ def _relation(rng: np.random.Generator, record: dict, split: str, every: bool) -
     predicate = predicates[int(rng.integers(len(predicates)))]
     pairs = [(i, j) for i, p, j in table if p == predicate]
     i, j = pairs[int(rng.integers(len(pairs)))]
-    held = not every and split != "train" and lang.held_out(predicate) is not None and rng.random() < HELD_OUT_SHARE
+    # val draws as test does (its other draws stay where they were) but says the training forms: the checkpoint is
+    # chosen on val, and a choice made on held-out forms would be a choice made on what they test
+    drawn = not every and split != "train" and lang.held_out(predicate) is not None and rng.random() < HELD_OUT_SHARE
+    held = drawn and split == "test"
     struct = {"objects": [_referring(rng, record, i), _referring(rng, record, j)], "relations": [[0, predicate, 1]],
               "style": _style(rng, [_form(rng, predicate, held, every)], held)}
     return struct, {"subject": i, "predicate": predicate, "object": j}

@@ -710,3 +710,172 @@ def test_explain_score_gives_each_counted_phrase_the_probability_of_its_number()
     assert score == pytest.approx(float(head.score(img, txt)[0, 0]), abs=1e-5)
     assert not [c for c in head.explain_score(img, head.encode_text(counted_text([(0, 0)])))["components"]
                 if c[0] == "count"]
+
+
+# --------------------------------------------------------------------------------------------- the boxes' pixels
+SHINY, MATTE = torch.eye(D)[12], torch.eye(D)[13]  # two material words: directions the crops' embeddings never show
+
+
+def thumbnail(g: torch.Generator, shiny: bool) -> torch.Tensor:
+    """A box's pixels [SIDE, SIDE, 3] uint8: a shiny object has a bright highlight near its upper middle, a matte one
+    is flat; both of a random dull colour."""
+    from extract.components.thumbnails import SIDE
+
+    pix = torch.full((SIDE, SIDE, 3), 90, dtype=torch.uint8) + torch.randint(0, 30, (1, 1, 3), generator=g).byte()
+    if shiny:
+        y, x = torch.randint(2, 5, (2,), generator=g).tolist()
+        pix[y:y + 4, x:x + 4] = 250
+    return pix
+
+
+def material_batch(g: torch.Generator, n: int) -> tuple[dict, list[list[bool]]]:
+    """n scenes of two boxes of different objects, each box shiny or matte at random; the crops' embeddings are the
+    objects' alone, so only the pixels tell the materials."""
+    from extract.components.thumbnails import SIDE
+
+    scenes = [random_scene(g) for _ in range(n)]
+    images = image_batch(scenes)
+    images["ventity_pixels"] = torch.zeros(n, E, SIDE, SIDE, 3, dtype=torch.uint8)
+    shiny = [[bool(torch.rand(1, generator=g) < 0.5) for _ in range(2)] for _ in range(n)]
+    for i, flags in enumerate(shiny):
+        for k, flag in enumerate(flags):
+            images["ventity_pixels"][i, k] = thumbnail(g, flag)
+    return images, [[(a, flags[0]), (b, flags[1])] for ((a, _), (b, _)), flags in zip(scenes, shiny)]
+
+
+def material_text(phrases: list[tuple[int, bool]]) -> dict[str, torch.Tensor]:
+    """Captions of one phrase each, "a shiny <object k>" / "a matte <object k>"."""
+    out = text_batch([[] for _ in phrases])
+    for t, (obj, shiny) in enumerate(phrases):
+        out["entity_embed"][t, 0] = F.normalize(OBJECTS[obj] + (SHINY if shiny else MATTE), dim=0)
+        out["entity_valid"][t, 0] = True
+        out["text_embed"][t] = OBJECTS[obj]  # the pooled caption does not say the material either
+    return out
+
+
+def test_the_pixel_code_starts_where_it_changes_no_score_and_leaves_every_other_weight_as_it_was():
+    """``pixels``: a head that reads the boxes' thumbnails starts as the one that does not, score for score, to the bit
+    (the phrase's ask of a box is zero at the start); under one seed every other weight is the control's."""
+    g = torch.Generator().manual_seed(1)
+    images, objects = material_batch(g, 6)
+    texts = material_text([objs[0] for objs in objects])
+    torch.manual_seed(3)
+    head = Grounded(GroundedConfig(hidden=16, pixels=True, counts=True), D)
+    torch.manual_seed(3)
+    control = Grounded(GroundedConfig(hidden=16, counts=True), D)
+    own = dict(head.named_parameters())
+    assert {n.split(".")[0] for n in set(own) - set(dict(control.named_parameters()))} == {"pixel_code"}
+    for name, value in control.named_parameters():
+        assert torch.equal(own[name], value), name
+    with torch.no_grad():
+        img, ctl = head.encode_image(images), control.encode_image(images)
+        assert not torch.equal(img["box_geom"], ctl["box_geom"])  # the pixels are read...
+        assert torch.equal(head.score(img, head.encode_text(texts)), control.score(ctl, control.encode_text(texts)))
+
+
+@pytest.mark.slow
+def test_a_material_the_crops_embeddings_do_not_show_is_learned_from_the_pixels_and_the_control_cannot():
+    """Two boxes per scene, each shiny or matte in its pixels only; captions name one box's material, negatives the
+    other material. Trained on the head's own choice among a caption and its negative, the head with ``pixels`` puts
+    the true material above the false one in scenes it never saw; the same head without reads them at chance."""
+    def train(pixels: bool) -> Grounded:
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(0)
+        head = Grounded(GroundedConfig(hidden=16, pixels=pixels), D)
+        images, objects = material_batch(g, 128)
+        picks = [objs[int(torch.randint(2, (1,), generator=g))] for objs in objects]
+        pos, neg = material_text(picks), material_text([(o, not s) for o, s in picks])
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.0)
+        for _ in range(100):
+            img, txt, nt = head.encode_image(images), head.encode_text(pos), head.encode_text(neg)
+            out = head.negatives_loss(img, txt, {k: v[:, None] for k, v in nt.items()},
+                                      torch.ones(len(picks), 1, dtype=torch.bool), ("replace-att",))
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+        return head.eval()
+
+    g = torch.Generator().manual_seed(9)
+    images, objects = material_batch(g, 48)
+    picks = [objs[k % 2] for k, objs in enumerate(objects)]
+    # without the pixels the head can learn one material word's preference, which is right for the half of the
+    # items whose true material it prefers: chance, not a reading of the box
+    for pixels, low, high in ((True, 0.9, 1.0), (False, 0.0, 0.6)):
+        head = train(pixels)
+        with torch.no_grad():
+            img = head.encode_image(images)
+            right = head.combine(head.paired_parts(img, head.encode_text(material_text(picks))))
+            wrong = head.combine(head.paired_parts(img, head.encode_text(material_text([(o, not s) for o, s in picks]))))
+        assert low <= (right > wrong + 1e-6).float().mean() <= high, pixels
+
+
+def entity_loss_setup():
+    """16 scenes of two boxes of one object; each caption names box 0's material ("a shiny <object>") and, unchanged
+    in its negative, the bare object; its negative says the other material, which box 1 has: a text-only negative
+    true of another object of the scene."""
+    g = torch.Generator().manual_seed(3)
+    images, objects = material_batch(g, 16)
+    images["ventity_embed"][:, 1] = images["ventity_embed"][:, 0]
+    for i, objs in enumerate(objects):
+        images["ventity_pixels"][i, 1] = thumbnail(g, not objs[0][1])
+        objects[i] = [objs[0], (objs[0][0], not objs[0][1])]
+    picks = [objs[0] for objs in objects]
+    pos, neg = material_text(picks), material_text([(o, not s) for o, s in picks])
+    for text in (pos, neg):
+        for t, objs in enumerate(objects):
+            text["entity_embed"][t, 1], text["entity_valid"][t, 1] = OBJECTS[objs[1][0]], True
+    torch.manual_seed(0)
+    head = Grounded(GroundedConfig(hidden=16, pixels=True, entity_loss=1.0), D)
+    nt = {k: torch.stack([v, v], 1) for k, v in head.encode_text(neg).items()}  # two slots, the same negative
+    valid = torch.ones(16, 2, dtype=torch.bool)
+    valid[3, 0] = False
+    with torch.no_grad():
+        head.phrase_geometry.weight.normal_(0, 0.3)  # away from zero, so the pixels count
+    return head, images, pos, nt, valid
+
+
+def test_the_entity_loss_is_a_logistic_on_each_changed_phrase_in_the_box_the_captions_phrase_grounds_to():
+    """``entity_loss``: -log sigmoid((g(x, b*) - g(x', b*)) / tau), x a phrase the negative changed into x', b* the
+    box x grounds to best, averaged over the changed phrases of the replace-att / replace-obj slots (the reference,
+    written out here, one phrase and one box at a time); unchanged phrases and the other types' slots take no part;
+    absent when off."""
+    head, images, pos, nt, valid = entity_loss_setup()
+    img, txt = head.encode_image(images), head.encode_text(pos)
+    out = head.negatives_loss(img, txt, nt, valid, ("replace-att", "swap-att"))
+    tau = head.log_temperature.exp()
+
+    def g(x, i, b):  # the grounding of phrase x in box b of image i, as the module docstring writes it
+        return x @ img["crops"][i, b] + head.phrase_geometry(x) @ img["box_geom"][i, b]
+
+    losses = []
+    for i in range(16):
+        for p in range(P):
+            x, x_neg = txt["entity"][i, p], nt["entity"][i, 0, p]
+            if not (valid[i, 0] and txt["entity_valid"][i, p] and not torch.equal(x, x_neg)):
+                continue
+            best = max((b for b in range(E) if img["box_valid"][i, b]), key=lambda b: float(g(x, i, b)))
+            losses.append(F.softplus(-(g(x, i, best) - g(x_neg, i, best)) / tau))
+    assert len(losses) == 15  # one changed phrase per caption, one caption without a valid slot
+    assert torch.allclose(out["entity_logistic"], torch.stack(losses).mean(), rtol=1e-5)
+    assert "entity_logistic" not in head.negatives_loss(img, txt, nt, valid, ("swap-att", "swap-obj"))
+    off = Grounded(GroundedConfig(hidden=16, pixels=True), D)
+    assert "entity_logistic" not in off.negatives_loss(off.encode_image(images), off.encode_text(pos), nt, valid,
+                                                       ("replace-att", "replace-obj"))
+
+
+@pytest.mark.slow
+def test_the_entity_loss_alone_teaches_a_phrase_to_ground_better_than_its_negative():
+    """Its gradient reaches the phrase's ask of a box and not the grounding temperature; a few steps of it alone put
+    each caption's phrase above its negative's in the box it names."""
+    head, images, pos, nt, valid = entity_loss_setup()
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(40):
+        out = head.negatives_loss(head.encode_image(images), head.encode_text(pos), nt, valid, ("replace-att",) * 2)
+        opt.zero_grad()
+        out["entity_logistic"].backward()
+        if step == 0:
+            assert head.phrase_geometry.weight.grad.abs().sum() > 0 and head.log_temperature.grad is None
+        opt.step()
+    with torch.no_grad():
+        margin, ok = head.entity_margins(head.encode_image(images), head.encode_text(pos), nt, valid, [0])
+    assert (margin[ok] > 0).float().mean() >= 0.9

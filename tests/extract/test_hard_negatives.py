@@ -198,3 +198,29 @@ def test_a_relation_without_a_converse_draws_uniformly(gen):
     rng = np.random.default_rng(1)
     drawn = Counter(dict(gen.draw(["a dog next to a cat"], rng)[0])["replace-rel"] for _ in range(60))
     assert len(drawn) >= 4 and max(drawn.values()) <= 24, drawn
+
+
+def test_the_same_meaning_in_other_words_is_never_a_negative():
+    """A replacement or a swap within one synonym group may be true of the image ("a shiny cube" for "a metal cube",
+    "on top of" for "on"): dropped, while the other words of the category stay candidates; the 3D world's phrasings
+    of each predicate are one group, so no phrasing of a predicate stands as its negative."""
+    from extract.worlds import language3d
+
+    gen = hn.HardNegatives.for_captions(["a small shiny cube on a large rubber sphere", "a metal cube on top of a "
+                                         "sphere", "a small matte cube", "a tiny cube to the right of a big cylinder",
+                                         "a gray cube under a grey sphere"])
+    assert gen.vocab.attributes["material"] == ["matte", "metal", "rubber", "shiny"]
+    negs = all_negatives(gen, "a small shiny cube on a large rubber sphere")
+    assert "a small shiny cube on a large matte sphere" not in negs["replace-att"]
+    assert "a small metal cube on a large rubber sphere" not in negs["replace-att"]
+    assert "a small rubber cube on a large rubber sphere" in negs["replace-att"]
+    assert "a small matte cube on a large rubber sphere" in negs["replace-att"]
+    assert "a tiny shiny cube on a large rubber sphere" not in negs["replace-att"]
+    assert "a small shiny cube on top of a large rubber sphere" not in negs["replace-rel"]
+    assert "a small shiny cube under a large rubber sphere" in negs["replace-rel"]
+    assert "a small shiny cube to the right of a large rubber sphere" in negs["replace-rel"]
+    assert "a small rubber cube on a large shiny sphere" in negs["swap-att"]
+    assert "swap-att" not in all_negatives(gen, "a gray cube under a grey sphere")  # one colour, two spellings
+    for predicate, forms in language3d.PHRASINGS.items():
+        assert all(hn.synonyms(a, b) for a in forms for b in forms), predicate
+    assert not hn.synonyms("on", "under") and not hn.synonyms("left of", "right of")

@@ -182,17 +182,21 @@ def test_a_phrase_prompt_writes_the_noun_phrases_and_nothing_else(world, referen
         ExtractOptions(phrase_prompt="a photo")
 
 
-def test_a_hard_worlds_cache_holds_the_overlap_code_of_its_pixels_where_boxes_overlap(tmp_path_factory):
-    """``ventity_overlap`` as the pipeline writes it, read back from a small hard world's cache: each image's array is
-    the overlap component's (extract/components/overlap.py) on its own pixels and cached boxes, non-zero for every
-    pair the world draws one in front of the other, zero where two boxes are apart; the world has such pairs."""
+def test_a_hard_worlds_cache_holds_the_overlap_code_and_thumbnails_of_its_pixels(tmp_path_factory):
+    """``ventity_overlap`` and ``ventity_pixels`` as the pipeline writes them, read back from a small hard world's
+    cache: each image's arrays are the overlap and thumbnail components' (extract/components/) on its own pixels and
+    cached boxes; the overlap code non-zero for every pair the world draws one in front of the other, zero where two
+    boxes are apart (the world has such pairs); a thumbnail in every box slot, zeros in the empty ones."""
     from extract.components.overlap import FEATURES, ownership
+    from extract.components.thumbnails import thumbnails
 
     cache, world = hard_world_cache(tmp_path_factory)
     scenes = {str(s["image_id"]): s for s in toyworld.load(world)["scenes"]}
     records = {r.image_id: r for r in ToyWorldSource(world).records()}
     rows = np.arange(cache.num_images)
-    got, boxes, valid = (cache.gather(k, rows) for k in ("ventity_overlap", "ventity_boxes", "ventity_valid"))
+    got, boxes, valid, pixels = (cache.gather(k, rows) for k in ("ventity_overlap", "ventity_boxes", "ventity_valid",
+                                                                  "ventity_pixels"))
+    assert pixels.dtype == np.uint8 and pixels[valid].any() and not pixels[~valid].any()
     assert got.shape == (len(rows), 10, 10, FEATURES) and got.dtype == np.float16
     in_front = apart = 0
     for row, image_id in enumerate(cache.image_ids()):
@@ -200,6 +204,7 @@ def test_a_hard_worlds_cache_holds_the_overlap_code_of_its_pixels_where_boxes_ov
         raw = np.asarray(Image.open(records[image_id].source).convert("RGB"))
         want = ownership(raw, boxes[row, :n], 10)
         np.testing.assert_array_equal(got[row], want.astype(np.float16), err_msg=image_id)
+        np.testing.assert_array_equal(pixels[row], thumbnails(raw, boxes[row, :n], 10), err_msg=image_id)
         for front, predicate, back in scenes[image_id]["relations"]:
             if predicate == "in front of":  # the front object owns pixels of the other's box: the pair overlaps
                 in_front += 1

@@ -35,6 +35,7 @@ from adapters.heads.base import to_tensors
 from adapters.registry import ADAPTERS
 from extract.cache import CacheDir, FeatureCache
 from extract.components.overlap import FEATURES as OVERLAP_FEATURES
+from extract.components.thumbnails import SIDE as THUMB_SIDE
 from extract.common.cli import Parser, option, parse_options, run_job
 from extract.common.cli import build_parser as build_cli
 from extract.common.config import nonnegative_int, positive_int
@@ -110,6 +111,8 @@ def synthetic_arrays(keys: Sequence[str], n: int, dim: int, grid: tuple[int, int
             out[key] = np.concatenate([corner, corner + rng.uniform(8, 64, (n, e, 2)).astype(np.float32)], -1)
         elif key == "ventity_overlap":  # no two of the random boxes' pixels compared: no overlap evidence
             out[key] = np.zeros((n, e, e, OVERLAP_FEATURES), np.float16)
+        elif key == "ventity_pixels":  # black thumbnails (extract/components/thumbnails.py): the same arithmetic, no draw
+            out[key] = np.zeros((n, e, THUMB_SIDE, THUMB_SIDE, 3), np.uint8)
         elif key == "vrelation_pairs":  # the first r pairs (i < j) of the e entities, as extract.components.regions lists them
             out[key] = np.broadcast_to(pair_rows(e, r), (n, r, 2)).copy()
         elif key == "patch_tokens":

@@ -242,6 +242,11 @@ class Grounded(AdapterHead):
             # the evidence is thin, but the count has no business moving what the other terms read)
             # (zero, and drawn from no random stream: every other weight and the runs' draws stay as they were)
             self.count_geometry = nn.Parameter(torch.zeros(config.hidden, embed_dim))
+        if not config.pixels:
+            # this head reads no thumbnails: serving and evaluation (which gather the instance's keys) need none, so an
+            # index over a cache from before ``ventity_pixels`` existed still serves it; the class lists every key a
+            # grounded head may read, what a training cache must hold
+            self.image_keys = tuple(k for k in type(self).image_keys if k != "ventity_pixels")
         if config.pixels:
             # P(pixels of b), added to the box code G(box b): the phrase's ask A x reads both, so a phrase learns what
             # to ask of a box's look as it learns what to ask of its geometry, and A = 0 at the start keeps the score

@@ -765,6 +765,9 @@ def test_the_pixel_code_starts_where_it_changes_no_score_and_leaves_every_other_
     control = Grounded(GroundedConfig(hidden=16, counts=True), D)
     own = dict(head.named_parameters())
     assert {n.split(".")[0] for n in set(own) - set(dict(control.named_parameters()))} == {"pixel_code"}
+    # only the head that reads the thumbnails asks a cache for them (an index over an older cache serves the other)
+    assert "ventity_pixels" in head.image_keys and "ventity_pixels" not in control.image_keys
+    assert set(control.image_keys) | {"ventity_pixels"} == set(Grounded.image_keys)
     for name, value in control.named_parameters():
         assert torch.equal(own[name], value), name
     with torch.no_grad():

@@ -247,7 +247,7 @@ class Grounded(AdapterHead):
             # index over a cache from before ``ventity_pixels`` existed still serves it; the class lists every key a
             # grounded head may read, what a training cache must hold
             self.image_keys = tuple(k for k in type(self).image_keys if k != "ventity_pixels")
-        if config.pixels:
+        else:
             # P(pixels of b), added to the box code G(box b): the phrase's ask A x reads both, so a phrase learns what
             # to ask of a box's look as it learns what to ask of its geometry, and A = 0 at the start keeps the score
             # the base's cosine until it does

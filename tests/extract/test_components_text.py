@@ -55,6 +55,8 @@ def words(caption, tokens, spans):
     ("a red circle to the left of a blue square", ["red circle", "circle", "blue square", "square"]),  # no "left"
     ("a cat in front of a tv on top of a desk", ["cat", "tv", "desk"]),  # no "front", "top"
     ("a sphere closer to the camera than a cube", ["sphere", "cube"]),  # no "camera"
+    ("a small yellow matte sphere on top of a cube", ["small yellow matte sphere", "sphere", "cube"]),  # sphere/RB
+    ("a dog sleeping outside", ["dog"]),  # an adverb that does follow a noun phrase stays one
     ("the", []),
     ("it is red and very shiny", []),  # no noun
     ("", []),
@@ -100,6 +102,25 @@ def test_entities_are_capped_in_caption_order():
     ("a red thing closer to the camera than a cylinder, which is left of a cube",
      [("red thing", "closer to the camera than", "cylinder"), ("cylinder", "left of", "cube")]),
     ("the cube is farther from the viewer than the sphere", [("cube", "farther from the viewer than", "sphere")]),
+    # the wide 3D world's captions that the parse read wrong (rules version 5): a predicate right after "and" takes
+    # the first one's subject wherever the parser hung it; "right of" is one preposition; the tagger's "sphere"/RB
+    # and "matte"/NN slips repaired (extract/components/tag_repair.py)
+    ("a large purple rubber thing right of a small red rubber sphere and under a large cyan metal cube",
+     [("large purple rubber thing", "right of", "small red rubber sphere"),
+      ("large purple rubber thing", "under", "large cyan metal cube")]),
+    ("a small red metal cube in front of a large green rubber thing and sitting on a large red rubber cube",
+     [("small red metal cube", "in front of", "large green rubber thing"),
+      ("small red metal cube", "sitting on", "large red rubber cube")]),
+    ("a brown thing left of a small gray matte cylinder and in front of a purple matte sphere",
+     [("brown thing", "left of", "small gray matte cylinder"), ("brown thing", "in front of", "purple matte sphere")]),
+    ("a large brown rubber sphere right of a large purple metal sphere and in front of a large gray metal cube",
+     [("large brown rubber sphere", "right of", "large purple metal sphere"),
+      ("large brown rubber sphere", "in front of", "large gray metal cube")]),
+    ("a small gray sphere right of a small brown matte sphere and next to a small purple thing",
+     [("small gray sphere", "right of", "small brown matte sphere"), ("small gray sphere", "next to",
+                                                                      "small purple thing")]),
+    ("a small sphere right of a large green rubber sphere", [("small sphere", "right of", "large green rubber sphere")]),
+    ("a dog outside a house", [("dog", "outside", "house")]),
     ("a small red circle", []),
     ("the", []),
 ])

@@ -82,8 +82,9 @@ NEG = -1e4          # "impossible" in log space: finite, so 0 x NEG stays 0 in m
 #: hard-negative types that change who is where and nothing else: what the relation term is trained to reject
 RELATION_NEGATIVES = ("swap-obj", "replace-rel")
 #: hard-negative types that change what a phrase names: what the entity term's own loss (``entity_loss``) rejects
-#: (swap-att is not one: both swapped phrases often name objects the scene holds, only not where the caption says)
-ENTITY_NEGATIVES = ("replace-att", "replace-obj")
+#: (swap-att is not one: both swapped phrases often name objects the scene holds, only not where the caption says);
+#: a toy world's own negatives (``--hard-negatives world``) name a replace-att by the attribute it changes
+ENTITY_NEGATIVES = ("replace-att", "replace-obj", "replace-size", "replace-colour", "replace-material", "replace-shape")
 
 
 @dataclass

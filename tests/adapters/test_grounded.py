@@ -861,6 +861,9 @@ def test_the_entity_loss_is_a_logistic_on_each_changed_phrase_in_the_box_the_cap
     assert len(losses) == 15  # one changed phrase per caption, one caption without a valid slot
     assert torch.allclose(out["entity_logistic"], torch.stack(losses).mean(), rtol=1e-5)
     assert "entity_logistic" not in head.negatives_loss(img, txt, nt, valid, ("swap-att", "swap-obj"))
+    # a toy world's own negatives say which attribute they replace (--hard-negatives world): the same loss
+    by_kind = head.negatives_loss(img, txt, nt, valid, ("replace-material", "swap-att"))["entity_logistic"]
+    torch.testing.assert_close(by_kind, out["entity_logistic"])
     off = Grounded(GroundedConfig(hidden=16, pixels=True), D)
     assert "entity_logistic" not in off.negatives_loss(off.encode_image(images), off.encode_text(pos), nt, valid,
                                                        ("replace-att", "replace-obj"))

@@ -13,7 +13,7 @@ pytest.importorskip("spacy")
 from adapters.registry import ADAPTERS  # noqa: E402
 from fixtures.toy import toy_root  # noqa: E402
 from train.adapter.engine import AdapterOptions, AdapterRun, compute_gradients, resolve, train  # noqa: E402
-from train.adapter.negatives import NegativeLoss, build_negatives, draw_negatives  # noqa: E402
+from train.adapter.negatives import NegativeLoss, build_negatives, draw_negatives, world_negatives  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,58 @@ def test_every_head_trains_with_hard_negatives(method, root, tmp_path):
 def test_an_unknown_type_is_refused_clearly():
     with pytest.raises(ValueError, match="unknown hard-negative type"):
         resolve(AdapterOptions(method="comalign", hard_negatives="swap-everything"))
+
+
+def _world_captions(world):
+    """Every caption of a toy world's train split as a cache lists them: (texts, caption ids)."""
+    coco = json.loads((world / "train_coco.json").read_text())
+    return [a["caption"] for a in coco["annotations"]], [str(a["id"]) for a in coco["annotations"]]
+
+
+def test_world_negatives_are_the_worlds_own_of_each_training_caption(root):
+    """--hard-negatives world: each training caption's slots hold exactly the world's negatives of it (negatives.json,
+    split train), one slot per type the world writes; a caption not trained on gets none; a cache whose captions are
+    not the world's is refused, saying which caption differs."""
+    world = root / "world"
+    texts, ids = _world_captions(world)
+    train_rows = np.arange(0, len(texts), 2)
+    drawn = world_negatives(world, texts, ids, train_rows)
+    listed = json.loads((world / "negatives.json").read_text())["items"]
+    own = {str(e["caption_id"]): {n["type"]: n["text"] for n in e["negatives"]}
+           for e in listed if e["split"] == "train"}
+    assert set(drawn.types) == {t for negs in own.values() for t in negs}
+    for r in range(len(texts)):
+        got = {drawn.types[k]: drawn.texts[i] for k, i in enumerate(drawn.rows[r]) if i >= 0}
+        assert got == (own.get(ids[r], {}) if r % 2 == 0 else {}), r
+    assert (drawn.rows >= 0).sum() > len(train_rows)
+    wrong = list(texts)
+    wrong[2] = "a zebra"
+    with pytest.raises(ValueError, match=f"caption {ids[2]} reads 'a zebra'"):
+        world_negatives(world, wrong, ids, train_rows)
+
+
+def test_world_negatives_take_drawn_slots_after_their_own(root):
+    """'world,swap-obj*2': the world's slots as they are, then the drawn ones, each text the draw's own, each distinct
+    text encoded once."""
+    world = root / "world"
+    texts, ids = _world_captions(world)
+    train_rows = np.arange(len(texts))
+    own = world_negatives(world, texts, ids, train_rows)
+    drawn = draw_negatives(texts, train_rows, ("swap-obj", "swap-obj"), seed=0)
+    both = own.joined(drawn)
+    assert both.types == own.types + ("swap-obj", "swap-obj") and len(set(both.texts)) == len(both.texts)
+    k = len(own.types)
+    assert (both.rows[:, :k] == own.rows).all()
+    got = [[both.texts[i] if i >= 0 else None for i in row] for row in both.rows[:, k:]]
+    assert got == [[drawn.texts[i] if i >= 0 else None for i in row] for row in drawn.rows]
+    assert (drawn.rows >= 0).sum() > 0
+
+
+def test_world_negatives_are_a_setting_of_their_own():
+    """'world' passes resolve as it is (not a type list), first before drawn types, and is refused with --unfreeze,
+    which draws per batch."""
+    assert resolve(AdapterOptions(method="grounded", hard_negatives="world")).hard_negatives == "world"
+    assert resolve(AdapterOptions(method="grounded", hard_negatives="replace-rel*2,world")).hard_negatives == \
+        "world,replace-rel*2"
+    with pytest.raises(ValueError, match="--hard-negatives world"):
+        resolve(AdapterOptions(method="smartclip", hard_negatives="world", unfreeze=True, backbone_lr=1e-5))

@@ -220,7 +220,8 @@ def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.nd
     """--hard-negatives: every training caption's negatives, drawn from the training captions' vocabulary and encoded
     once (``train.adapter.negatives``); on a toy world none names a held-out combination."""
     from extract.common.source_args import source_options
-    from train.adapter.negatives import build_negatives, caption_texts
+    from train.adapter.negatives import (build_negatives, caption_texts, draw_negatives, encode_negatives,
+                                         split_world, world_negatives)
 
     if opts.cache:
         raise ValueError("--hard-negatives reads the training captions from --data; it does not work with --cache "
@@ -230,8 +231,18 @@ def _training_negatives(opts: AdapterOptions, env: Env, cache, train_rows: np.nd
     from extract.worlds.toyworld import heldout_of
 
     forbid = heldout_of(world) if world is not None else frozenset()
-    return build_negatives(texts, train_rows, parse_types(opts.hard_negatives), extractor.batch_text_arrays,
-                           seed=opts.seed, forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
+    own, spec = split_world(opts.hard_negatives)
+    if not own:
+        return build_negatives(texts, train_rows, parse_types(spec), extractor.batch_text_arrays, seed=opts.seed,
+                               forbid=forbid, batch_size=opts.extract_batch_size, say=env.say)
+    if world is None:
+        raise ValueError(f"--hard-negatives world reads a toy world's negatives.json; {opts.data} is not a toy world "
+                         "folder: draw them from the parse instead (--hard-negatives all)")
+    drawn = world_negatives(world, texts, cache.caption_ids(), train_rows)
+    if spec:
+        drawn = drawn.joined(draw_negatives(texts, train_rows, parse_types(spec), seed=opts.seed, forbid=forbid))
+    return encode_negatives(drawn, train_rows, extractor.batch_text_arrays, batch_size=opts.extract_batch_size,
+                            say=env.say)
 
 
 def _live_data(opts: AdapterOptions, env: Env) -> TrainData:

@@ -11,6 +11,14 @@ step then adds to the head's own loss
 with the head's own image->text logits (``head.logits``: its score times its loss's inverse temperature), so every registered head takes negatives the same way
 (:class:`NegativeLoss`). Negatives are drawn once per run (seeded by ``--seed``), not per epoch: encoding them
 is the cost (one text pass per negative), and a cached run's features are fixed anyway.
+
+``--hard-negatives world`` takes a toy world's own negatives of its training captions instead (``negatives.json``,
+split train: :func:`world_negatives`): one of each type the world writes, each checked false of its scene by the
+world's rules, where a negative drawn from the text alone can be true of the image ("a matte cube" for "a shiny
+cube" where the scene has both) and a parse cannot change a count, the middle of "between" or a chain's objects.
+``world,replace-rel*2`` adds drawn slots after the world's: the world's replace-rel says only the converse (fair to a
+text-only model at test), so a predicate never meets the pairs of another axis as its negative unless drawn ones add
+them (train/adapter/wide3d.md).
 """
 from __future__ import annotations
 
@@ -23,6 +31,15 @@ from torch import Tensor
 from adapters.losses.contrastive import extra_columns_loss, gather_any
 
 PREFIX = "neg:"
+#: ``--hard-negatives`` item: the toy world's own negatives (:func:`world_negatives`), alone or beside drawn types
+WORLD_NEGATIVES = "world"
+
+
+def split_world(spec: str) -> tuple[bool, str]:
+    """``--hard-negatives`` as (the world's own negatives asked for, the drawn types' spec): "world,replace-rel*2" ->
+    (True, "replace-rel*2"), "all" -> (False, "all"), "world" -> (True, "")."""
+    items = [t.strip() for t in str(spec).split(",") if t.strip()]
+    return WORLD_NEGATIVES in items, ",".join(t for t in items if t != WORLD_NEGATIVES)
 
 
 @dataclass
@@ -65,6 +82,13 @@ class DrawnNegatives:
     texts: list[str]
     types: tuple[str, ...]
 
+    def joined(self, other: "DrawnNegatives") -> "DrawnNegatives":
+        """These slots, then ``other``'s (the same caption rows), each distinct text once."""
+        index = {t: i for i, t in enumerate(self.texts)}
+        remap = np.array([index.setdefault(t, len(index)) for t in other.texts] or [0], dtype=np.int64)
+        rows = np.where(other.rows >= 0, remap[np.maximum(other.rows, 0)], -1)
+        return DrawnNegatives(np.concatenate([self.rows, rows], 1), list(index), self.types + other.types)
+
     def summary(self, captions: int) -> str:
         counts = {t: sum(int((self.rows[:, k] >= 0).sum()) for k, s in enumerate(self.types) if s == t)
                   for t in dict.fromkeys(self.types)}
@@ -89,18 +113,50 @@ def draw_negatives(texts: list[str], train_rows: np.ndarray, types, *, seed: int
     return DrawnNegatives(rows, list(unique), gen.types)
 
 
-def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays: Callable, *, seed: int,
-                    forbid=(), batch_size: int = 256, say=print) -> TrainNegatives:
-    """Draw the training captions' negatives (:func:`draw_negatives`) and encode them with ``text_arrays``
-    (captions -> cached-layout arrays)."""
+def world_negatives(world, texts: list[str], caption_ids: list[str], train_rows: np.ndarray) -> DrawnNegatives:
+    """The toy world ``world``'s own negatives of the training captions (``negatives.json``, split train, read and
+    checked by ``train.eval.datasets.read_toyworld``): slot k of type ``types[k]``, the world's types in the order
+    it lists them. ``texts`` / ``caption_ids``: every caption row of the cache; a training caption whose text is not
+    the world's is an error (the cache was built from other data)."""
+    from train.eval.datasets import read_toyworld
+
+    per_caption: dict[str, dict[str, str]] = {}
+    positive: dict[str, str] = {}
+    for item in read_toyworld(world, split="train").items:
+        caption_id, _, kind = item.item_id.rpartition("/")
+        per_caption.setdefault(caption_id, {})[kind] = item.texts[1]
+        positive[caption_id] = item.texts[0]
+    types = tuple(dict.fromkeys(kind for negs in per_caption.values() for kind in negs))
+    rows = np.full((len(texts), len(types)), -1, dtype=np.int64)
+    unique: dict[str, int] = {}
+    for r in train_rows:
+        caption_id = str(caption_ids[int(r)])
+        if caption_id in positive and positive[caption_id] != texts[int(r)]:
+            raise ValueError(f"--hard-negatives world: caption {caption_id} reads {texts[int(r)]!r} in the cache and "
+                             f"{positive[caption_id]!r} in {world}/negatives.json; pass the world the cache was built "
+                             "from")
+        for kind, text in per_caption.get(caption_id, {}).items():
+            rows[int(r), types.index(kind)] = unique.setdefault(text, len(unique))
+    return DrawnNegatives(rows, list(unique), types)
+
+
+def encode_negatives(drawn: DrawnNegatives, train_rows: np.ndarray, text_arrays: Callable, *, batch_size: int = 256,
+                     say=print) -> TrainNegatives:
+    """``drawn`` encoded with ``text_arrays`` (captions -> cached-layout arrays), in batches."""
     from train.adapter.heldout import concat_padded
 
-    drawn = draw_negatives(texts, train_rows, types, seed=seed, forbid=forbid)
     say(drawn.summary(len(train_rows)) + "; encoding them")
     ordered = drawn.texts
     parts = [text_arrays(ordered[a:a + batch_size]) for a in range(0, len(ordered), batch_size)]
     arrays = concat_padded(parts) if parts else {}
     return TrainNegatives(drawn.rows, arrays, drawn.types)
+
+
+def build_negatives(texts: list[str], train_rows: np.ndarray, types, text_arrays: Callable, *, seed: int,
+                    forbid=(), batch_size: int = 256, say=print) -> TrainNegatives:
+    """Draw the training captions' negatives (:func:`draw_negatives`) and encode them (:func:`encode_negatives`)."""
+    drawn = draw_negatives(texts, train_rows, types, seed=seed, forbid=forbid)
+    return encode_negatives(drawn, train_rows, text_arrays, batch_size=batch_size, say=say)
 
 
 class LiveNegatives:

@@ -25,6 +25,7 @@ from extract.common.config import (config_file, fraction, nonnegative_float, non
                                    positive_float, positive_int)
 from extract.common.source_args import SourceOptions
 from train.bad_steps import MAX_BAD_STEPS
+from train.adapter.negatives import WORLD_NEGATIVES, split_world
 from train.adapter.stopping import EVAL_STEPS
 
 DEFAULT_LR = 5e-4          # head learning rate when its class names no head_lr
@@ -56,8 +57,11 @@ class AdapterOptions(SourceOptions, HardNegativeOptions):
                                     help="NegCLIP's hard negatives as extra image->text columns, drawn per training "
                                          "caption from its parse: none, all, or a comma list from replace-att, "
                                          "replace-obj, replace-rel, swap-att, swap-obj, each TYPE*N for N of "
-                                         "it per caption (extract/components/hard_negatives.py; default: the method's own, "
-                                         "its head class's hard_negatives: all for grounded, none for the others)")
+                                         "it per caption (extract/components/hard_negatives.py); world: a toy "
+                                         "world's own negatives of its training captions, each false of its scene "
+                                         "(negatives.json; train/adapter/negatives.py), alone or first in the list "
+                                         "(world,replace-rel*2). Default: the method's own, "
+                                         "its head class's hard_negatives: all for grounded, none for the others")
     base: str = option("tiny", help="backbone alias or open_clip model name (ViT-B-32, ViT-L-14, ...)")
     pretrained: str | None = option(None, help="tag, checkpoint path or 'none' (default: the alias's weights)")
     # data
@@ -347,7 +351,13 @@ def resolve(opts: AdapterOptions, parser: Parser | None = None) -> AdapterOption
     if opts.epochs is None and not opts.cooldown > 0:
         raise ValueError("--cooldown must be above 0 without --epochs (the run ends when its cool-down does)")
     spec = opts.hard_negatives if opts.hard_negatives is not None else getattr(head_cls, "hard_negatives", "none")
-    hard = format_types(parse_types(spec))
+    world, drawn = split_world(spec)
+    hard = format_types(parse_types(drawn))
+    if world:
+        hard = WORLD_NEGATIVES + ("," + hard if hard != "none" else "")
+    if world and opts.unfreeze:
+        raise ValueError("--hard-negatives world reads the world's negatives with the cached features; with --unfreeze "
+                         "draw them from the parse instead (--hard-negatives all)")
     resolved = dataclasses.replace(opts, lr=lr, batch_size=batch_size, components=components,
                                    backbone_lr=backbone_lr, hard_negatives=hard)
     object.__setattr__(resolved, "_resolved", True)  # not a field: dataclasses.replace of it starts unresolved

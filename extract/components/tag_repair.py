@@ -8,10 +8,12 @@ entity "green matte" without its shape, the relation without its subject. On the
 (train/adapter/wide3d.md) these two slips cost about one relation caption in ten its triplets.
 
 - A word with a determiner is a noun ("a/DT ... sphere/RB"): a determiner's head is nominal.
-- An adverb, or a noun hung as an apposition, right after a noun that heads a noun phrase (it has a determiner or
+- An adverb, or a noun hung as an apposition or an adverb, right after a noun that heads a noun phrase (it has a determiner or
   modifiers), with no dependents before it, is that phrase's real head noun ("a green matte sphere": matte/NN,
   sphere/RB): the phrase's words move under it and the word before it becomes its compound. Not for the adverbs that do follow a noun phrase ("a dog outside",
   "two cups together"): spaCy's stop words, words in -ly and :data:`AFTER_NOUN`.
+- A noun phrase right after "and" that the parser hung elsewhere as an apposition is the conjunct of the noun that
+  owns the "and" ("a sphere between a cube and a gray matte sphere": the second end of "between").
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def repair(c, ids, never: frozenset = frozenset()) -> None:
     nominal = (ids.NOUN, ids.PROPN)
     for i in range(1, c.n):
         noun, word = i - 1, c.lower[i]
-        split = c.pos[i] == ids.ADV or (c.pos[i] in nominal and c.dep[i] == ids.APPOS)
+        split = c.pos[i] == ids.ADV or (c.pos[i] in nominal and c.dep[i] in (ids.APPOS, ids.ADVMOD))
         if (not split or any(k < i for k in c.children[i]) or c.pos[noun] not in nominal
                 or not any(c.dep[k] == ids.DET_DEP or c.dep[k] in ids.NOUN_MODS for k in c.children[noun])
                 or word in STOP_WORDS or word in AFTER_NOUN or word in never or word.endswith("ly")):
@@ -45,8 +47,31 @@ def repair(c, ids, never: frozenset = frozenset()) -> None:
             if k != i:
                 c.head[k] = i
         c.head[noun], c.dep[noun], c.pos[i] = i, ids.COMPOUND, ids.NOUN
-        c.children = [[] for _ in range(c.n)]
-        for k, h in enumerate(c.head):
-            if h != k:
-                c.children[h].append(k)
+        _rebuild(c)
+    for i in range(c.n):  # "between a cube and a gray matte sphere": the second hung on the root as an apposition
+        first = left_edge(c, i)
+        if c.dep[i] != ids.APPOS or c.pos[i] not in nominal or first == 0 or c.lower[first - 1] != "and" \
+                or c.dep[first - 1] != ids.CC:
+            continue
+        owner = c.head[first - 1]
+        if owner != i and c.pos[owner] in nominal and c.head[i] != owner:
+            c.head[i], c.dep[i] = owner, ids.CONJ
+            _rebuild(c)
+
+
+def left_edge(c, w: int) -> int:
+    """First word of word w's dependency subtree (``c.children``)."""
+    edge, stack = w, [w]
+    while stack:
+        x = stack.pop()
+        edge = min(edge, x)
+        stack.extend(c.children[x])
+    return edge
+
+
+def _rebuild(c) -> None:
+    c.children = [[] for _ in range(c.n)]
+    for k, h in enumerate(c.head):
+        if h != k:
+            c.children[h].append(k)
 

@@ -67,16 +67,17 @@ import numpy as np
 from extract.common.cli import Parser, run_job, say
 from extract.common.config import nonnegative_int, positive_int
 from extract.models.tokens import NO_SPAN, TokenizedText
-from extract.components.tag_repair import repair
+from extract.components.tag_repair import left_edge, repair
 from extract.components.text_pack import Phrase, PhraseTree, Relation, TextComponents, order_nodes
 
 # Bump when a rule below changes what comes out for the same parse: it is part of settings() and so of
 # every cache fingerprint built from these components.
-RULES_VERSION = 5  # 2: clause nodes in the phrase tree; caps keep inner nodes. 3: conjoined prepositions share
+RULES_VERSION = 6  # 2: clause nodes in the phrase tree; caps keep inner nodes. 3: conjoined prepositions share
 # their subject ("A on B and right of C": two triplets). Phrase.count is read, not packed. 4: a comparative of
 # distance from the viewer is one preposition ("closer to the camera than": in front of, said another way). 5: the
 # tagger's slips repaired (tag_repair.py); "left of" / "right of" one preposition; a predicate right after "and"
-# takes the subject of the one before (conjunctions: 63% -> 97% of the wide 3D world's parsed right)
+# takes the subject of the one before (conjunctions: 63% -> 97% of the wide 3D world's parsed right). 6: a noun hung as
+# an adverb after a noun phrase heads it; a noun phrase after "and" hung as an apposition joins the "and"'s owner
 #: numerals a count is read from (Phrase.count): the words up to twelve, and digits
 NUMBER_WORDS = {w: n for n, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
                                              "nine", "ten", "eleven", "twelve"))}
@@ -200,6 +201,7 @@ class _Ids:
         self.AUX_DEPS = frozenset({d["aux"], d["auxpass"]})
         self.DET_DEPS = frozenset({d["det"], d["quantmod"]})
         self.DET_DEP, self.COMPOUND, self.APPOS = d["det"], d["compound"], vocab.strings.add("appos")
+        self.CC, self.ADVMOD = vocab.strings.add("cc"), d["advmod"]
         self.CLAUSE = frozenset({d[k] for k in ("ROOT", "advcl", "ccomp", "conj", "relcl", "xcomp")})
         # what hangs off a verb without being part of its clause (see TextComponentExtractor._clauses)
         self.LOOSE = frozenset(vocab.strings.add(k) for k in ("advcl", "appos", "cc", "ccomp", "conj", "dep", "intj",
@@ -266,12 +268,7 @@ class _Caption:
 
     def left_edge(self, w: int) -> int:
         """First word of w's dependency subtree."""
-        edge, stack = w, [w]
-        while stack:
-            x = stack.pop()
-            edge = min(edge, x)
-            stack.extend(self.children[x])
-        return edge
+        return left_edge(self, w)
 
     def tokens_in(self, a: int, b: int) -> list[int]:
         """Backbone token positions whose span overlaps characters [a, b)."""

@@ -57,3 +57,22 @@ def test_a_word_with_a_determiner_is_a_noun(ids):
                       ("sphere", "ADV", "ROOT", 3)])
     repair(c, ids)
     assert c.pos[3] == ids.NOUN and c.head == [3, 3, 3, 3]
+
+
+def test_a_noun_phrase_after_and_hung_elsewhere_is_the_conjunct_of_the_noun_that_owns_the_and(ids):
+    """ "a sphere between a cube and a cone": the parser hangs "cone" on the root as an apposition; it joins "cube"."""
+    c = caption(ids, [("a", "DET", "det", 1), ("sphere", "NOUN", "ROOT", 1), ("between", "ADP", "prep", 1),
+                      ("a", "DET", "det", 4), ("cube", "NOUN", "pobj", 2), ("and", "DET", "cc", 4),
+                      ("a", "DET", "det", 7), ("cone", "NOUN", "appos", 1)])
+    repair(c, ids)
+    assert c.head[7] == 4 and c.dep[7] == ids.CONJ and c.children[4] == [3, 5, 7] and c.children[1] == [0, 2]
+
+
+def test_a_noun_hung_as_an_adverb_after_a_noun_phrase_is_its_head(ids):
+    """ "... and a small matte sphere": matte/NN the conjunct, sphere/NN an adverb of the root."""
+    c = caption(ids, [("a", "DET", "det", 1), ("cube", "NOUN", "ROOT", 1), ("and", "DET", "cc", 1),
+                      ("a", "DET", "det", 5), ("small", "ADJ", "amod", 5), ("matte", "NOUN", "conj", 1),
+                      ("sphere", "NOUN", "advmod", 1)])
+    conj = c.dep[5]
+    repair(c, ids)
+    assert c.head[6] == 1 and c.dep[6] == conj and c.head[5] == 6 and sorted(c.children[6]) == [3, 4, 5]

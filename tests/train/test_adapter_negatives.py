@@ -204,5 +204,7 @@ def test_world_negatives_are_a_setting_of_their_own():
     assert resolve(AdapterOptions(method="grounded", hard_negatives="world")).hard_negatives == "world"
     assert resolve(AdapterOptions(method="grounded", hard_negatives="replace-rel*2,world")).hard_negatives == \
         "world,replace-rel*2"
+    assert resolve(AdapterOptions(method="grounded", hard_negatives=["world", "swap-obj"])).hard_negatives == \
+        "world,swap-obj"  # a list, as a config file gives it
     with pytest.raises(ValueError, match="--hard-negatives world"):
         resolve(AdapterOptions(method="smartclip", hard_negatives="world", unfreeze=True, backbone_lr=1e-5))

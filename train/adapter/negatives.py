@@ -35,10 +35,12 @@ PREFIX = "neg:"
 WORLD_NEGATIVES = "world"
 
 
-def split_world(spec: str) -> tuple[bool, str]:
-    """``--hard-negatives`` as (the world's own negatives asked for, the drawn types' spec): "world,replace-rel*2" ->
-    (True, "replace-rel*2"), "all" -> (False, "all"), "world" -> (True, "")."""
-    items = [t.strip() for t in str(spec).split(",") if t.strip()]
+def split_world(spec) -> tuple[bool, str]:
+    """``--hard-negatives`` (a comma string, or a list from a config file) as (the world's own negatives asked for,
+    the drawn types' spec): "world,replace-rel*2" -> (True, "replace-rel*2"), "all" -> (False, "all"), "world" ->
+    (True, "")."""
+    given = spec.split(",") if isinstance(spec, str) else [str(t) for t in spec]
+    items = [t.strip() for t in given if t.strip()]
     return WORLD_NEGATIVES in items, ",".join(t for t in items if t != WORLD_NEGATIVES)
 
 

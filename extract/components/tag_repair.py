@@ -52,9 +52,10 @@ def repair(c, ids, never: frozenset = frozenset()) -> None:
         c.head[noun], c.dep[noun], c.pos[i] = i, ids.COMPOUND, ids.NOUN
         _rebuild(c)
     for i in range(c.n):  # "between a cube and a gray matte sphere": the second hung on the root as an apposition
+        if c.dep[i] != ids.APPOS or c.pos[i] not in nominal:
+            continue
         first = left_edge(c, i)
-        if c.dep[i] != ids.APPOS or c.pos[i] not in nominal or first == 0 or c.lower[first - 1] != "and" \
-                or c.dep[first - 1] != ids.CC:
+        if first == 0 or c.lower[first - 1] != "and" or c.dep[first - 1] != ids.CC:
             continue
         owner = c.head[first - 1]
         if owner != i and c.pos[owner] in nominal and c.head[i] != owner:
